@@ -1,0 +1,3 @@
+"""jaxserve: an LLM inference and serving engine on JAX/XLA."""
+
+__version__ = "0.1.0"

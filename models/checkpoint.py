@@ -1,0 +1,57 @@
+"""Orbax save/restore of converted params: the fast start path (no GGUF dequantization)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import jax
+import numpy as np
+
+from models.config import ModelConfig
+from models.weights import CheckpointError
+
+CONFIG_FILE = "jaxserve_config.json"
+PARAMS_DIR = "params"
+
+
+def is_orbax_dir(path: pathlib.Path) -> bool:
+    return (path / CONFIG_FILE).exists()
+
+
+def save(model, directory) -> pathlib.Path:
+    """Writes params (orbax), the model config and the tokenizer files into `directory`."""
+    import orbax.checkpoint as ocp
+    directory = pathlib.Path(directory).absolute()
+    if (directory / PARAMS_DIR).exists():
+        raise FileExistsError(f"{directory / PARAMS_DIR} exists; choose a new directory")
+    directory.mkdir(parents=True, exist_ok=True)
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(directory / PARAMS_DIR, model.params)
+        ckptr.wait_until_finished()
+    meta = {"config": model.config.to_dict(), "dtype": model.dtype, "source": model.source}
+    (directory / CONFIG_FILE).write_text(json.dumps(meta, indent=2))
+    if model.tokenizer is not None:
+        model.tokenizer.save(directory)
+    return directory
+
+
+def restore(directory, dtype):
+    """Returns (config, params as numpy in `dtype`, tokenizer or None)."""
+    import orbax.checkpoint as ocp
+    from models.tokenizer import Tokenizer
+    directory = pathlib.Path(directory).absolute()
+    try:
+        meta = json.loads((directory / CONFIG_FILE).read_text())
+        config = ModelConfig.from_dict(meta["config"])
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{directory / CONFIG_FILE}: unreadable jaxserve config ({e})") from e
+    if not (directory / PARAMS_DIR).exists():
+        raise CheckpointError(f"{directory}: no {PARAMS_DIR}/ orbax checkpoint next to "
+                              f"{CONFIG_FILE}")
+    with ocp.StandardCheckpointer() as ckptr:
+        params = ckptr.restore(directory / PARAMS_DIR)
+    params = jax.tree.map(lambda x: np.asarray(x).astype(dtype), params)
+    tokenizer = (Tokenizer.from_hf_dir(directory)
+                 if (directory / "tokenizer.json").exists() else None)
+    return config, params, tokenizer

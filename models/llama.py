@@ -1,0 +1,146 @@
+"""Flax Llama-family decoder (Llama, SmolLM2, Qwen2): RMSNorm, RoPE, GQA, SwiGLU.
+
+Layers are stacked and run with `nn.scan`, so compile time stays flat in model depth. Attention
+goes through a backend function so the paged KV cache (and Pallas kernels) plug in without
+touching the model: `attention(q, k, v, layer_cache, meta) -> (out, new_layer_cache)`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from models.config import ModelConfig
+from models.rope import apply_rope, inv_frequencies
+
+AttentionFn = Callable[..., tuple[jnp.ndarray, Any]]
+
+
+def dense_causal_attention(q, k, v, layer_cache, meta):
+    """Full-sequence causal attention without a KV cache: the correctness oracle.
+
+    q `[B, T, H, Dh]`, k/v `[B, T, K, Dh]`; `meta` is unused; returns `[B, T, H, Dh]`.
+    """
+    del meta
+    b, t, h, dh = q.shape
+    kv_heads = k.shape[2]
+    q = q.reshape(b, t, kv_heads, h // kv_heads, dh)  # [B, T, K, G, Dh]
+    scores = jnp.einsum("BTKGD,BSKD->BKGTS", q, k,
+                        preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(dh))
+    causal = jnp.tril(jnp.ones((t, t), dtype=bool))  # [T, S]
+    scores = jnp.where(causal, scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("BKGTS,BSKD->BTKGD", probs, v, preferred_element_type=jnp.float32)
+    return out.reshape(b, t, h, dh).astype(q.dtype), layer_cache
+
+
+class Linear(nn.Module):
+    """`y = x @ kernel (+ bias)`; kernel `[in, out]`. The seam for quantized linear backends."""
+
+    features: int
+    use_bias: bool = False
+    dtype: Any = jnp.float32
+    out_dtype: Any = None  # defaults to dtype; the LM head keeps float32 logits
+
+    @nn.compact
+    def __call__(self, x):
+        kernel = self.param("kernel", nn.initializers.lecun_normal(),
+                            (x.shape[-1], self.features), self.dtype)
+        y = jnp.einsum("...i,io->...o", x, kernel, preferred_element_type=jnp.float32)
+        if self.use_bias:
+            y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
+        return y.astype(self.out_dtype or self.dtype)
+
+
+class RMSNorm(nn.Module):
+    eps: float
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        # transformers casts back to the activation dtype before the weight multiply.
+        return scale * normed.astype(self.dtype)
+
+
+class Attention(nn.Module):
+    config: ModelConfig
+    attention: AttentionFn
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, positions, layer_cache, meta):
+        c = self.config
+        b, t, _ = x.shape
+        bias = c.attention_bias
+        q = Linear(c.num_heads * c.head_dim, bias, self.dtype, name="q_proj")(x)
+        k = Linear(c.num_kv_heads * c.head_dim, bias, self.dtype, name="k_proj")(x)
+        v = Linear(c.num_kv_heads * c.head_dim, bias, self.dtype, name="v_proj")(x)
+        q = q.reshape(b, t, c.num_heads, c.head_dim)  # [B, T, H, Dh]
+        k = k.reshape(b, t, c.num_kv_heads, c.head_dim)  # [B, T, K, Dh]
+        v = v.reshape(b, t, c.num_kv_heads, c.head_dim)  # [B, T, K, Dh]
+        inv_freq = inv_frequencies(c)
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        out, layer_cache = self.attention(q, k, v, layer_cache, meta)
+        out = out.reshape(b, t, c.num_heads * c.head_dim)
+        return Linear(c.hidden_size, False, self.dtype, name="o_proj")(out), layer_cache
+
+
+class MLP(nn.Module):
+    config: ModelConfig
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        f = self.config.intermediate_size
+        gate = Linear(f, False, self.dtype, name="gate_proj")(x)
+        up = Linear(f, False, self.dtype, name="up_proj")(x)
+        return Linear(self.config.hidden_size, False, self.dtype, name="down_proj")(
+            jax.nn.silu(gate) * up)
+
+
+class Block(nn.Module):
+    config: ModelConfig
+    attention: AttentionFn
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, positions, layer_cache, meta):
+        c = self.config
+        h = RMSNorm(c.rms_norm_eps, self.dtype, name="input_norm")(x)
+        h, layer_cache = Attention(c, self.attention, self.dtype, name="attn")(
+            h, positions, layer_cache, meta)
+        x = x + h
+        h = RMSNorm(c.rms_norm_eps, self.dtype, name="post_norm")(x)
+        return x + MLP(c, self.dtype, name="mlp")(h), layer_cache
+
+
+class Llama(nn.Module):
+    """Decoder-only transformer. Returns float32 logits `[B, T, V]` and the updated KV cache."""
+
+    config: ModelConfig
+    dtype: Any = jnp.float32
+    attention: AttentionFn = dense_causal_attention
+
+    @nn.compact
+    def __call__(self, tokens, positions, kv_cache=None, meta=None):
+        """tokens, positions `[B, T]` int32; kv_cache: a pytree stacked over layers or None."""
+        c = self.config
+        embedding = self.param("embedding", nn.initializers.normal(0.02),
+                               (c.vocab_size, c.hidden_size), self.dtype)
+        x = jnp.take(embedding, tokens, axis=0)  # [B, T, D]
+        layers = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
+                         in_axes=(nn.broadcast, 0, nn.broadcast), length=c.num_layers)
+        x, kv_cache = layers(c, self.attention, self.dtype, name="layers")(
+            x, positions, kv_cache, meta)
+        x = RMSNorm(c.rms_norm_eps, self.dtype, name="final_norm")(x)
+        if c.tie_word_embeddings:
+            logits = jnp.einsum("BTD,VD->BTV", x, embedding, preferred_element_type=jnp.float32)
+        else:
+            logits = Linear(c.vocab_size, False, self.dtype, jnp.float32, name="lm_head")(x)
+        return logits.astype(jnp.float32), kv_cache

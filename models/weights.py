@@ -1,0 +1,98 @@
+"""Maps checkpoint tensors (HF names and layouts) onto the Flax parameter tree.
+
+Every loader (GGUF, HF safetensors) first produces tensors under transformers' names with
+transformers' layouts (Linear weights `[out, in]`), so this one mapping serves them all.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+import numpy as np
+
+from models.config import ModelConfig
+
+# Flax path inside a layer -> (HF name template, transpose?)
+_LAYER_TENSORS = {
+    ("input_norm", "scale"): ("model.layers.{i}.input_layernorm.weight", False),
+    ("post_norm", "scale"): ("model.layers.{i}.post_attention_layernorm.weight", False),
+    ("attn", "q_proj", "kernel"): ("model.layers.{i}.self_attn.q_proj.weight", True),
+    ("attn", "k_proj", "kernel"): ("model.layers.{i}.self_attn.k_proj.weight", True),
+    ("attn", "v_proj", "kernel"): ("model.layers.{i}.self_attn.v_proj.weight", True),
+    ("attn", "o_proj", "kernel"): ("model.layers.{i}.self_attn.o_proj.weight", True),
+    ("mlp", "gate_proj", "kernel"): ("model.layers.{i}.mlp.gate_proj.weight", True),
+    ("mlp", "up_proj", "kernel"): ("model.layers.{i}.mlp.up_proj.weight", True),
+    ("mlp", "down_proj", "kernel"): ("model.layers.{i}.mlp.down_proj.weight", True),
+}
+_BIAS_TENSORS = {
+    ("attn", "q_proj", "bias"): "model.layers.{i}.self_attn.q_proj.bias",
+    ("attn", "k_proj", "bias"): "model.layers.{i}.self_attn.k_proj.bias",
+    ("attn", "v_proj", "bias"): "model.layers.{i}.self_attn.v_proj.bias",
+}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is unreadable, incomplete or does not match its config."""
+
+
+def expected_hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint for `config` must hold, with its HF shape."""
+    c = config
+    d, f = c.hidden_size, c.intermediate_size
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    shapes = {"model.embed_tokens.weight": (c.vocab_size, d), "model.norm.weight": (d,)}
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, d)
+    per_layer = {
+        "input_layernorm.weight": (d,), "post_attention_layernorm.weight": (d,),
+        "self_attn.q_proj.weight": (q, d), "self_attn.k_proj.weight": (kv, d),
+        "self_attn.v_proj.weight": (kv, d), "self_attn.o_proj.weight": (d, q),
+        "mlp.gate_proj.weight": (f, d), "mlp.up_proj.weight": (f, d),
+        "mlp.down_proj.weight": (d, f),
+    }
+    if c.attention_bias:
+        per_layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
+                          "self_attn.v_proj.bias": (kv,)})
+    for i in range(c.num_layers):
+        for name, shape in per_layer.items():
+            shapes[f"model.layers.{i}.{name}"] = shape
+    return shapes
+
+
+def check_tensors(get_shape: Callable[[str], tuple[int, ...] | None], config: ModelConfig,
+                  source: str) -> None:
+    """Raises CheckpointError naming the file and tensor for a missing or misshapen tensor."""
+    for name, shape in expected_hf_shapes(config).items():
+        found = get_shape(name)
+        if found is None:
+            raise CheckpointError(f"{source}: missing tensor {name!r} (expected shape {shape})")
+        if tuple(found) != shape:
+            raise CheckpointError(f"{source}: tensor {name!r} has shape {tuple(found)}, the "
+                                  f"config implies {shape}")
+
+
+def params_from_hf(tensors: Mapping[str, np.ndarray], config: ModelConfig, dtype,
+                   source: str = "checkpoint") -> dict:
+    """Builds the Flax params tree (numpy, `dtype`) from HF-named tensors."""
+    check_tensors(lambda n: tensors[n].shape if n in tensors else None, config, source)
+
+    def get(name, transpose=False):
+        x = np.asarray(tensors[name])
+        return np.ascontiguousarray(x.T if transpose else x).astype(dtype)
+
+    layers: dict = {}
+    items = [(path, tmpl, tr) for path, (tmpl, tr) in _LAYER_TENSORS.items()]
+    if config.attention_bias:
+        items += [(path, tmpl, False) for path, tmpl in _BIAS_TENSORS.items()]
+    for path, tmpl, transpose in items:
+        # [L, ...]: layers are stacked for nn.scan.
+        stacked = np.stack([get(tmpl.format(i=i), transpose) for i in range(config.num_layers)])
+        node = layers
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = stacked
+    params = {"embedding": get("model.embed_tokens.weight"), "layers": layers,
+              "final_norm": {"scale": get("model.norm.weight")}}
+    if not config.tie_word_embeddings:
+        params["lm_head"] = {"kernel": get("lm_head.weight", transpose=True)}
+    return params

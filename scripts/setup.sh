@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Sets up jaxserve on a fresh machine: .venv (Python >= 3.12, the package and its deps) and the
+# default model in the cache. With --test also .venv-ref: HF transformers on CPU torch, the
+# independent reference the tests compare against (torch's CPU wheel here is for Python 3.11).
+# Idempotent: a second run only checks.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+WITH_TEST=0
+[ "${1:-}" = "--test" ] && WITH_TEST=1
+
+pyenv_root() { command -v pyenv >/dev/null 2>&1 && pyenv root || echo "$HOME/.pyenv"; }
+
+# Prints the first interpreter whose version satisfies "$1" (a Python expression on sys.version_info).
+find_python() {
+  local cond=$1; shift
+  local c
+  for c in "$@" $(ls -d "$(pyenv_root)"/versions/3.*/bin/python3 2>/dev/null | sort -rV); do
+    if command -v "$c" >/dev/null 2>&1 && "$c" -c "import sys; sys.exit(0 if $cond else 1)" 2>/dev/null; then
+      command -v "$c"; return 0
+    fi
+  done
+  return 1
+}
+
+stamp() { cat pyproject.toml constraints.txt "$@" 2>/dev/null | sha256sum | cut -c1-16; }
+
+if [ ! -x .venv/bin/python ]; then
+  PY=$(find_python "(3, 12) <= sys.version_info[:2] < (3, 14)" python3.13 python3.12 python3) || {
+    echo "setup: no Python >= 3.12 found (jax >= 0.11 needs it). Install one (e.g. pyenv install 3.12) and rerun." >&2
+    exit 1; }
+  echo "setup: creating .venv with $PY"
+  "$PY" -m venv .venv
+fi
+if [ "$(cat .venv/.jaxserve-stamp 2>/dev/null)" != "$(stamp)" ]; then
+  .venv/bin/python -m pip install --quiet --upgrade pip 2>&1 | grep -v "is ignored" || true
+  .venv/bin/python -m pip install --quiet -c constraints.txt -e '.[dev]' 2>&1 | grep -v "is ignored" || true
+  .venv/bin/python -c "import jax, flax, models, jaxserve" || { echo "setup: install failed" >&2; exit 1; }
+  stamp > .venv/.jaxserve-stamp
+fi
+.venv/bin/jaxserve download smollm2-135m
+
+if [ "$WITH_TEST" = 1 ]; then
+  if [ ! -x .venv-ref/bin/python ]; then
+    REFPY=$(find_python "sys.version_info[:2] == (3, 11)" python3.11 python3) || {
+      echo "setup: no Python 3.11 for the CPU torch wheel; using .venv's Python (pip will fetch a large torch build)" >&2
+      REFPY=.venv/bin/python; }
+    echo "setup: creating .venv-ref (HF reference) with $REFPY"
+    "$REFPY" -m venv .venv-ref
+  fi
+  if [ "$(cat .venv-ref/.jaxserve-stamp 2>/dev/null)" != "$(stamp tests/requirements-ref.txt)" ]; then
+    .venv-ref/bin/python -m pip install --quiet -r tests/requirements-ref.txt 2>&1 | grep -v "is ignored" || true
+    .venv-ref/bin/python -c "import torch, transformers, gguf" || { echo "setup: reference install failed" >&2; exit 1; }
+    stamp tests/requirements-ref.txt > .venv-ref/.jaxserve-stamp
+  fi
+fi
+echo "setup: ready"

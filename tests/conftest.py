@@ -1,0 +1,19 @@
+import os
+
+import pytest
+
+# Tests run on the CPU path; the persistent cache makes a second run skip XLA compiles.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def pytest_configure(config):
+    from models.registry import cache_dir
+    import jax
+    jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "xla_cache"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    from models.registry import model_path
+    return model_path("smollm2-135m")
