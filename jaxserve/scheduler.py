@@ -1,0 +1,296 @@
+"""Continuous-batching scheduler with chunked prefill and recompute preemption.
+
+Each `schedule()` builds one step's batch (FCFS):
+
+1. Running sequences, oldest first, each get their decode token or their next
+   prefill chunk (only the newest can be mid-prefill, so decodes always get
+   their token). If blocks run out, the newest running sequence not yet
+   scheduled this step is preempted by recompute (blocks freed, put at the
+   front of waiting) and the allocation retried; with nobody newer left, the
+   sequence preempts itself.
+2. If nobody was preempted, waiting sequences are admitted in order while a
+   running slot, token budget and blocks allow. A prompt longer than the budget
+   left is chunked. Admission stops at the first that does not fit, so the
+   oldest waiting sequence is never overtaken.
+
+`update()` applies the step's results: advances `num_computed_tokens`, appends
+sampled tokens, and frees finished sequences (whose slots the next
+`schedule()` refills).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from collections.abc import Iterator, Mapping
+
+from jaxserve.block_manager import BlockManager, blocks_for_tokens, validate_block_size
+from jaxserve.sequence import Sequence, SequenceStatus
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        validate_block_size(self.block_size)
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_num_seqs ({self.max_num_seqs}) so every running sequence can decode "
+                f"each step; raise max_num_batched_tokens or lower max_num_seqs")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"without chunked prefill a whole prompt must fit one step: "
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_model_len ({self.max_model_len}); raise it or enable_chunked_prefill")
+        needed = blocks_for_tokens(self.max_model_len, self.block_size)
+        if not isinstance(self.num_blocks, int) or self.num_blocks - 1 < needed:
+            have = max(0, (self.num_blocks if isinstance(self.num_blocks, int) else 0) - 1)
+            raise ValueError(
+                f"max_model_len={self.max_model_len} needs {needed} blocks of "
+                f"{self.block_size} tokens plus the null block, i.e. num_blocks >= "
+                f"{needed + 1}; got num_blocks={self.num_blocks!r}, room for "
+                f"{have * self.block_size} tokens. Give the KV cache more memory or lower "
+                f"max_model_len to <= {have * self.block_size}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledSeq:
+    """One sequence's work this step: tokens at positions [start_pos, start_pos + n).
+
+    `start_pos` is `seq.num_computed_tokens` when scheduled (update() advances it).
+    `is_last_chunk` means the chunk reaches the sequence's last token, so the
+    runner samples one token from its final position; decodes always sample.
+    """
+
+    seq: Sequence
+    num_new_tokens: int
+    start_pos: int
+    is_prefill_chunk: bool
+    is_last_chunk: bool
+
+    @property
+    def request_id(self) -> str:
+        return self.seq.request_id
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seq.token_ids_slice(self.start_pos, self.start_pos + self.num_new_tokens)
+
+    @property
+    def positions(self) -> range:
+        return range(self.start_pos, self.start_pos + self.num_new_tokens)
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    prefills: list[ScheduledSeq] = dataclasses.field(default_factory=list)
+    decodes: list[ScheduledSeq] = dataclasses.field(default_factory=list)
+    # (src, dst) block copies to run on device before this step's KV writes.
+    blocks_to_copy: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    preempted: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def scheduled(self) -> list[ScheduledSeq]:
+        return self.prefills + self.decodes
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(item.num_new_tokens for item in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.prefills and not self.decodes
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.block_manager = BlockManager(config.num_blocks, config.block_size)
+        self.waiting: deque[Sequence] = deque()
+        # Admission order: index 0 is the oldest, the end is the first preempted.
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self._ids: set[str] = set()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        rid, limit = seq.request_id, self.config.max_model_len
+        if rid in self._ids:
+            raise ValueError(f"request id {rid!r} is already in use by an unfinished request")
+        if not seq.prompt_token_ids:
+            raise ValueError(f"request {rid!r} has an empty prompt; give at least one token")
+        max_tokens = seq.max_tokens
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"request {rid!r}: max_tokens must be a positive integer, "
+                             f"got {max_tokens!r}")
+        if seq.num_tokens + max_tokens > limit:
+            raise ValueError(
+                f"request {rid!r}: prompt ({seq.num_tokens} tokens) + max_tokens "
+                f"({max_tokens}) = {seq.num_tokens + max_tokens} exceeds max_model_len "
+                f"({limit}); shorten the prompt or lower max_tokens to "
+                f"<= {max(0, limit - seq.num_tokens)}")
+        if seq.block_table or seq.num_computed_tokens:
+            raise ValueError(f"request {rid!r} already holds cache state; add a fresh Sequence")
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+        self._ids.add(rid)
+
+    def abort(self, request_id: str) -> bool:
+        """Finish `request_id` in whatever state it is, freeing its blocks."""
+        for seq in self._all():
+            if seq.request_id == request_id:
+                self._finish(seq, SequenceStatus.FINISHED_ABORTED)
+                return True
+        return False
+
+    def _all(self) -> Iterator[Sequence]:
+        yield from self.running
+        yield from self.waiting
+
+    def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = status
+        self._ids.discard(seq.request_id)
+
+    # ---- scheduling -----------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _chunk_size(self, seq: Sequence, budget: int) -> int:
+        """Tokens to run for `seq` given `budget`; 0 means it cannot run this step."""
+        n = seq.num_uncomputed_tokens
+        if n <= budget:
+            return n
+        return budget if self.config.enable_chunked_prefill else 0
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        # Admission order makes this safe for decodes: only the newest running
+        # sequence can still be mid-prefill (it took all the budget left when
+        # admitted), so every decode is handled, one token each, before it, and
+        # the config guarantees budget >= max_num_seqs.
+        i = 0
+        while i < len(self.running):
+            seq = self.running[i]
+            n = self._chunk_size(seq, budget)
+            if n == 0:
+                i += 1
+                continue
+            preempted_self = False
+            while not self.block_manager.can_allocate(seq, n):
+                # Everything after index i is newer and not yet scheduled.
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is seq:
+                    preempted_self = True
+                    break
+            if preempted_self:
+                break  # seq was the last one
+            out.blocks_to_copy.extend(self.block_manager.allocate(seq, n))
+            self._emit(out, seq, n)
+            budget -= n
+            i += 1
+        return budget
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.reset_for_recompute()
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq.request_id)
+        self.num_preemptions += 1
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
+            seq = self.waiting[0]
+            n = self._chunk_size(seq, budget)
+            if n == 0 or not self.block_manager.can_allocate(seq, n):
+                break  # FCFS: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            out.blocks_to_copy.extend(self.block_manager.allocate(seq, n))
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self._emit(out, seq, n)
+            budget -= n
+
+    @staticmethod
+    def _emit(out: SchedulerOutput, seq: Sequence, n: int) -> None:
+        is_prefill = seq.is_prefill
+        item = ScheduledSeq(seq, n, seq.num_computed_tokens, is_prefill,
+                            n == seq.num_uncomputed_tokens)
+        (out.prefills if is_prefill else out.decodes).append(item)
+
+    # ---- post-step ------------------------------------------------------
+
+    def update(
+        self,
+        output: SchedulerOutput,
+        sampled: Mapping[str, int],
+        finished: Mapping[str, SequenceStatus] | None = None,
+    ) -> list[Sequence]:
+        """Apply a step's results; returns the sequences that finished.
+
+        `sampled` maps request id -> token for every item with `is_last_chunk`.
+        `finished` lets the caller stop a sequence (EOS, stop string) with a
+        finished status; hitting `max_tokens` finishes with FINISHED_LENGTH.
+        Items aborted since `schedule()` are skipped.
+        """
+        finished = finished or {}
+        done = []
+        for item in output.scheduled:
+            seq = item.seq
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            seq.num_computed_tokens += item.num_new_tokens
+            if not item.is_last_chunk:
+                if seq.request_id in sampled:
+                    raise ValueError(f"{seq.request_id!r} sampled before its last prefill chunk")
+                continue
+            if seq.request_id not in sampled:
+                raise ValueError(f"no sampled token for {seq.request_id!r}, which was due one")
+            seq.append_token(sampled[seq.request_id])
+            status = self._finish_status(seq, finished.get(seq.request_id))
+            if status is not None:
+                self._finish(seq, status)
+                done.append(seq)
+        return done
+
+    @staticmethod
+    def _finish_status(seq: Sequence, reason: SequenceStatus | None) -> SequenceStatus | None:
+        if reason is not None:
+            if not reason.is_finished:
+                raise ValueError(f"finish reason for {seq.request_id!r} must be a FINISHED_* "
+                                 f"status, got {reason}")
+            return reason
+        if seq.num_output_tokens >= seq.max_tokens:
+            return SequenceStatus.FINISHED_LENGTH
+        return None

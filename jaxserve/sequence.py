@@ -1,0 +1,127 @@
+"""Per-request bookkeeping for the paged KV engine.
+
+A `Sequence` is the scheduler's view of one request: its tokens, how many of
+them already have KV in the cache, and which cache blocks hold that KV.
+
+Token accounting (the contract the scheduler, block manager and runner share):
+
+* `all_token_ids` = prompt + generated tokens; `num_tokens` is its length.
+* `num_computed_tokens` tokens (a prefix) have their KV written to the cache.
+* The remaining `num_uncomputed_tokens` still have to be run through the model.
+  Token `p` lives at position `p` and its KV goes to slot
+  `block_table[p // block_size] * block_size + p % block_size`.
+* A sequence is in *prefill* while more than one token is uncomputed. In
+  *decode* exactly one token is uncomputed: the last sampled one, whose KV is
+  written in the same step that samples the next token.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    # Preempted by recompute: back in the waiting queue with no blocks.
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+
+_FINISHED = frozenset({
+    SequenceStatus.FINISHED_STOPPED,
+    SequenceStatus.FINISHED_LENGTH,
+    SequenceStatus.FINISHED_ABORTED,
+})
+
+
+class Sequence:
+    """One request. `sampling_params` is opaque except for `max_tokens`."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: Any,
+        *,
+        arrival_time: float = 0.0,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids: list[int] = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.sampling_params = sampling_params
+        self.arrival_time = arrival_time
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.status = SequenceStatus.WAITING
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request_id!r}, status={self.status.name}, "
+                f"tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
+                f"blocks={self.block_table})")
+
+    @property
+    def max_tokens(self) -> int:
+        return self.sampling_params.max_tokens
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.num_uncomputed_tokens > 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def token_ids_slice(self, start: int, stop: int) -> list[int]:
+        """Tokens at positions [start, stop) without building the full list."""
+        n_prompt = len(self.prompt_token_ids)
+        if stop <= n_prompt:
+            return self.prompt_token_ids[start:stop]
+        return self.all_token_ids[start:stop]
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+
+    def reset_for_recompute(self) -> None:
+        """Preemption by recompute: forget the cache, keep every token.
+
+        The caller must already have returned the blocks to the block manager;
+        the next prefill then covers prompt + output so far, so nothing that was
+        generated is lost and the next sampled token continues the sequence.
+        """
+        if self.block_table:
+            raise RuntimeError(
+                f"{self.request_id!r}: free its blocks before reset_for_recompute")
+        self.num_computed_tokens = 0
+        self.status = SequenceStatus.PREEMPTED
