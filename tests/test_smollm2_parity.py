@@ -91,3 +91,18 @@ def test_capital_of_france(reference, model_fp32):
     out = model_fp32.greedy_generate(tok.encode(prompt), 24)
     text = tok.decode([t for t in out if t not in tok.stop_token_ids])
     assert text == "The capital of France is Paris."
+
+
+def test_orbax_save_restores_model_and_tokenizer(model_fp32, tmp_path):
+    from models.checkpoint import save
+    save(model_fp32, tmp_path / "ckpt")
+    restored = load_model(tmp_path / "ckpt", dtype="float32")
+    assert restored.config == model_fp32.config
+    ids = model_fp32.tokenizer.encode("Orbax restores the same weights: 3.14 ✓")
+    assert restored.tokenizer.encode("Orbax restores the same weights: 3.14 ✓") == ids
+    # Same weights and program: bit-identical logits.
+    np.testing.assert_array_equal(restored.forward_logits(ids), model_fp32.forward_logits(ids))
+    msgs = [{"role": "user", "content": "hi"}]
+    assert restored.tokenizer.apply_chat_template(msgs) == \
+        model_fp32.tokenizer.apply_chat_template(msgs)
+    assert restored.tokenizer.stop_token_ids == model_fp32.tokenizer.stop_token_ids
