@@ -2,7 +2,9 @@
 
 Layers are stacked and run with `nn.scan`, so compile time stays flat in model depth. Attention
 goes through a backend function so the paged KV cache (and Pallas kernels) plug in without
-touching the model: `attention(q, k, v, layer_cache, meta) -> (out, new_layer_cache)`.
+touching the model: `attention(q, k, v, cache, layer, meta) -> (out, cache)`. The whole cache
+(all layers) rides in the scan carry and each layer updates its slice in place: a cache passed
+as a scanned input/output would be copied whole every step.
 """
 
 from __future__ import annotations
@@ -19,12 +21,12 @@ from models.rope import apply_rope, inv_frequencies
 AttentionFn = Callable[..., tuple[jnp.ndarray, Any]]
 
 
-def dense_causal_attention(q, k, v, layer_cache, meta):
+def dense_causal_attention(q, k, v, cache, layer, meta):
     """Full-sequence causal attention without a KV cache: the correctness oracle.
 
     q `[B, T, H, Dh]`, k/v `[B, T, K, Dh]`; `meta` is unused; returns `[B, T, H, Dh]`.
     """
-    del meta
+    del layer, meta
     b, t, h, dh = q.shape
     kv_heads = k.shape[2]
     q = q.reshape(b, t, kv_heads, h // kv_heads, dh)  # [B, T, K, G, Dh]
@@ -34,7 +36,7 @@ def dense_causal_attention(q, k, v, layer_cache, meta):
     scores = jnp.where(causal, scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("BKGTS,BSKD->BTKGD", probs, v, preferred_element_type=jnp.float32)
-    return out.reshape(b, t, h, dh).astype(q.dtype), layer_cache
+    return out.reshape(b, t, h, dh).astype(q.dtype), cache
 
 
 class Linear(nn.Module):
@@ -74,7 +76,7 @@ class Attention(nn.Module):
     dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, x, positions, layer_cache, meta):
+    def __call__(self, x, positions, cache, layer, meta):
         c = self.config
         b, t, _ = x.shape
         bias = c.attention_bias
@@ -86,9 +88,9 @@ class Attention(nn.Module):
         v = v.reshape(b, t, c.num_kv_heads, c.head_dim)  # [B, T, K, Dh]
         inv_freq = inv_frequencies(c)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-        out, layer_cache = self.attention(q, k, v, layer_cache, meta)
+        out, cache = self.attention(q, k, v, cache, layer, meta)
         out = out.reshape(b, t, c.num_heads * c.head_dim)
-        return Linear(c.hidden_size, False, self.dtype, name="o_proj")(out), layer_cache
+        return Linear(c.hidden_size, False, self.dtype, name="o_proj")(out), cache
 
 
 class MLP(nn.Module):
@@ -110,14 +112,15 @@ class Block(nn.Module):
     dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, x, positions, layer_cache, meta):
+    def __call__(self, carry, positions, meta):
+        x, cache, layer = carry
         c = self.config
         h = RMSNorm(c.rms_norm_eps, self.dtype, name="input_norm")(x)
-        h, layer_cache = Attention(c, self.attention, self.dtype, name="attn")(
-            h, positions, layer_cache, meta)
+        h, cache = Attention(c, self.attention, self.dtype, name="attn")(
+            h, positions, cache, layer, meta)
         x = x + h
         h = RMSNorm(c.rms_norm_eps, self.dtype, name="post_norm")(x)
-        return x + MLP(c, self.dtype, name="mlp")(h), layer_cache
+        return (x + MLP(c, self.dtype, name="mlp")(h), cache, layer + 1), None
 
 
 class Llama(nn.Module):
@@ -128,19 +131,25 @@ class Llama(nn.Module):
     attention: AttentionFn = dense_causal_attention
 
     @nn.compact
-    def __call__(self, tokens, positions, kv_cache=None, meta=None):
-        """tokens, positions `[B, T]` int32; kv_cache: a pytree stacked over layers or None."""
+    def __call__(self, tokens, positions, kv_cache=None, meta=None, logits_index=None):
+        """tokens, positions `[B, T]` int32; kv_cache: the attention backend's cache or None.
+
+        With `logits_index` `[B]`, only those positions get logits (`[B, V]`): prefill needs the
+        last token's, and the LM head over every prompt token would cost more than a layer.
+        """
         c = self.config
         embedding = self.param("embedding", nn.initializers.normal(0.02),
                                (c.vocab_size, c.hidden_size), self.dtype)
         x = jnp.take(embedding, tokens, axis=0)  # [B, T, D]
         layers = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
-                         in_axes=(nn.broadcast, 0, nn.broadcast), length=c.num_layers)
-        x, kv_cache = layers(c, self.attention, self.dtype, name="layers")(
-            x, positions, kv_cache, meta)
+                         in_axes=(nn.broadcast, nn.broadcast), length=c.num_layers)
+        (x, kv_cache, _), _ = layers(c, self.attention, self.dtype, name="layers")(
+            (x, kv_cache, jnp.int32(0)), positions, meta)
+        if logits_index is not None:
+            x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)[:, 0]  # [B, D]
         x = RMSNorm(c.rms_norm_eps, self.dtype, name="final_norm")(x)
         if c.tie_word_embeddings:
-            logits = jnp.einsum("BTD,VD->BTV", x, embedding, preferred_element_type=jnp.float32)
+            logits = jnp.einsum("...D,VD->...V", x, embedding, preferred_element_type=jnp.float32)
         else:
             logits = Linear(c.vocab_size, False, self.dtype, jnp.float32, name="lm_head")(x)
         return logits.astype(jnp.float32), kv_cache
