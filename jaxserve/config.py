@@ -1,0 +1,54 @@
+"""Engine configuration: one frozen dataclass, validated with messages a user can act on."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxserve.block_manager import validate_block_size
+
+ATTENTION_BACKENDS = ("auto", "xla")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """What to serve and how much of the machine to use.
+
+    The KV cache size comes from a memory budget: `kv_cache_memory` bytes if given, else
+    `gpu_memory_utilization` of free accelerator memory, else (CPU) a 1 GiB default.
+    `max_model_len` defaults to the model's context length, capped by what the cache holds.
+    """
+
+    model: str = "smollm2-135m"
+    dtype: str = "float32"
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.85
+    enable_chunked_prefill: bool = True
+    attention_backend: str = "auto"
+    seed: int = 0
+    warmup: bool = True
+
+    def __post_init__(self):
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        validate_block_size(self.block_size)
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_model_len is not None and (
+                not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
+        if self.kv_cache_memory is not None and (
+                not isinstance(self.kv_cache_memory, int) or self.kv_cache_memory <= 0):
+            raise ValueError("kv_cache_memory is a byte count and must be a positive integer, "
+                             f"got {self.kv_cache_memory!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got "
+                             f"{self.attention_backend!r}")

@@ -1,0 +1,60 @@
+"""Paged KV cache: layout, memory planning, and the per-step metadata attention reads."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import jax
+
+from models.config import ModelConfig
+
+log = logging.getLogger("jaxserve")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """K and V for all layers, `[L, num_blocks, block_size, K, Dh]` each.
+
+    Block-major layout: one block of one layer is a contiguous `[block_size, K, Dh]` tile, so the
+    XLA path gathers whole pages through the page table with a single gather and reshapes
+    `[B, n_blocks, block_size, K, Dh]` into a contiguous context without a transpose.
+    Block 0 is the null block: padding entries of the page table point at it and padded tokens
+    write into it; it is never read unmasked.
+    """
+
+    k: jax.Array
+    v: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedMeta:
+    """What paged attention needs besides q/k/v, for a batch of B rows of T tokens."""
+
+    positions: jax.Array    # [B, T] int32: absolute position of each query token
+    slots: jax.Array        # [B, T] int32: flat cache slot (block * block_size + offset) to write
+    page_table: jax.Array   # [B, n_blocks] int32: block ids of each row's context, 0-padded
+    context_lens: jax.Array  # [B] int32: tokens in each row's context after this step's writes
+
+
+def kv_bytes_per_token(config: ModelConfig, dtype_bytes: int) -> int:
+    return config.kv_bytes_per_token(dtype_bytes)
+
+
+def plan_num_blocks(config: ModelConfig, block_size: int, dtype_bytes: int,
+                    memory_bytes: int) -> int:
+    """Blocks (including the null block) that fit in `memory_bytes`."""
+    per_block = block_size * kv_bytes_per_token(config, dtype_bytes)
+    return int(memory_bytes // per_block)
+
+
+def log_plan(config: ModelConfig, block_size: int, dtype_bytes: int, num_blocks: int) -> None:
+    per_token = kv_bytes_per_token(config, dtype_bytes)
+    textbook = 2 * config.num_layers * config.hidden_size * dtype_bytes
+    log.info("KV cache: %d bytes/token (2*layers*kv_heads*head_dim*bytes = 2*%d*%d*%d*%d; "
+             "the 2*L*d_model*p formula would say %d), %d blocks of %d tokens = %d tokens, "
+             "%.1f MiB", per_token, config.num_layers, config.num_kv_heads, config.head_dim,
+             dtype_bytes, textbook, num_blocks - 1, block_size, (num_blocks - 1) * block_size,
+             num_blocks * block_size * per_token / 2**20)

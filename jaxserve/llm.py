@@ -1,0 +1,83 @@
+"""`LLM`: the offline batch API. `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from tqdm import tqdm
+
+from jaxserve.config import EngineConfig
+from jaxserve.engine import LLMEngine
+from jaxserve.outputs import RequestOutput
+from jaxserve.sampling_params import SamplingParams
+from models import Model
+
+
+class LLM:
+    """Loads a model once and generates for batches of prompts with continuous batching.
+
+    Keyword arguments are EngineConfig fields (dtype, block_size, max_num_seqs,
+    max_num_batched_tokens, max_model_len, kv_cache_memory, ...).
+    """
+
+    def __init__(self, model: str | Model = "smollm2-135m", **engine_kwargs):
+        if isinstance(model, Model):
+            config = EngineConfig(model=model.source, dtype=model.dtype, **engine_kwargs)
+            self.engine = LLMEngine(config, model=model)
+        else:
+            self.engine = LLMEngine(EngineConfig(model=str(model), **engine_kwargs))
+
+    @property
+    def tokenizer(self):
+        return self.engine.model.tokenizer
+
+    def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """One output per prompt, in input order. Prompts are strings or lists of token ids."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != len(prompts):
+                raise ValueError(f"got {len(sampling_params)} SamplingParams for "
+                                 f"{len(prompts)} prompts")
+            params = list(sampling_params)
+        else:
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        engine = self.engine
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                rid = engine.next_request_id()
+                engine.add_request(rid, prompt, p)
+                ids.append(rid)
+        except Exception:
+            for rid in ids:  # nothing half-submitted stays in the engine
+                engine.abort(rid)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        wanted = set(ids)
+        with tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm) as bar:
+            while len(results) < len(ids) and self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished and out.request_id in wanted:
+                        results[out.request_id] = out
+                        bar.update(1)
+        return [results[rid] for rid in ids]
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Applies the model's chat template to one conversation or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.apply_chat_template(list(c), add_generation_prompt)
+                   for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def stats(self) -> dict:
+        return self.engine.stats()

@@ -1,0 +1,231 @@
+"""The model runner: the one place that turns scheduler decisions into device arrays.
+
+Two kinds of device call, both the same jitted step function at different shapes:
+- decode: every batch slot at once, `[max_num_seqs, 1]` tokens, page table cut to a bucket;
+- prefill: one sequence's chunk, `[1, token_bucket]` tokens, page table `[1, block_bucket]`.
+Sampling runs inside the step; only token ids (and logprobs when asked) come back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+from jaxserve import buckets
+from jaxserve.attention import paged_attention_xla
+from jaxserve.kv_cache import KVCache, PagedMeta
+from jaxserve.sampler import SamplingTensors, sample
+from jaxserve.scheduler import ScheduledSeq, SchedulerOutput
+from models.model import Model
+
+log = logging.getLogger("jaxserve")
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleResult:
+    token: int
+    logprob: float
+    top: dict[int, float] | None  # top-k logprobs when the request asked for them
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepInputs:
+    tokens: jax.Array        # [B, T] int32
+    meta: PagedMeta          # positions/slots [B, T], page_table [B, nb], context_lens [B]
+    logits_index: jax.Array  # [B] int32: which of the T tokens to sample after
+    history: jax.Array       # [B, max_model_len] int32: prompt + output ids, for penalties
+    prompt_lens: jax.Array   # [B] int32
+    sample_pos: jax.Array    # [B] int32: position of the token being sampled (for its RNG)
+    want_logprobs: jax.Array  # [] bool
+
+
+class ModelRunner:
+    def __init__(self, model: Model, *, max_num_seqs: int, max_num_batched_tokens: int,
+                 block_size: int, num_blocks: int, max_model_len: int, eos_ids=()):
+        c = model.config
+        self.model, self.block_size, self.max_model_len = model, block_size, max_model_len
+        self.num_slots = max_num_seqs
+        self.max_blocks = -(-max_model_len // block_size)
+        self.eos_ids = tuple(eos_ids)
+        shape = (c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim)
+        dtype = jnp.dtype(model.dtype)
+        self.cache = KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+        self.page_table = np.zeros((self.num_slots, self.max_blocks), np.int32)  # [S, nb]
+        self.history = np.zeros((self.num_slots, max_model_len), np.int32)  # [S, L]
+        self.slot_of: dict[str, int] = {}
+        self.free_slots = list(range(self.num_slots - 1, -1, -1))
+        self.decode_buckets = buckets.decode_block_buckets(self.max_blocks)
+        self.token_buckets = buckets.prefill_token_buckets(max_num_batched_tokens)
+        self._module = model.module(attention=paged_attention_xla)
+        self._step = jax.jit(self._step_impl, donate_argnums=(1,))
+        self._compiles_at_warmup: int | None = None
+
+    # ---- the jitted step ------------------------------------------------------------------
+
+    def _step_impl(self, params, cache, inp: StepInputs, st: SamplingTensors):
+        logits, cache = self._module.apply({"params": params}, inp.tokens, inp.meta.positions,
+                                           cache, inp.meta, logits_index=inp.logits_index)
+        out = sample(logits, st, inp.history, inp.meta.context_lens, inp.prompt_lens,
+                     inp.sample_pos, inp.want_logprobs)
+        return cache, out
+
+    @property
+    def num_compiled(self) -> int:
+        return self._step._cache_size()
+
+    @property
+    def num_compiles_after_warmup(self) -> int:
+        base = self._compiles_at_warmup
+        return 0 if base is None else self.num_compiled - base
+
+    def shapes(self) -> list[tuple[int, int, int]]:
+        """Every (rows, tokens, page-table width) the runner can run: what warm-up compiles."""
+        out = [(self.num_slots, 1, nb) for nb in self.decode_buckets]
+        for tb in self.token_buckets:
+            for nb in buckets.prefill_block_buckets(tb, self.block_size, self.max_blocks):
+                out.append((1, tb, nb))
+        return out
+
+    def warmup(self, progress: bool = True) -> float:
+        """Compiles every bucket now, so serving never stops to compile. Returns seconds."""
+        start = time.perf_counter()
+        for rows, tokens, nb in tqdm(self.shapes(), desc="jaxserve: compiling", unit="shape",
+                                     disable=not progress):
+            inp = self._idle_inputs(rows, tokens, nb)
+            st = SamplingTensors.from_params([], [], [], size=rows)
+            self.cache, out = self._step(self.model.params, self.cache, inp, st)
+        jax.block_until_ready(self.cache)
+        self._compiles_at_warmup = self.num_compiled
+        return time.perf_counter() - start
+
+    def _idle_inputs(self, rows: int, tokens: int, nb: int) -> StepInputs:
+        z = np.zeros((rows, tokens), np.int32)  # [B, T]
+        meta = PagedMeta(positions=z, slots=z, page_table=np.zeros((rows, nb), np.int32),
+                         context_lens=np.ones((rows,), np.int32))
+        return StepInputs(tokens=z, meta=meta, logits_index=np.zeros((rows,), np.int32),
+                          history=np.zeros((rows, self.max_model_len), np.int32),
+                          prompt_lens=np.zeros((rows,), np.int32),
+                          sample_pos=np.zeros((rows,), np.int32), want_logprobs=np.bool_(False))
+
+    # ---- host bookkeeping -----------------------------------------------------------------
+
+    def release(self, request_id: str) -> None:
+        slot = self.slot_of.pop(request_id, None)
+        if slot is not None:
+            self.page_table[slot] = 0
+            self.free_slots.append(slot)
+
+    def _prepare_slot(self, item: ScheduledSeq) -> int:
+        seq = item.seq
+        slot = self.slot_of.get(seq.request_id)
+        end = item.start_pos + item.num_new_tokens
+        if slot is None:
+            slot = self.slot_of[seq.request_id] = self.free_slots.pop()
+            self.history[slot, :end] = seq.token_ids_slice(0, end)
+        else:
+            self.history[slot, item.start_pos:end] = item.token_ids
+        table = seq.block_table
+        self.page_table[slot, :len(table)] = table
+        return slot
+
+    def _flat_slots(self, slot: int, positions: np.ndarray) -> np.ndarray:
+        blocks = self.page_table[slot, positions // self.block_size]
+        return blocks * self.block_size + positions % self.block_size
+
+    # ---- one engine step ------------------------------------------------------------------
+
+    def execute(self, out: SchedulerOutput, seeds: dict[str, int]) -> dict[str, SampleResult]:
+        """Runs the scheduled work; returns the sampled token of every item that samples."""
+        if out.blocks_to_copy:
+            raise NotImplementedError("copy-on-write block copies arrive with prefix sharing")
+        for rid in out.preempted:
+            self.release(rid)
+        # (items a call samples for, their rows in its output, its SamplerOutput): all calls are
+        # dispatched before any result is fetched, so host and device work overlap.
+        pending = []
+        for item in out.prefills:
+            sampled = self._prefill(item, seeds)
+            if item.is_last_chunk:
+                pending.append(([item], [0], sampled))
+        if out.decodes:
+            sampled = self._decode(out.decodes, seeds)
+            pending.append((out.decodes, [self.slot_of[i.request_id] for i in out.decodes],
+                            sampled))
+        results = {}
+        for items, rows, sampled in pending:
+            results.update(self._collect(items, rows, sampled))
+        return results
+
+    def _run(self, inp: StepInputs, params_per_row, seeds_per_row, generated, rows):
+        st = SamplingTensors.from_params(params_per_row, seeds_per_row, generated,
+                                         self.eos_ids, size=rows)
+        self.cache, sampled = self._step(self.model.params, self.cache, inp, st)
+        return sampled
+
+    def _prefill(self, item: ScheduledSeq, seeds):
+        seq, n, start = item.seq, item.num_new_tokens, item.start_pos
+        slot = self._prepare_slot(item)
+        tb = buckets.pick(self.token_buckets, n)
+        nb = buckets.pick(buckets.prefill_block_buckets(tb, self.block_size, self.max_blocks),
+                          -(-(start + n) // self.block_size))
+        positions = np.full((1, tb), start + n - 1, np.int32)  # [1, T]; pads repeat the last
+        positions[0, :n] = np.arange(start, start + n)
+        slots = np.zeros((1, tb), np.int32)  # pads write into the null block
+        slots[0, :n] = self._flat_slots(slot, positions[0, :n])
+        tokens = np.zeros((1, tb), np.int32)
+        tokens[0, :n] = item.token_ids
+        meta = PagedMeta(positions=positions, slots=slots, page_table=self.page_table[slot:slot + 1, :nb],
+                         context_lens=np.array([start + n], np.int32))
+        p = seq.sampling_params
+        inp = StepInputs(tokens=tokens, meta=meta, logits_index=np.array([n - 1], np.int32),
+                         history=self.history[slot:slot + 1],
+                         prompt_lens=np.array([seq.num_prompt_tokens], np.int32),
+                         sample_pos=np.array([start + n], np.int32),
+                         want_logprobs=np.bool_(p.logprobs is not None))
+        return self._run(inp, [p], [seeds[seq.request_id]], [seq.num_output_tokens], 1)
+
+    def _decode(self, items: list[ScheduledSeq], seeds):
+        s = self.num_slots
+        tokens, positions = np.zeros((s, 1), np.int32), np.zeros((s, 1), np.int32)
+        slots, ctx = np.zeros((s, 1), np.int32), np.ones((s,), np.int32)
+        prompt_lens = np.zeros((s,), np.int32)
+        params, row_seeds, generated = [None] * s, [None] * s, [0] * s
+        for item in items:
+            seq, pos = item.seq, item.start_pos
+            slot = self._prepare_slot(item)
+            tokens[slot, 0], positions[slot, 0], ctx[slot] = item.token_ids[0], pos, pos + 1
+            slots[slot, 0] = self._flat_slots(slot, np.array([pos]))[0]
+            prompt_lens[slot] = seq.num_prompt_tokens
+            params[slot], row_seeds[slot] = seq.sampling_params, seeds[seq.request_id]
+            generated[slot] = seq.num_output_tokens
+        nb = buckets.pick(self.decode_buckets, int(ctx.max() + self.block_size - 1)
+                          // self.block_size)
+        meta = PagedMeta(positions=positions, slots=slots, page_table=self.page_table[:, :nb],
+                         context_lens=ctx)
+        want = any(i.seq.sampling_params.logprobs is not None for i in items)
+        inp = StepInputs(tokens=tokens, meta=meta, logits_index=np.zeros((s,), np.int32),
+                         history=self.history, prompt_lens=prompt_lens, sample_pos=ctx.copy(),
+                         want_logprobs=np.bool_(want))
+        return self._run(inp, params, row_seeds, generated, s)
+
+    def _collect(self, items, rows, sampled) -> dict[str, SampleResult]:
+        tokens, logprob = np.asarray(sampled.tokens), np.asarray(sampled.logprob)
+        want = any(i.seq.sampling_params.logprobs is not None for i in items)
+        top_ids = np.asarray(sampled.top_ids) if want else None
+        top_lps = np.asarray(sampled.top_logprobs) if want else None
+        results = {}
+        for item, row in zip(items, rows):
+            k = item.seq.sampling_params.logprobs
+            top = None
+            if k is not None:
+                top = {int(t): float(lp) for t, lp in zip(top_ids[row, :k], top_lps[row, :k])}
+            results[item.request_id] = SampleResult(int(tokens[row]), float(logprob[row]), top)
+        return results

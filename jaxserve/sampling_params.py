@@ -1,0 +1,90 @@
+"""Per-request sampling parameters, validated with messages a user can act on."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+
+
+def _finite(name: str, value, low=None, high=None, low_open=False):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if low is not None and (value <= low if low_open else value < low):
+        raise ValueError(f"{name} must be {'>' if low_open else '>='} {low}, got {value}")
+    if high is not None and value > high:
+        raise ValueError(f"{name} must be <= {high}, got {value}")
+
+
+def _int(name: str, value, low=None, high=None, allow_none=False):
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if (low is not None and value < low) or (high is not None and value > high):
+        bounds = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"{name} must be {bounds}, got {value}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """How to pick each next token and when to stop (vLLM's names and meanings).
+
+    temperature 0 means greedy. top_k <= 0 (or -1) disables top-k; top_p 1 and min_p 0 disable
+    nucleus and min-p filtering. repetition_penalty divides positive (multiplies negative) logits
+    of tokens seen in prompt or output; presence/frequency penalties subtract from logits of
+    tokens in the output (once / per occurrence). A request with a seed is reproducible and does
+    not depend on which requests share its batch.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self):
+        _int("n", self.n, 1, 1)  # n > 1 arrives with prefix sharing (fork)
+        _finite("temperature", self.temperature, 0.0)
+        _finite("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        _int("top_k", self.top_k, -1)
+        _finite("min_p", self.min_p, 0.0, 1.0)
+        _finite("repetition_penalty", self.repetition_penalty, 0.0, low_open=True)
+        _finite("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _finite("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _int("seed", self.seed, -(2 ** 63), 2 ** 63 - 1, allow_none=True)
+        _int("max_tokens", self.max_tokens, 1)
+        _int("min_tokens", self.min_tokens, 0, self.max_tokens)
+        _int("logprobs", self.logprobs, 0, MAX_LOGPROBS, allow_none=True)
+        _int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS, allow_none=True)
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if len(stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
+        for s in stop:
+            if not isinstance(s, str) or not s or len(s) > MAX_STOP_STRING_CHARS:
+                raise ValueError("stop strings must be non-empty strings of at most "
+                                 f"{MAX_STOP_STRING_CHARS} characters")
+        object.__setattr__(self, "stop", stop)
+        ids = tuple(self.stop_token_ids)
+        for t in ids:
+            _int("stop_token_ids entries", t, 0)
+        object.__setattr__(self, "stop_token_ids", ids)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
