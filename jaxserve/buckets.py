@@ -33,6 +33,19 @@ def prefill_token_buckets(max_num_batched_tokens: int) -> list[int]:
                                min(MIN_PREFILL_TOKENS, max_num_batched_tokens))
 
 
+def decode_batch_buckets(max_num_seqs: int) -> list[int]:
+    """Rows of a decode call: 1, 4, 16, ... up to max_num_seqs.
+
+    A light load should not pay for max_num_seqs rows (the LM head and sampler cost grows with
+    rows); powers of 4 keep the number of programs small.
+    """
+    out, n = [], 1
+    while n < max_num_seqs:
+        out.append(n)
+        n *= 4
+    return out + [max_num_seqs]
+
+
 def decode_block_buckets(max_blocks_per_seq: int) -> list[int]:
     return powers_of_two_up_to(max_blocks_per_seq)
 

@@ -1,4 +1,4 @@
-"""`jaxserve` command line: download a model, generate text."""
+"""`jaxserve` command line: download a model, generate text on the paged engine."""
 
 from __future__ import annotations
 
@@ -14,25 +14,74 @@ def _cmd_download(args) -> int:
     return 0
 
 
+def _engine_kwargs(args) -> dict:
+    return dict(dtype=args.dtype, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
+                seed=args.seed if args.seed is not None else 0)
+
+
+def _sampling_params(args):
+    from jaxserve import SamplingParams
+    return SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, seed=args.seed, max_tokens=args.max_tokens,
+        min_tokens=args.min_tokens, stop=tuple(args.stop or ()), ignore_eos=args.ignore_eos)
+
+
 def _cmd_generate(args) -> int:
-    from models import load_model
-    model = load_model(args.model, dtype=args.dtype)
-    tok = model.tokenizer
-    if tok is None:
-        print(f"error: {args.model} has no tokenizer", file=sys.stderr)
+    from jaxserve import LLM
+    try:
+        params = _sampling_params(args)
+        start = time.perf_counter()
+        llm = LLM(args.model, **_engine_kwargs(args))
+    except (ValueError, FileNotFoundError, KeyError) as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
-    text = (tok.apply_chat_template([{"role": "user", "content": args.prompt}])
-            if args.chat else args.prompt)
-    ids = ([tok.bos_token_id] if tok.add_bos and tok.bos_token_id is not None else []) + \
-        tok.encode(text)
-    start = time.perf_counter()
-    out = model.greedy_generate(ids, args.max_tokens)
-    elapsed = time.perf_counter() - start
-    skip = [t for t in out if t not in tok.stop_token_ids]
-    print(tok.decode(skip))
-    print(f"[{len(ids)} prompt tokens, {len(out)} generated in {elapsed:.2f}s "
-          "(greedy, dense recompute; includes compilation)]", file=sys.stderr)
+    ready = time.perf_counter() - start
+    if args.chat:
+        outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params,
+                        use_tqdm=False)
+    else:
+        outs = llm.generate(args.prompt, params, use_tqdm=False)
+    for out in outs:
+        c = out.outputs[0]
+        print(c.text)
+        m = out.metrics
+        print(f"[{len(out.prompt_token_ids)} prompt + {len(c.token_ids)} generated tokens, "
+              f"finish={c.finish_reason}, ttft {m.time_to_first_token:.3f}s, "
+              f"decode {len(c.token_ids) / max(m.decode_time, 1e-9):.1f} tok/s]", file=sys.stderr)
+    warm = llm.engine.warmup_seconds or 0.0
+    print(f"[start-up {ready:.1f}s incl. warm-up compile {warm:.1f}s; {llm.stats()}]",
+          file=sys.stderr)
     return 0
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m",
+                   help="model name, .gguf file, HF directory or orbax checkpoint")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--block-size", type=int, default=16, help="KV block size (power of 2)")
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--min-tokens", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,19 +90,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("download", help="fetch a named model into the cache")
     p.add_argument("model", nargs="?", default="smollm2-135m")
     p.set_defaults(func=_cmd_download)
-    p = sub.add_parser("generate", help="generate a completion (greedy)")
-    p.add_argument("prompt")
-    p.add_argument("--model", default="smollm2-135m",
-                   help="model name, .gguf file, HF directory or orbax checkpoint")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p = sub.add_parser("generate", help="generate completions for one or more prompts")
+    p.add_argument("prompt", nargs="+")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
+    _add_engine_args(p)
+    _add_sampling_args(p)
     p.set_defaults(func=_cmd_generate)
     return parser
 
 
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    logging.getLogger("jax").setLevel(logging.WARNING)
+    logging.getLogger("absl").setLevel(logging.WARNING)
     args = build_parser().parse_args(argv)
     return args.func(args)
 

@@ -1,7 +1,8 @@
 """The model runner: the one place that turns scheduler decisions into device arrays.
 
 Two kinds of device call, both the same jitted step function at different shapes:
-- decode: every batch slot at once, `[max_num_seqs, 1]` tokens, page table cut to a bucket;
+- decode: all decoding sequences at once, `[batch_bucket, 1]` tokens, page table cut to a
+  bucket of blocks;
 - prefill: one sequence's chunk, `[1, token_bucket]` tokens, page table `[1, block_bucket]`.
 Sampling runs inside the step; only token ids (and logprobs when asked) come back.
 """
@@ -63,6 +64,7 @@ class ModelRunner:
         self.slot_of: dict[str, int] = {}
         self.free_slots = list(range(self.num_slots - 1, -1, -1))
         self.decode_buckets = buckets.decode_block_buckets(self.max_blocks)
+        self.batch_buckets = buckets.decode_batch_buckets(max_num_seqs)
         self.token_buckets = buckets.prefill_token_buckets(max_num_batched_tokens)
         self._module = model.module(attention=paged_attention_xla)
         self._step = jax.jit(self._step_impl, donate_argnums=(1,))
@@ -88,7 +90,7 @@ class ModelRunner:
 
     def shapes(self) -> list[tuple[int, int, int]]:
         """Every (rows, tokens, page-table width) the runner can run: what warm-up compiles."""
-        out = [(self.num_slots, 1, nb) for nb in self.decode_buckets]
+        out = [(rows, 1, nb) for rows in self.batch_buckets for nb in self.decode_buckets]
         for tb in self.token_buckets:
             for nb in buckets.prefill_block_buckets(tb, self.block_size, self.max_blocks):
                 out.append((1, tb, nb))
@@ -157,8 +159,7 @@ class ModelRunner:
                 pending.append(([item], [0], sampled))
         if out.decodes:
             sampled = self._decode(out.decodes, seeds)
-            pending.append((out.decodes, [self.slot_of[i.request_id] for i in out.decodes],
-                            sampled))
+            pending.append((out.decodes, list(range(len(out.decodes))), sampled))
         results = {}
         for items, rows, sampled in pending:
             results.update(self._collect(items, rows, sampled))
@@ -193,27 +194,28 @@ class ModelRunner:
         return self._run(inp, [p], [seeds[seq.request_id]], [seq.num_output_tokens], 1)
 
     def _decode(self, items: list[ScheduledSeq], seeds):
-        s = self.num_slots
+        """Row r of the call is items[r]; rows past len(items) are idle padding."""
+        s = buckets.pick(self.batch_buckets, len(items))
         tokens, positions = np.zeros((s, 1), np.int32), np.zeros((s, 1), np.int32)
         slots, ctx = np.zeros((s, 1), np.int32), np.ones((s,), np.int32)
         prompt_lens = np.zeros((s,), np.int32)
+        rows_slot = np.zeros((s,), np.int64)  # padding rows read slot 0's (unused) tables
         params, row_seeds, generated = [None] * s, [None] * s, [0] * s
-        for item in items:
+        for r, item in enumerate(items):
             seq, pos = item.seq, item.start_pos
-            slot = self._prepare_slot(item)
-            tokens[slot, 0], positions[slot, 0], ctx[slot] = item.token_ids[0], pos, pos + 1
-            slots[slot, 0] = self._flat_slots(slot, np.array([pos]))[0]
-            prompt_lens[slot] = seq.num_prompt_tokens
-            params[slot], row_seeds[slot] = seq.sampling_params, seeds[seq.request_id]
-            generated[slot] = seq.num_output_tokens
-        nb = buckets.pick(self.decode_buckets, int(ctx.max() + self.block_size - 1)
-                          // self.block_size)
-        meta = PagedMeta(positions=positions, slots=slots, page_table=self.page_table[:, :nb],
-                         context_lens=ctx)
+            slot = rows_slot[r] = self._prepare_slot(item)
+            tokens[r, 0], positions[r, 0], ctx[r] = item.token_ids[0], pos, pos + 1
+            slots[r, 0] = self._flat_slots(slot, np.array([pos]))[0]
+            prompt_lens[r] = seq.num_prompt_tokens
+            params[r], row_seeds[r] = seq.sampling_params, seeds[seq.request_id]
+            generated[r] = seq.num_output_tokens
+        nb = buckets.pick(self.decode_buckets, -(-int(ctx.max()) // self.block_size))
+        meta = PagedMeta(positions=positions, slots=slots,
+                         page_table=self.page_table[rows_slot, :nb], context_lens=ctx)
         want = any(i.seq.sampling_params.logprobs is not None for i in items)
         inp = StepInputs(tokens=tokens, meta=meta, logits_index=np.zeros((s,), np.int32),
-                         history=self.history, prompt_lens=prompt_lens, sample_pos=ctx.copy(),
-                         want_logprobs=np.bool_(want))
+                         history=self.history[rows_slot], prompt_lens=prompt_lens,
+                         sample_pos=ctx.copy(), want_logprobs=np.bool_(want))
         return self._run(inp, params, row_seeds, generated, s)
 
     def _collect(self, items, rows, sampled) -> dict[str, SampleResult]:
