@@ -153,3 +153,11 @@ def test_compile_counter_sees_a_new_shape(model):
     with count_compiles() as events:
         model.forward_logits(list(range(1, 300)))  # a dense bucket not used elsewhere
     assert events
+
+
+def test_refuses_max_model_len_that_cannot_fit(model):
+    per_token = model.config.kv_bytes_per_token(4)
+    with pytest.raises(ValueError, match=r"max_model_len=256 needs 16 blocks .* num_blocks >= 17"):
+        make_engine(model, block_size=16, max_model_len=256, kv_cache_memory=10 * 16 * per_token)
+    with pytest.raises(ValueError, match="exceeds the model's context length"):
+        make_engine(model, max_model_len=10000)
