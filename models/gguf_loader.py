@@ -18,6 +18,7 @@ import gguf
 import numpy as np
 
 from models.config import ModelConfig, RopeScaling
+from models.weights import expected_hf_shapes
 
 QT = gguf.GGMLQuantizationType
 FLOAT_TYPES = (QT.F32, QT.F16, QT.BF16)
@@ -71,6 +72,8 @@ class GGUFCheckpoint:
     tensors: dict[str, np.ndarray]
     raw: dict[str, GGUFTensor]
     path: pathlib.Path
+    # The open reader: the tokenizer reads its metadata too, and parsing costs seconds.
+    reader: gguf.GGUFReader | None = dataclasses.field(default=None, repr=False, compare=False)
 
 
 def _open(path: pathlib.Path) -> gguf.GGUFReader:
@@ -215,26 +218,6 @@ def _f32(value) -> float:
     return float(str(np.float32(value)))
 
 
-def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """HF name -> HF shape for every weight the model needs."""
-    d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    shapes = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,)}
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head.weight"] = (v, d)
-    layer = {"input_layernorm.weight": (d,), "post_attention_layernorm.weight": (d,),
-             "self_attn.q_proj.weight": (q, d), "self_attn.k_proj.weight": (kv, d),
-             "self_attn.v_proj.weight": (kv, d), "self_attn.o_proj.weight": (d, q),
-             "mlp.gate_proj.weight": (f, d), "mlp.up_proj.weight": (f, d),
-             "mlp.down_proj.weight": (d, f)}
-    if cfg.attention_bias:
-        layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
-                      "self_attn.v_proj.bias": (kv,)})
-    for i in range(cfg.num_layers):
-        shapes.update({f"model.layers.{i}.{k}": s for k, s in layer.items()})
-    return shapes
-
-
 def _hf_name(gguf_name: str) -> str | None:
     if gguf_name in GLOBAL_NAMES:
         return GLOBAL_NAMES[gguf_name]
@@ -315,7 +298,7 @@ def read_gguf(path: str | os.PathLike, dtype=np.float32) -> GGUFCheckpoint:
     rope_freqs = None if rope_freqs is None else gguf.quants.dequantize(
         rope_freqs.data, QT(rope_freqs.tensor_type))
     cfg = _config(_metadata(reader), by_name, path, rope_freqs)
-    expected = _expected_shapes(cfg)
+    expected = expected_hf_shapes(cfg)
     hf_to_gguf = {h: n for n in by_name if (h := _hf_name(n)) is not None}
     missing = [f"{n} ({_gguf_name(n)})" for n in expected if n not in hf_to_gguf]
     if missing:
@@ -331,4 +314,4 @@ def read_gguf(path: str | os.PathLike, dtype=np.float32) -> GGUFCheckpoint:
                                         dtype, path)
         if r is not None:
             raw[name] = r
-    return GGUFCheckpoint(config=cfg, tensors=tensors, raw=raw, path=path)
+    return GGUFCheckpoint(config=cfg, tensors=tensors, raw=raw, path=path, reader=reader)

@@ -110,7 +110,7 @@ def load_model(name_or_path: str | pathlib.Path = registry.DEFAULT_MODEL, dtype:
     if path.is_file():
         from models.gguf_loader import read_gguf
         ckpt = read_gguf(path)
-        config, tokenizer, raw = ckpt.config, Tokenizer.from_gguf(path), ckpt.raw
+        config, tokenizer, raw = ckpt.config, Tokenizer.from_gguf(ckpt.reader), ckpt.raw
         params = params_from_hf(ckpt.tensors, config, np_dtype, source=str(path))
     elif checkpoint.is_orbax_dir(path):
         config, params, tokenizer = checkpoint.restore(path, np_dtype)
