@@ -17,3 +17,10 @@ def pytest_configure(config):
 def smollm2_path():
     from models.registry import model_path
     return model_path("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def smollm2_fp32(smollm2_path):
+    """The real default model in float32, loaded once for every module that needs it."""
+    from models import load_model
+    return load_model(smollm2_path, dtype="float32")

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 from jaxserve import EngineConfig, LLMEngine, SamplingParams
-from models import load_model
 
 PROMPTS = [
     "The capital of France is", "def add(a, b):\n    return", "Once upon a time",
@@ -28,8 +27,8 @@ MAX_TOKENS = 10
 
 
 @pytest.fixture(scope="module")
-def model(smollm2_path):
-    return load_model(smollm2_path, dtype="float32")
+def model(smollm2_fp32):
+    return smollm2_fp32
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from models import load_model
 
 PROMPTS = ["The capital of France is", "Once upon a time", "def add(a, b):\n    return",
            "My favourite colour is"]
@@ -16,8 +15,8 @@ N = 12
 
 
 @pytest.fixture(scope="module")
-def model(smollm2_path):
-    return load_model(smollm2_path, dtype="float32")
+def model(smollm2_fp32):
+    return smollm2_fp32
 
 
 @pytest.fixture(scope="module")

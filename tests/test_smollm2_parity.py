@@ -40,8 +40,8 @@ def reference(smollm2_path):
 
 
 @pytest.fixture(scope="module")
-def model_fp32(smollm2_path):
-    return load_model(smollm2_path, dtype="float32")
+def model_fp32(smollm2_fp32):
+    return smollm2_fp32
 
 
 @pytest.fixture(scope="module")
