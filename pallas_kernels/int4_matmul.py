@@ -1,0 +1,257 @@
+"""W4A16 matmul (int4 weights, 16/32-bit activations): Pallas Triton kernel, reference, quantizer.
+
+Weight format for one [K, N] matrix with group size g along K (g in {32, 64, 128}, g divides K):
+  packed  [K // 2, N] uint8: 4-bit codes u in [0, 15], two per byte, packed *within each group*:
+          in group G (rows G*g .. G*g + g - 1), byte row G*g/2 + i (0 <= i < g/2) holds row
+          G*g + i in its low nibble and row G*g + g/2 + i in its high nibble. For g = 32 this is
+          GGUF's Q4_0/Q4_1 block layout (qs[i] = q[i] | q[i + 16] << 4), stored [K, N]-major.
+  scales  [K // g, N] f32 (or the activation dtype)
+  offsets [K // g, N] like scales, or None for the symmetric variant
+  w[k, n] = scales[k // g, n] * u[k, n] + offsets[k // g, n]
+  offsets None means offsets = -8 * scales, i.e. w = s * (u - 8) (GGUF Q4_0). An asymmetric
+  s * (u - z) loads as offsets = -s * z; GGUF Q4_1's d * u + m loads as offsets = m.
+
+Why per-group halves: Triton cannot interleave nibbles into rows (no value slicing or
+concatenation). The kernel instead views x [M, K] as [M, K/g, 2, g/2] (a free reshape) and
+multiplies low nibbles by the first half of each group's activations, high nibbles by the second.
+
+Kernel math, per tile of T packed rows inside group G (u_lo, u_hi are the raw codes, exact in bf16):
+  acc += s_G * (x_lo @ u_lo + x_hi @ u_hi) + b_G * (sum(x_lo) + sum(x_hi))
+Scales and offsets are applied in f32 after the dot, so bf16 activations lose nothing to a rounded
+bf16 dequantized weight; the only bf16 rounding is the final cast of the output.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+_MIN_DOT = 16   # Triton dot needs every dimension >= 16
+_NUM_SMS = 132  # H200; split-K aims for at least one program per SM
+
+
+def _int4_matmul_kernel(x_ref, packed_ref, scales_ref, *rest, group_size, block_k, symmetric):
+    """One [bm, bn] output tile, summed over this program's K split.
+
+    x_ref [bm, Gs, 2, g/2]; packed_ref [Gs, g/2, bn] uint8; scales_ref/offsets_ref [Gs, bn];
+    out_ref [bm, bn] (or [1, bm, bn] partial sums when split-K). Gs = groups in this split.
+    """
+    offsets_ref, out_ref = (None, rest[0]) if symmetric else rest
+    half = group_size // 2
+    tile = min(group_size, block_k) // 2          # packed rows per dot
+    groups_per_step = max(1, block_k // group_size)
+    tiles_per_group = half // tile
+    num_groups = packed_ref.shape[0]
+    num_steps = num_groups * tiles_per_group // groups_per_step
+    dtype = x_ref.dtype
+    f32 = jnp.float32
+
+    def tile_update(acc, grp, off):
+        x_lo = x_ref[:, grp, 0, pl.ds(off, tile)]                   # [bm, T]
+        x_hi = x_ref[:, grp, 1, pl.ds(off, tile)]                   # [bm, T]
+        q = packed_ref[grp, pl.ds(off, tile), :].astype(jnp.int32)  # [T, bn]
+        u_lo = (q & 0xF).astype(dtype)
+        u_hi = (q >> 4).astype(dtype)
+        dot = functools.partial(jnp.dot, preferred_element_type=f32,
+                                precision=jax.lax.Precision.HIGHEST)
+        d = dot(x_lo, u_lo) + dot(x_hi, u_hi)                       # [bm, bn]
+        xs = jnp.sum(x_lo.astype(f32) + x_hi.astype(f32), axis=1, keepdims=True)  # [bm, 1]
+        s = scales_ref[pl.ds(grp, 1), :].astype(f32)                # [1, bn]
+        if symmetric:
+            return acc + s * (d - 8.0 * xs)
+        return acc + s * d + xs * offsets_ref[pl.ds(grp, 1), :].astype(f32)
+
+    def step(i, acc):
+        if tiles_per_group > 1:  # block_k < g: several steps per group
+            return tile_update(acc, i // tiles_per_group, (i % tiles_per_group) * tile)
+        for j in range(groups_per_step):  # block_k >= g: whole groups, unrolled
+            acc = tile_update(acc, i * groups_per_step + j, 0)
+        return acc
+
+    bm, bn = out_ref.shape[-2:]
+    acc = jax.lax.fori_loop(0, num_steps, step, jnp.zeros((bm, bn), f32))
+    out_ref[...] = acc.reshape(out_ref.shape).astype(out_ref.dtype)
+
+
+def _int4_matmul_call(x4, packed3, scales, offsets, *, block_m, block_n, block_k, split_k,
+                      out_dtype, interpret):
+    """x4 [Mp, K/g, 2, g/2]; packed3 [K/g, g/2, N]; scales, offsets [K/g, N].
+
+    Returns [Mp, N] in out_dtype, or f32 partial sums [split_k, Mp, N] when split_k > 1.
+    """
+    mp, num_groups, _, half = x4.shape
+    n = packed3.shape[-1]
+    gs = num_groups // split_k
+    symmetric = offsets is None
+    in_specs = [
+        pl.BlockSpec((block_m, gs, 2, half), lambda i, j, s: (i, s, 0, 0)),
+        pl.BlockSpec((gs, half, block_n), lambda i, j, s: (s, 0, j)),
+        pl.BlockSpec((gs, block_n), lambda i, j, s: (s, j)),
+    ]
+    args = [x4, packed3, scales]
+    if not symmetric:
+        in_specs.append(pl.BlockSpec((gs, block_n), lambda i, j, s: (s, j)))
+        args.append(offsets)
+    if split_k == 1:
+        out_shape = jax.ShapeDtypeStruct((mp, n), out_dtype)
+        out_spec = pl.BlockSpec((block_m, block_n), lambda i, j, s: (i, j))
+    else:
+        out_shape = jax.ShapeDtypeStruct((split_k, mp, n), jnp.float32)
+        out_spec = pl.BlockSpec((1, block_m, block_n), lambda i, j, s: (s, i, j))
+    kernel = functools.partial(_int4_matmul_kernel, group_size=2 * half, block_k=block_k,
+                               symmetric=symmetric)
+    return pl.pallas_call(
+        kernel,
+        grid=(mp // block_m, n // block_n, split_k),
+        in_specs=in_specs,
+        out_specs=out_spec,
+        out_shape=out_shape,
+        interpret=interpret,
+        name="int4_matmul",
+    )(*args)
+
+
+def _largest_pow2_divisor(n: int, cap: int) -> int:
+    b = 1
+    while b * 2 <= cap and n % (b * 2) == 0:
+        b *= 2
+    return b
+
+
+def pick_blocks(m: int, k: int, n: int, group_size: int) -> tuple[int, int, int, int]:
+    """Default (block_m, block_n, block_k, split_k) for an [m, k] x [k, n] int4 matmul.
+
+    block_m: power of 2 in [16, 64] covering m (decode m = 1..16 -> 16). block_n: largest power of
+    2 <= 128 dividing n (576 -> 64). split_k: smallest divisor of the group count giving at least
+    one program per SM while keeping >= 512 rows of K per program (decode at small n needs it to
+    keep the weight stream busy). block_k: largest power of 2 <= 128 dividing k / split_k.
+    Untuned on a GPU: the choice is about occupancy, not measured speed.
+    """
+    block_m = min(64, max(_MIN_DOT, 1 << (max(m, 1) - 1).bit_length()))
+    block_n = _largest_pow2_divisor(n, 128)
+    base = -(-m // block_m) * (n // block_n)
+    num_groups, split_k = k // group_size, 1
+    for s in range(2, num_groups + 1):
+        if base * split_k >= _NUM_SMS or k // s < 512:
+            break
+        if num_groups % s == 0:
+            split_k = s
+    block_k = _largest_pow2_divisor(k // split_k, 128)
+    return block_m, block_n, block_k, split_k
+
+
+def _check(x, packed, scales, offsets, group_size, block_m, block_n, block_k, split_k):
+    m, k = x.shape
+    n = packed.shape[1]
+    pow2 = lambda v: v > 0 and v & (v - 1) == 0  # noqa: E731
+    if not (pow2(group_size) and group_size >= 2 * _MIN_DOT and k % group_size == 0):
+        raise ValueError(f"group_size {group_size} must be a power of 2 >= 32 dividing K={k}")
+    if packed.shape != (k // 2, n) or packed.dtype != jnp.uint8:
+        raise ValueError(f"packed must be uint8 [{k // 2}, N], got {packed.dtype} {packed.shape}")
+    for name, a in (("scales", scales), ("offsets", offsets)):
+        if a is not None and a.shape != (k // group_size, n):
+            raise ValueError(f"{name} must be [{k // group_size}, {n}], got {a.shape}")
+    if not (pow2(block_m) and block_m >= _MIN_DOT):
+        raise ValueError(f"block_m {block_m} must be a power of 2 >= {_MIN_DOT}")
+    if not (pow2(block_n) and block_n >= _MIN_DOT and n % block_n == 0):
+        raise ValueError(f"block_n {block_n} must be a power of 2 >= {_MIN_DOT} dividing N={n}")
+    if (k // group_size) % split_k:
+        raise ValueError(f"split_k {split_k} must divide the group count {k // group_size}")
+    if not (pow2(block_k) and block_k >= 2 * _MIN_DOT and (k // split_k) % block_k == 0):
+        raise ValueError(f"block_k {block_k} must be a power of 2 >= 32 dividing K/split_k="
+                         f"{k // split_k}")
+
+
+@functools.partial(jax.jit, static_argnames=("group_size", "block_m", "block_n", "block_k",
+                                             "split_k", "interpret"))
+def int4_matmul(x, packed, scales, offsets, *, group_size: int, block_m=None, block_n=None,
+                block_k=None, split_k=None, interpret=False) -> jax.Array:
+    """x @ dequantize(packed, scales, offsets) with f32 accumulation; see the module docstring.
+
+    x       [M, K] bf16 or f32 activations
+    packed  [K // 2, N] uint8, two codes per byte, per-group halves layout
+    scales  [K // group_size, N] f32 or x.dtype
+    offsets [K // group_size, N] like scales, or None (symmetric: w = scales * (u - 8))
+    block_*, split_k: None picks `pick_blocks` defaults; M is padded to a multiple of block_m.
+    returns [M, N] in x.dtype
+    """
+    m, k = x.shape
+    n = packed.shape[1]
+    d_bm, d_bn, d_bk, d_sk = pick_blocks(m, k, n, group_size)
+    block_m, block_n = block_m or d_bm, block_n or d_bn
+    split_k = split_k or d_sk
+    block_k = block_k or _largest_pow2_divisor(k // split_k, 128)
+    _check(x, packed, scales, offsets, group_size, block_m, block_n, block_k, split_k)
+    mp = -(-m // block_m) * block_m
+    g = group_size
+    x4 = jnp.pad(x, ((0, mp - m), (0, 0))).reshape(mp, k // g, 2, g // 2)
+    packed3 = packed.reshape(k // g, g // 2, n)
+    out = _int4_matmul_call(x4, packed3, scales, offsets, block_m=block_m, block_n=block_n,
+                            block_k=block_k, split_k=split_k, out_dtype=x.dtype,
+                            interpret=interpret)
+    if split_k > 1:
+        out = out.sum(axis=0)
+    return out[:m].astype(x.dtype)
+
+
+def int4_matmul_reference(x, packed, scales, offsets, *, group_size) -> jax.Array:
+    """Dequantizes in f32, then an f32 matmul; returns [M, N] in x.dtype."""
+    w = dequantize_int4(packed, scales, offsets, group_size=group_size)
+    out = jnp.dot(x.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST)
+    return out.astype(x.dtype)
+
+
+def pack_int4(u, *, group_size: int) -> jax.Array:
+    """Codes u [K, N] (ints in [0, 15]) -> [K // 2, N] uint8 in the per-group halves layout."""
+    k, n = u.shape
+    u = u.astype(jnp.uint8).reshape(k // group_size, 2, group_size // 2, n)
+    return (u[:, 0] | (u[:, 1] << 4)).reshape(k // 2, n)
+
+
+def unpack_int4(packed, *, group_size: int) -> jax.Array:
+    """[K // 2, N] uint8 -> codes u [K, N] int32 in [0, 15] (inverse of `pack_int4`)."""
+    k2, n = packed.shape
+    q = packed.astype(jnp.int32).reshape(2 * k2 // group_size, 1, group_size // 2, n)
+    return jnp.concatenate([q & 0xF, q >> 4], axis=1).reshape(2 * k2, n)
+
+
+def dequantize_int4(packed, scales, offsets, *, group_size: int) -> jax.Array:
+    """-> w [K, N] f32 = scales * u + offsets per group (offsets None: scales * (u - 8))."""
+    u = unpack_int4(packed, group_size=group_size).astype(jnp.float32)
+    k, n = u.shape
+    s = scales.astype(jnp.float32)[:, None, :]
+    b = -8.0 * s if offsets is None else offsets.astype(jnp.float32)[:, None, :]
+    return (s * u.reshape(k // group_size, group_size, n) + b).reshape(k, n)
+
+
+@functools.partial(jax.jit, static_argnames=("group_size", "symmetric"))
+def quantize_int4(w, *, group_size: int = 128, symmetric: bool = False):
+    """Round-to-nearest int4 of w [K, N], per group of `group_size` rows along K.
+
+    Returns (packed [K/2, N] uint8, scales [K/g, N] f32, offsets [K/g, N] f32 or None).
+
+    Asymmetric: s = (max - min) / 15, u = clip(round((w - min) / s), 0, 15), offsets = min, so
+      w ~ s * u + min with |error| <= s / 2 (both ends of the range are exact codes).
+    Symmetric: s = max|w| / 7, u = round(w / s) + 8 in [1, 15], offsets None (w ~ s * (u - 8));
+      zero maps to u = 8 exactly, |error| <= s / 2; code 0 (-8) is unused.
+    A constant group (s = 0) gets s = 1 so that it dequantizes exactly. scales/offsets are f32.
+    """
+    k, n = w.shape
+    if k % group_size or group_size % 2:
+        raise ValueError(f"group_size {group_size} must be even and divide K={k}")
+    wg = w.astype(jnp.float32).reshape(k // group_size, group_size, n)
+    if symmetric:
+        s = jnp.max(jnp.abs(wg), axis=1) / 7.0
+        s = jnp.where(s == 0, 1.0, s)
+        u = jnp.clip(jnp.round(wg / s[:, None]) + 8, 0, 15)
+        offsets = None
+    else:
+        lo, hi = jnp.min(wg, axis=1), jnp.max(wg, axis=1)
+        s = (hi - lo) / 15.0
+        s = jnp.where(s == 0, 1.0, s)
+        u = jnp.clip(jnp.round((wg - lo[:, None]) / s[:, None]), 0, 15)
+        offsets = lo
+    return pack_int4(u.reshape(k, n), group_size=group_size), s, offsets

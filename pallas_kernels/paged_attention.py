@@ -1,0 +1,202 @@
+"""Paged-attention decode kernel (Pallas, Triton GPU backend) and its jax.numpy reference.
+
+One query token per sequence attends over that sequence's pages of the engine's KV cache
+`[L, NB, BS, K, Dh]` (all layers; block-major; block 0 is the null block). The kernel reads pages
+straight from the full cache in global memory with indices computed from `layer`, the page table
+and the token position, so no per-layer slice of the cache is ever materialised.
+
+Grid (batch, kv_head, split): a program takes the G query heads that share one KV head (padded
+to Gp = max(16, next power of 2) rows: Triton's tensor-core dot wants M >= 16) and a contiguous
+range of pages, visiting only pages that hold context. Each page is one [BS, Dh] tile loaded with
+`pl.ds` at (layer, block, :, kv_head, :); an online softmax in float32 gives a partial (out, max,
+sum) per split, and a jnp combine merges the splits, so a few long sequences still fill the GPU.
+
+GPU (Triton) support: head_dim 64 or 128 (any power of 2 lowers), block sizes 8..256 (powers of
+2; 8 compiles to a dot with a K/N of 8, which Triton accepts but is unverified on a GPU here), bf16
+and f32 (f32 dots at IEEE precision, not TF32). Other block sizes (1, 2, 4, non-powers of 2) are
+the XLA path's job (jaxserve/attention.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+# Finite, so a fully masked row never computes inf - inf.
+_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+_MIN_DOT_ROWS = 16       # query rows per program: Triton's tensor-core dot wants M >= 16
+_TARGET_PROGRAMS = 264   # 2 x 132 SMs (H200)
+
+
+def _dot(a, b, b_contract: int, precision):
+    # Explicit f32 accumulation; HIGHEST keeps f32 inputs at IEEE precision (DEFAULT is TF32).
+    return lax.dot_general(a, b, (((1,), (b_contract,)), ((), ())), precision=precision,
+                           preferred_element_type=jnp.float32)
+
+
+def _paged_attention_kernel(layer_ref, lens_ref, pt_ref, q_ref, k_ref, v_ref,  # inputs
+                            o_ref, m_ref, l_ref,  # outputs: one split's partial result
+                            *, pages_per_split: int, sm_scale: float):
+    # layer_ref [1], lens_ref [B], pt_ref [B, P]: whole arrays (scalars are read from them).
+    # q_ref [Gp, Dh]; k_ref/v_ref [L, NB, BS, K, Dh] whole caches; o_ref [Gp, Dh]; m/l_ref [Gp].
+    b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    block_size, head_dim = k_ref.shape[2], k_ref.shape[4]
+    layer = layer_ref[0]
+    length = lens_ref[b]
+    first_page = s * pages_per_split
+    # Only pages holding at least one valid token are visited: table entries past the context
+    # (which may be garbage block ids) are never read, nor the blocks they name. The table's
+    # width also bounds it, so even a context_len beyond P * BS reads nothing out of bounds.
+    n_pages = jnp.minimum(pl.cdiv(length, block_size), pt_ref.shape[1]) - first_page
+    n_pages = jnp.minimum(jnp.maximum(n_pages, 0), pages_per_split)
+
+    q = q_ref[...]  # [Gp, Dh]
+    precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    slot = lax.broadcasted_iota(jnp.int32, (block_size, 1), 0)
+
+    def body(i, carry):
+        acc, m_prev, l_prev = carry  # [Gp, Dh], [Gp], [Gp] float32
+        page = first_page + i
+        block = pt_ref[b, page]
+        k = k_ref[layer, block, pl.ds(0, block_size), h, pl.ds(0, head_dim)]  # [BS, Dh]
+        v = v_ref[layer, block, pl.ds(0, block_size), h, pl.ds(0, head_dim)]
+        valid = page * block_size + slot < length  # [BS, 1]
+        # Slots past the context (last page only) hold anything, NaN included: p = 0 alone would
+        # not cancel 0 * NaN in p @ v, so zero them.
+        v = jnp.where(valid, v, jnp.zeros_like(v))
+        logits = _dot(q, k, 1, precision) * sm_scale  # [Gp, BS] f32
+        logits = jnp.where(valid.reshape(1, block_size), logits, _MASK_VALUE)
+        m_next = jnp.maximum(m_prev, logits.max(axis=-1))
+        correction = jnp.exp(m_prev - m_next)
+        p = jnp.exp(logits - m_next[:, None])
+        l_next = l_prev * correction + p.sum(axis=-1)
+        pv = _dot(p.astype(v.dtype), v, 0, precision)  # [Gp, Dh] f32
+        return acc * correction[:, None] + pv, m_next, l_next
+
+    gp = q.shape[0]
+    init = (jnp.zeros((gp, head_dim), jnp.float32),
+            jnp.full((gp,), _MASK_VALUE, jnp.float32),
+            jnp.zeros((gp,), jnp.float32))
+    acc, m, l = lax.fori_loop(0, n_pages, body, init)
+    o_ref[...] = acc / jnp.where(l > 0, l, 1.0)[:, None]
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+def _paged_attention_call(layer, context_lens, page_table, q, k_cache, v_cache, *,
+                          pages_per_split: int, num_splits: int, sm_scale: float, interpret):
+    """Partial results per split: out `[S, B, K, Gp, Dh]` f32, max and sum `[S, B, K, Gp]` f32."""
+    batch, num_kv_heads, gp, head_dim = q.shape
+    kernel = functools.partial(_paged_attention_kernel, pages_per_split=pages_per_split,
+                               sm_scale=sm_scale)
+    # Whole arrays: on Triton a ref is a pointer into global memory, nothing is copied; the
+    # kernel computes its own indices. (memory_space=pl.ANY lowers the same on
+    # Triton but the strict interpreter refuses direct loads from it.)
+    def whole(x):
+        return pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
+
+    row = pl.BlockSpec((None, None, None, gp), lambda b, h, s: (s, b, h, 0))
+    return pl.pallas_call(
+        kernel,
+        grid=(batch, num_kv_heads, num_splits),
+        in_specs=[whole(layer), whole(context_lens), whole(page_table),
+                  pl.BlockSpec((None, None, gp, head_dim), lambda b, h, s: (b, h, 0, 0)),
+                  whole(k_cache), whole(v_cache)],
+        out_specs=[pl.BlockSpec((None, None, None, gp, head_dim),
+                                lambda b, h, s: (s, b, h, 0, 0)), row, row],
+        out_shape=[jax.ShapeDtypeStruct((num_splits, batch, num_kv_heads, gp, head_dim),
+                                        jnp.float32),
+                   jax.ShapeDtypeStruct((num_splits, batch, num_kv_heads, gp), jnp.float32),
+                   jax.ShapeDtypeStruct((num_splits, batch, num_kv_heads, gp), jnp.float32)],
+        # Interpreters ignore Triton params, and the strict (TPU) interpreter rejects them.
+        compiler_params=None if interpret else plgpu.CompilerParams(num_warps=4, num_stages=2),
+        interpret=interpret,
+        name="paged_attention_decode",
+    )(layer, context_lens, page_table, q, k_cache, v_cache)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _default_pages_per_split(batch: int, num_kv_heads: int, num_pages: int) -> int:
+    # Enough (batch, kv_head, split) programs for about two per SM of an H200; a full batch
+    # needs no split (and skips the combine's extra traffic).
+    splits = min(num_pages, max(1, pl.cdiv(_TARGET_PROGRAMS, batch * num_kv_heads)))
+    return pl.cdiv(num_pages, splits)
+
+
+@functools.partial(jax.jit, static_argnames=("pages_per_split", "sm_scale", "interpret"))
+def paged_attention(q, k_cache, v_cache, layer, page_table, context_lens, *,
+                    pages_per_split: int | None = None, sm_scale: float | None = None,
+                    interpret=False) -> jax.Array:
+    """Decode attention of one query token per sequence over its pages of the KV cache.
+
+    Args:
+      q: `[B, H, Dh]` bf16 or f32, one query token per row; H = K * G.
+      k_cache, v_cache: `[L, NB, BS, K, Dh]` the caches of all layers (block 0 = null block).
+      layer: int32 scalar, may be traced (e.g. inside `lax.scan` over layers).
+      page_table: `[B, P]` int32 block ids; token i of row b is at
+        `(page_table[b, i // BS], i % BS)`. Entries past the context may hold anything.
+      context_lens: `[B]` int32; keys at positions `< context_lens[b]` are attended to. A row
+        with 0 gives zeros.
+      pages_per_split: pages each program handles; None picks enough splits to give an H200
+        about 264 programs (none for a full batch).
+      sm_scale: logit scale, default `1 / sqrt(Dh)`.
+      interpret: False on GPU; True (or an interpreter's params object) to run on CPU.
+    Returns:
+      `[B, H, Dh]` in q.dtype.
+    """
+    batch, num_heads, head_dim = q.shape
+    _, _, block_size, num_kv_heads, _ = k_cache.shape
+    if num_heads % num_kv_heads or k_cache.shape != v_cache.shape or \
+            k_cache.shape[-1] != head_dim:
+        raise ValueError(f"incompatible shapes q {q.shape}, k {k_cache.shape}, v {v_cache.shape}")
+    group = num_heads // num_kv_heads
+    gp = max(_MIN_DOT_ROWS, _next_pow2(group))
+    num_pages = page_table.shape[1]
+    pps = pages_per_split or _default_pages_per_split(batch, num_kv_heads, num_pages)
+    num_splits = pl.cdiv(num_pages, pps)
+    qg = q.reshape(batch, num_kv_heads, group, head_dim)
+    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - group), (0, 0)))  # [B, K, Gp, Dh]
+    scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
+    o, m, l = _paged_attention_call(
+        jnp.asarray(layer, jnp.int32).reshape(1), context_lens.astype(jnp.int32),
+        page_table.astype(jnp.int32), qg, k_cache, v_cache, pages_per_split=pps,
+        num_splits=num_splits, sm_scale=scale, interpret=interpret)
+    # Merge splits: weight each split's normalised output by its share of the softmax mass.
+    w = l * jnp.exp(m - m.max(axis=0))  # [S, B, K, Gp]; empty splits have l = 0
+    total = w.sum(axis=0)
+    out = (o * w[..., None]).sum(axis=0) / jnp.where(total > 0, total, 1.0)[..., None]
+    return out[:, :, :group].reshape(batch, num_heads, head_dim).astype(q.dtype)
+
+
+def paged_attention_reference(q, k_cache, v_cache, layer, page_table, context_lens, *,
+                              sm_scale: float | None = None) -> jax.Array:
+    """Gathers each row's pages, masks past `context_lens`, softmax in float32. Same shapes."""
+    batch, num_heads, head_dim = q.shape
+    _, _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
+    keys = k_cache[layer][page_table].astype(jnp.float32)  # [B, P, BS, K, Dh]
+    values = v_cache[layer][page_table].astype(jnp.float32)
+    keys = keys.reshape(batch, -1, num_kv_heads, head_dim)  # [B, S, K, Dh]
+    values = values.reshape(batch, -1, num_kv_heads, head_dim)
+    visible = jnp.arange(keys.shape[1])[None, :] < context_lens[:, None]  # [B, S]
+    # Zero what is not visible, so NaN garbage there cannot leak through 0 * NaN.
+    keys = jnp.where(visible[:, :, None, None], keys, 0.0)
+    values = jnp.where(visible[:, :, None, None], values, 0.0)
+    qg = q.astype(jnp.float32).reshape(batch, num_kv_heads, group, head_dim)
+    scores = jnp.einsum("bkgd,bskd->bkgs", qg, keys,
+                        precision=lax.Precision.HIGHEST) * scale
+    scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    probs = jnp.where(visible[:, None, None, :], probs, 0.0)  # rows with no context -> zeros
+    out = jnp.einsum("bkgs,bskd->bkgd", probs, values, precision=lax.Precision.HIGHEST)
+    return out.reshape(batch, num_heads, head_dim).astype(q.dtype)
