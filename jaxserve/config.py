@@ -6,7 +6,8 @@ import dataclasses
 
 from jaxserve.block_manager import validate_block_size
 
-ATTENTION_BACKENDS = ("auto", "xla")
+BACKENDS = ("auto", "xla", "pallas", "pallas-interpret")
+QUANTIZATIONS = (None, "int4")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -28,6 +29,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.85
     enable_chunked_prefill: bool = True
     attention_backend: str = "auto"
+    linear_backend: str = "auto"
+    quantization: str | None = None  # "int4": round-to-nearest W4A16, groups of 128 (or 64/32)
     seed: int = 0
     warmup: bool = True
 
@@ -49,6 +52,10 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1], got "
                              f"{self.gpu_memory_utilization}")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got "
-                             f"{self.attention_backend!r}")
+        for name in ("attention_backend", "linear_backend"):
+            if getattr(self, name) not in BACKENDS:
+                raise ValueError(f"{name} must be one of {BACKENDS}, got "
+                                 f"{getattr(self, name)!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got "
+                             f"{self.quantization!r}")

@@ -7,6 +7,7 @@ manager; device work happens only inside the runner.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Sequence as Seq
@@ -14,6 +15,7 @@ from typing import Sequence as Seq
 import jax
 import numpy as np
 
+from jaxserve import backends
 from jaxserve.config import EngineConfig
 from jaxserve.kv_cache import log_plan, plan_num_blocks
 from jaxserve.outputs import RequestOutput
@@ -43,6 +45,10 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, model: Model | None = None):
         self.config = config
         self.model = model if model is not None else load_model(config.model, config.dtype)
+        if config.quantization == "int4":
+            from jaxserve.quantization import quantize_params_int4
+            self.model = dataclasses.replace(self.model,
+                                             params=quantize_params_int4(self.model.params))
         mc, bs = self.model.config, config.block_size
         dtype_bytes = np.dtype(self.model.params["embedding"].dtype).itemsize
         num_blocks = plan_num_blocks(mc, bs, dtype_bytes, _kv_budget(config, self.model))
@@ -64,7 +70,10 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.model, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, block_size=bs,
-            num_blocks=num_blocks, max_model_len=max_len, eos_ids=sorted(self.eos_ids))
+            num_blocks=num_blocks, max_model_len=max_len, eos_ids=sorted(self.eos_ids),
+            attention=backends.attention_backend(backends.resolve(config.attention_backend), mc,
+                                                 bs, config.attention_backend),
+            linear=backends.linear_backend(backends.resolve(config.linear_backend)))
         self.requests: dict[str, RequestState] = {}
         self._rng = np.random.default_rng(config.seed)
         self._counter = 0

@@ -50,7 +50,8 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, model: Model, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 block_size: int, num_blocks: int, max_model_len: int, eos_ids=()):
+                 block_size: int, num_blocks: int, max_model_len: int, eos_ids=(),
+                 attention=paged_attention_xla, linear=None):
         c = model.config
         self.model, self.block_size, self.max_model_len = model, block_size, max_model_len
         self.num_slots = max_num_seqs
@@ -66,7 +67,7 @@ class ModelRunner:
         self.decode_buckets = buckets.decode_block_buckets(self.max_blocks)
         self.batch_buckets = buckets.decode_batch_buckets(max_num_seqs)
         self.token_buckets = buckets.prefill_token_buckets(max_num_batched_tokens)
-        self._module = model.module(attention=paged_attention_xla)
+        self._module = model.module(attention=attention, **({"linear": linear} if linear else {}))
         self._step = jax.jit(self._step_impl, donate_argnums=(1,))
         self._compiles_at_warmup: int | None = None
 

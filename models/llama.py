@@ -19,6 +19,15 @@ from models.config import ModelConfig
 from models.rope import apply_rope, inv_frequencies
 
 AttentionFn = Callable[..., tuple[jnp.ndarray, Any]]
+LinearFn = Callable[[jnp.ndarray, Any], jnp.ndarray]
+
+
+def dense_linear(x, w):
+    """`x [..., K] @ w [K, N]` accumulated in float32: the default linear backend.
+
+    Backends for quantized weights (jaxserve/backends.py) accept a weight pytree in place of w.
+    """
+    return jnp.einsum("...i,io->...o", x, w, preferred_element_type=jnp.float32)
 
 
 def dense_causal_attention(q, k, v, cache, layer, meta):
@@ -46,12 +55,16 @@ class Linear(nn.Module):
     use_bias: bool = False
     dtype: Any = jnp.float32
     out_dtype: Any = None  # defaults to dtype; the LM head keeps float32 logits
+    linear: LinearFn = dense_linear
 
     @nn.compact
     def __call__(self, x):
-        kernel = self.param("kernel", nn.initializers.lecun_normal(),
-                            (x.shape[-1], self.features), self.dtype)
-        y = jnp.einsum("...i,io->...o", x, kernel, preferred_element_type=jnp.float32)
+        # A quantized checkpoint stores a pytree (packed codes, scales, ...) under "kernel";
+        # `param` would check it against the float kernel's shape, so read it directly.
+        stored = self.get_variable("params", "kernel")
+        kernel = stored if isinstance(stored, dict) else self.param(
+            "kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features), self.dtype)
+        y = self.linear(x, kernel)
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
         return y.astype(self.out_dtype or self.dtype)
@@ -74,15 +87,16 @@ class Attention(nn.Module):
     config: ModelConfig
     attention: AttentionFn
     dtype: Any = jnp.float32
+    linear: LinearFn = dense_linear
 
     @nn.compact
     def __call__(self, x, positions, cache, layer, meta):
         c = self.config
         b, t, _ = x.shape
-        bias = c.attention_bias
-        q = Linear(c.num_heads * c.head_dim, bias, self.dtype, name="q_proj")(x)
-        k = Linear(c.num_kv_heads * c.head_dim, bias, self.dtype, name="k_proj")(x)
-        v = Linear(c.num_kv_heads * c.head_dim, bias, self.dtype, name="v_proj")(x)
+        bias, lin = c.attention_bias, self.linear
+        q = Linear(c.num_heads * c.head_dim, bias, self.dtype, linear=lin, name="q_proj")(x)
+        k = Linear(c.num_kv_heads * c.head_dim, bias, self.dtype, linear=lin, name="k_proj")(x)
+        v = Linear(c.num_kv_heads * c.head_dim, bias, self.dtype, linear=lin, name="v_proj")(x)
         q = q.reshape(b, t, c.num_heads, c.head_dim)  # [B, T, H, Dh]
         k = k.reshape(b, t, c.num_kv_heads, c.head_dim)  # [B, T, K, Dh]
         v = v.reshape(b, t, c.num_kv_heads, c.head_dim)  # [B, T, K, Dh]
@@ -90,19 +104,20 @@ class Attention(nn.Module):
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         out, cache = self.attention(q, k, v, cache, layer, meta)
         out = out.reshape(b, t, c.num_heads * c.head_dim)
-        return Linear(c.hidden_size, False, self.dtype, name="o_proj")(out), cache
+        return Linear(c.hidden_size, False, self.dtype, linear=lin, name="o_proj")(out), cache
 
 
 class MLP(nn.Module):
     config: ModelConfig
     dtype: Any = jnp.float32
+    linear: LinearFn = dense_linear
 
     @nn.compact
     def __call__(self, x):
-        f = self.config.intermediate_size
-        gate = Linear(f, False, self.dtype, name="gate_proj")(x)
-        up = Linear(f, False, self.dtype, name="up_proj")(x)
-        return Linear(self.config.hidden_size, False, self.dtype, name="down_proj")(
+        f, lin = self.config.intermediate_size, self.linear
+        gate = Linear(f, False, self.dtype, linear=lin, name="gate_proj")(x)
+        up = Linear(f, False, self.dtype, linear=lin, name="up_proj")(x)
+        return Linear(self.config.hidden_size, False, self.dtype, linear=lin, name="down_proj")(
             jax.nn.silu(gate) * up)
 
 
@@ -110,17 +125,18 @@ class Block(nn.Module):
     config: ModelConfig
     attention: AttentionFn
     dtype: Any = jnp.float32
+    linear: LinearFn = dense_linear
 
     @nn.compact
     def __call__(self, carry, positions, meta):
         x, cache, layer = carry
         c = self.config
         h = RMSNorm(c.rms_norm_eps, self.dtype, name="input_norm")(x)
-        h, cache = Attention(c, self.attention, self.dtype, name="attn")(
+        h, cache = Attention(c, self.attention, self.dtype, self.linear, name="attn")(
             h, positions, cache, layer, meta)
         x = x + h
         h = RMSNorm(c.rms_norm_eps, self.dtype, name="post_norm")(x)
-        return (x + MLP(c, self.dtype, name="mlp")(h), cache, layer + 1), None
+        return (x + MLP(c, self.dtype, self.linear, name="mlp")(h), cache, layer + 1), None
 
 
 class Llama(nn.Module):
@@ -129,6 +145,7 @@ class Llama(nn.Module):
     config: ModelConfig
     dtype: Any = jnp.float32
     attention: AttentionFn = dense_causal_attention
+    linear: LinearFn = dense_linear
 
     @nn.compact
     def __call__(self, tokens, positions, kv_cache=None, meta=None, logits_index=None):
@@ -143,7 +160,7 @@ class Llama(nn.Module):
         x = jnp.take(embedding, tokens, axis=0)  # [B, T, D]
         layers = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
                          in_axes=(nn.broadcast, nn.broadcast), length=c.num_layers)
-        (x, kv_cache, _), _ = layers(c, self.attention, self.dtype, name="layers")(
+        (x, kv_cache, _), _ = layers(c, self.attention, self.dtype, self.linear, name="layers")(
             (x, kv_cache, jnp.int32(0)), positions, meta)
         if logits_index is not None:
             x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)[:, 0]  # [B, D]

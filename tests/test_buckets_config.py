@@ -55,6 +55,8 @@ def test_kv_bytes_per_token_uses_kv_heads():
     (dict(kv_cache_memory=-5), "kv_cache_memory is a byte count"),
     (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
     (dict(attention_backend="cudnn"), "attention_backend must be one of"),
+    (dict(linear_backend="triton"), "linear_backend must be one of"),
+    (dict(quantization="int3"), "quantization must be one of"),
 ])
 def test_engine_config_rejects_bad_values(kwargs, message):
     with pytest.raises(ValueError, match=message):

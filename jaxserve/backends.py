@@ -1,0 +1,84 @@
+"""Attention and linear backends: which implementation runs inside the jitted step.
+
+`xla` is pure jax.numpy and runs everywhere (the CPU path and the oracle); `pallas` runs the
+Pallas kernels (GPU); `pallas-interpret` runs the same kernels through the Pallas interpreter
+on CPU, for tests. `auto` picks pallas on GPU and xla elsewhere.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.attention import paged_attention_xla, write_kv
+from models.config import ModelConfig
+from models.llama import dense_linear
+from pallas_kernels.int4_matmul import int4_matmul, int4_matmul_reference
+from pallas_kernels.paged_attention import paged_attention
+
+log = logging.getLogger("jaxserve")
+
+BACKENDS = ("auto", "xla", "pallas", "pallas-interpret")
+# What the Triton paged-attention kernel is built for (power-of-2 tiles, see its module).
+KERNEL_HEAD_DIMS = (64, 128)
+KERNEL_BLOCK_SIZES = (8, 16, 32, 64, 128, 256)
+
+
+def resolve(kind: str) -> str:
+    if kind not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {kind!r}")
+    if kind == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "xla"
+    return kind
+
+
+def attention_backend(kind: str, config: ModelConfig, block_size: int, requested: str):
+    """The attention function for the model; falls back to XLA where the kernel cannot run."""
+    if kind == "xla":
+        return paged_attention_xla
+    unsupported = []
+    if config.head_dim not in KERNEL_HEAD_DIMS:
+        unsupported.append(f"head_dim {config.head_dim} (kernel: {KERNEL_HEAD_DIMS})")
+    if block_size not in KERNEL_BLOCK_SIZES:
+        unsupported.append(f"block_size {block_size} (kernel: {KERNEL_BLOCK_SIZES})")
+    if unsupported:
+        if requested != "auto":
+            raise ValueError(f"attention_backend={requested!r} cannot run {', '.join(unsupported)}"
+                             "; use attention_backend='xla'")
+        log.info("paged-attention kernel unsupported for %s: using XLA attention", unsupported)
+        return paged_attention_xla
+    interpret = kind == "pallas-interpret"
+
+    def attention(q, k, v, cache, layer, meta):
+        if q.shape[1] != 1:
+            # Prefill chunks attend over gathered pages in XLA: a dense [T, S] problem that
+            # XLA's fused dot handles well; the kernel is for the bandwidth-bound decode step.
+            return paged_attention_xla(q, k, v, cache, layer, meta)
+        cache = write_kv(cache, layer, k, v, meta.slots)
+        out = paged_attention(q[:, 0], cache.k, cache.v, layer, meta.page_table,
+                              meta.context_lens, interpret=interpret)  # [B, H, Dh]
+        return out[:, None], cache
+
+    return attention
+
+
+def linear_backend(kind: str):
+    """x @ w for float weights, or an int4 weight dict {packed, scales, offsets}."""
+    interpret = kind == "pallas-interpret"
+
+    def linear(x, w):
+        if not isinstance(w, dict):
+            return dense_linear(x, w)
+        lead, k = x.shape[:-1], x.shape[-1]
+        x2 = x.reshape(-1, k)  # [M, K]
+        group = k // w["scales"].shape[0]
+        args = (x2, w["packed"], w["scales"], w.get("offsets"))
+        if kind == "xla":
+            y = int4_matmul_reference(*args, group_size=group)
+        else:
+            y = int4_matmul(*args, group_size=group, interpret=interpret)
+        return y.reshape(*lead, y.shape[-1]).astype(jnp.float32)
+
+    return linear

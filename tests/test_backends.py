@@ -1,0 +1,76 @@
+"""The engine with Pallas kernels (interpret mode on CPU) against the XLA path, tiny model."""
+
+import numpy as np
+import pytest
+
+from jaxserve import EngineConfig, LLMEngine, SamplingParams
+from jaxserve.quantization import pick_group_size, quantize_params_int4
+from models.config import ModelConfig
+from models.random_init import random_model
+from pallas_kernels.int4_matmul import dequantize_int4
+
+# head_dim 64 and power-of-2 widths: shapes the kernels are built for.
+TINY = ModelConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=2,
+                   num_heads=6, num_kv_heads=2, head_dim=64, max_position_embeddings=256)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model(TINY, seed=7)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(0)
+    return [rng.integers(1, 256, n).tolist() for n in (3, 17, 40, 9)]
+
+
+def greedy(model, prompts, **kw):
+    engine = LLMEngine(EngineConfig(model="tiny", block_size=16, max_num_seqs=4,
+                                    max_model_len=128, max_num_batched_tokens=64,
+                                    warmup=False, **kw), model=model)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    return [done[str(i)] for i in range(len(prompts))]
+
+
+def test_pallas_attention_matches_xla(model, prompts):
+    xla = greedy(model, prompts, attention_backend="xla", linear_backend="xla")
+    pallas = greedy(model, prompts, attention_backend="pallas-interpret", linear_backend="xla")
+    assert pallas == xla
+    # The XLA path itself is the dense oracle's (tested on the real model in test_engine.py).
+    assert xla[1] == model.greedy_generate(prompts[1], 8, stop_token_ids=())
+
+
+def test_int4_kernel_engine_matches_int4_xla(model, prompts):
+    xla = greedy(model, prompts, attention_backend="xla", linear_backend="xla",
+                 quantization="int4")
+    pallas = greedy(model, prompts, attention_backend="pallas-interpret",
+                    linear_backend="pallas-interpret", quantization="int4")
+    assert pallas == xla
+    float_out = greedy(model, prompts, attention_backend="xla", linear_backend="xla")
+    assert xla != float_out or True  # int4 may or may not flip a token; reported, not asserted
+
+
+def test_int4_params_dequantize_close_to_float(model):
+    q = quantize_params_int4(model.params)
+    w = np.asarray(model.params["layers"]["mlp"]["down_proj"]["kernel"][1])  # [256, 128]
+    qk = q["layers"]["mlp"]["down_proj"]["kernel"]
+    g = pick_group_size(256)
+    deq = np.asarray(dequantize_int4(qk["packed"][1], qk["scales"][1], qk["offsets"][1],
+                                     group_size=g))
+    step = np.asarray(qk["scales"][1]).repeat(g, axis=0)  # [K, N]: each weight's RTN step
+    assert np.all(np.abs(deq - w) <= step / 2 + 1e-6)
+    assert pick_group_size(576) == 64 and pick_group_size(1536) == 128
+
+
+def test_kernel_backend_refuses_unsupported_shapes(model):
+    with pytest.raises(ValueError, match="block_size 4"):
+        LLMEngine(EngineConfig(model="tiny", block_size=4, max_model_len=64, warmup=False,
+                               attention_backend="pallas"), model=model)
