@@ -52,5 +52,16 @@ if [ "$WITH_TEST" = 1 ]; then
     .venv-ref/bin/python -c "import torch, transformers, gguf" || { echo "setup: reference install failed" >&2; exit 1; }
     stamp tests/requirements-ref.txt > .venv-ref/.jaxserve-stamp
   fi
+  # The CUDA compiler plugin at jax's version, for deviceless sm_90 compiles of the Pallas
+  # kernels. Kept out of .venv (tests/conftest.py adds it to sys.path): installed there, every
+  # jax start on a machine without CUDA would print a plugin error.
+  JAXVER=$(.venv/bin/python -c "import jax; print(jax.__version__)")
+  if [ "$(cat .cuda-plugin/.version 2>/dev/null)" != "$JAXVER" ]; then
+    rm -rf .cuda-plugin
+    if .venv/bin/python -m pip install --quiet --target .cuda-plugin --no-deps \
+        "jax-cuda13-plugin==$JAXVER" "jax-cuda13-pjrt==$JAXVER" 2>&1 | grep -v "is ignored"; then :; fi
+    if [ -d .cuda-plugin/jax_plugins ]; then echo "$JAXVER" > .cuda-plugin/.version
+    else echo "setup: CUDA compiler plugin unavailable; the deviceless compile tests will skip" >&2; fi
+  fi
 fi
 echo "setup: ready"

@@ -1,9 +1,18 @@
 import os
+import pathlib
+import sys
 
 import pytest
 
 # Tests run on the CPU path; the persistent cache makes a second run skip XLA compiles.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# The CUDA compiler plugin (for deviceless sm_90 compiles of the Pallas kernels) lives outside
+# .venv (scripts/setup.sh --test puts it in .cuda-plugin/): inside .venv every jax start on a
+# machine without CUDA would print a plugin error, so only the tests see it.
+_PLUGIN = pathlib.Path(__file__).resolve().parent.parent / ".cuda-plugin"
+if _PLUGIN.is_dir():
+    sys.path.insert(0, str(_PLUGIN))
 
 
 def pytest_configure(config):
