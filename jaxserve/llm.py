@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import dataclasses
+import numbers
 from typing import Sequence
 
 from tqdm import tqdm
@@ -36,7 +36,7 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """One output per prompt, in input order. Prompts are strings or lists of token ids."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], numbers.Integral)):
             prompts = [prompts]
         prompts = list(prompts)
         if isinstance(sampling_params, (list, tuple)):

@@ -91,5 +91,11 @@ def compile_for_h200(fn, *args):
     mesh = jax.sharding.Mesh(topo.devices, ("x",))
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated) for a in args]
-    with jax.set_mesh(mesh):
-        return jax.jit(fn).trace(*specs).lower().compile()
+    # A compile-only client cannot deserialize cached executables: keep these out of the cache.
+    enabled = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        with jax.set_mesh(mesh):
+            return jax.jit(fn).trace(*specs).lower().compile()
+    finally:
+        jax.config.update("jax_enable_compilation_cache", enabled)
