@@ -1,9 +1,10 @@
-"""`jaxserve` command line: download a model, generate text on the paged engine."""
+"""`jaxserve` command line: download a model, generate text, serve an OpenAI-compatible API."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 
@@ -58,6 +59,37 @@ def _cmd_generate(args) -> int:
     return 0
 
 
+def _cmd_serve(args) -> int:
+    from jaxserve import EngineConfig, LLMEngine
+    from jaxserve.server import ServerConfig, serve
+    model = args.model_name or args.model
+    try:
+        config = ServerConfig(served_model_name=args.served_model_name or model,
+                              api_key=args.api_key, threads=args.threads,
+                              max_waiting_requests=args.max_waiting_requests)
+        engine = LLMEngine(EngineConfig(model=model, **_engine_kwargs(args)))
+    except (ValueError, FileNotFoundError, KeyError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return serve(engine, args.host, args.port, config)
+
+
+def _add_serve_parser(sub) -> None:
+    p = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
+    p.add_argument("model_name", nargs="?", metavar="MODEL", help="overrides --model")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    p.add_argument("--api-key", default=os.environ.get("JAXSERVE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' (default: $JAXSERVE_API_KEY)")
+    p.add_argument("--served-model-name", default=None, help="the name clients ask for")
+    p.add_argument("--threads", type=int, default=64, help="HTTP worker threads")
+    p.add_argument("--max-waiting-requests", type=int, default=128,
+                   help="requests queued beyond the running batch before 503")
+    p.add_argument("--seed", type=int, default=None)
+    _add_engine_args(p)
+    p.set_defaults(func=_cmd_serve)
+
+
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m",
                    help="model name, .gguf file, HF directory or orbax checkpoint")
@@ -96,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(p)
     _add_sampling_args(p)
     p.set_defaults(func=_cmd_generate)
+    _add_serve_parser(sub)
     return parser
 
 

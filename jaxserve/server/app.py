@@ -1,0 +1,197 @@
+"""The Flask app factory: OpenAI-compatible routes over one EngineLoop.
+
+`create_app(engine_loop, config)` builds an app with its own state (no globals): the loop,
+the config, a per-app Prometheus registry and a count of responses still being written (so a
+drain can wait for them).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import threading
+
+from flask import Flask, Response, jsonify, request
+from werkzeug.exceptions import HTTPException
+
+from jaxserve.server.config import ServerConfig
+from jaxserve.server.engine_loop import EngineLoop
+from jaxserve.server.errors import ApiError, unavailable
+from jaxserve.server.generation import ClientGone, Generation
+from jaxserve.server.metrics import ServerMetrics
+from jaxserve.server.protocol import ModelInfo, parse_chat, parse_completion
+from jaxserve.server.responses import Responder
+
+log = logging.getLogger("jaxserve.server")
+HTTP_ERROR_TYPES = {404: "not_found_error", 405: "invalid_request_error",
+                    413: "invalid_request_error"}
+
+
+class ServerState:
+    def __init__(self, loop: EngineLoop, config: ServerConfig):
+        self.loop, self.config = loop, config
+        self.metrics = ServerMetrics(loop)
+        engine = loop.engine
+        self.info = ModelInfo(engine.model.tokenizer, engine.model.config.vocab_size,
+                              engine.max_model_len)
+        self.capacity = engine.config.max_num_seqs + config.max_waiting_requests
+        self._lock = threading.Lock()
+        self._active = 0  # responses being produced (a drain waits for them)
+
+    def enter(self) -> None:
+        with self._lock:
+            self._active += 1
+
+    def leave(self) -> None:
+        with self._lock:
+            self._active -= 1
+
+    @property
+    def active(self) -> int:
+        with self._lock:
+            return self._active
+
+    def decode(self, token_id: int) -> str:
+        tok = self.info.tokenizer
+        return tok.decode([token_id]) if tok is not None else str(token_id)
+
+
+def _error_response(err: ApiError, state: ServerState) -> Response:
+    state.metrics.errors.labels(status=str(err.status)).inc()
+    return Response(json.dumps(err.body()), status=err.status, mimetype="application/json")
+
+
+def _json_body():
+    try:
+        return json.loads(request.get_data(cache=False))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the request body is not valid JSON: {str(e)[:100]}",
+                       code="invalid_json") from None
+
+
+def _check_api_key(config: ServerConfig) -> None:
+    if config.api_key is None or not request.path.startswith("/v1"):
+        return
+    header = request.headers.get("Authorization", "")
+    given = header[7:] if header.startswith("Bearer ") else ""
+    if not hmac.compare_digest(given.encode(), config.api_key.encode()):
+        raise ApiError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                       type="authentication_error", code="invalid_api_key")
+
+
+def _generate(state: ServerState, chat: bool) -> Response:
+    body = _json_body()
+    name = state.config.served_model_name
+    model = body.get("model") if isinstance(body, dict) else None
+    if isinstance(model, str) and model != name:
+        raise ApiError(404, f"model {model[:100]!r} does not exist; this server serves {name!r}",
+                       type="not_found_error", param="model", code="model_not_found")
+    req = (parse_chat if chat else parse_completion)(body, state.config, state.info)
+    disconnected = request.environ.get("waitress.client_disconnected", lambda: False)
+    gen = Generation(state.loop, state.metrics, req, state.capacity,
+                     state.config.disconnect_poll_s, disconnected)
+    state.enter()
+    handed_over = False  # once the stream body exists, its close() does the cleanup
+    try:
+        gen.wait_accepted()
+        responder = Responder(gen, state.config.served_model_name, state.decode)
+        if not req.stream:
+            return jsonify(responder.full())
+        body = _Stream(responder, state)
+        handed_over = True
+        return Response(body, mimetype="text/event-stream",
+                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    finally:
+        if not handed_over:
+            gen.close()
+            state.leave()
+
+
+class _Stream:
+    """The SSE body. A class, not a generator: the WSGI server calls close() even when it
+    never started iterating, and that must still abort the request and end the count."""
+
+    def __init__(self, responder: Responder, state: ServerState):
+        self._responder, self._state = responder, state
+        self._chunks = responder.stream()
+        self._closed = False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> bytes:
+        return next(self._chunks)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._chunks.close()
+            self._responder.gen.close()
+            self._state.leave()
+
+
+def _register_routes(app: Flask, state: ServerState) -> None:
+    @app.post("/v1/completions")
+    def completions():
+        return _generate(state, chat=False)
+
+    @app.post("/v1/chat/completions")
+    def chat_completions():
+        return _generate(state, chat=True)
+
+    @app.get("/v1/models")
+    def models():
+        return jsonify({"object": "list", "data": [{
+            "id": state.config.served_model_name, "object": "model", "created": 0,
+            "owned_by": "jaxserve", "max_model_len": state.info.max_model_len}]})
+
+    @app.get("/health")
+    def health():
+        if not state.loop.alive:
+            raise unavailable("the engine loop is not running", "engine_unavailable")
+        if state.loop.draining:
+            raise unavailable("the server is shutting down", "server_draining")
+        return jsonify({"status": "ok"})
+
+    @app.get("/metrics")
+    def metrics():
+        return Response(state.metrics.render(), mimetype="text/plain; version=0.0.4")
+
+
+def _register_errors(app: Flask, state: ServerState) -> None:
+    app.before_request(lambda: _check_api_key(state.config))
+
+    @app.errorhandler(ApiError)
+    def api_error(err: ApiError):
+        return _error_response(err, state)
+
+    @app.errorhandler(ClientGone)
+    def client_gone(_):
+        return Response(status=499)  # nobody is listening; the sub-requests were aborted
+
+    @app.errorhandler(HTTPException)
+    def http_error(err: HTTPException):
+        code = err.code or 500
+        return _error_response(ApiError(code, err.description or err.name,
+                                        type=HTTP_ERROR_TYPES.get(code, "invalid_request_error"),
+                                        code=err.name.lower().replace(" ", "_")), state)
+
+    @app.errorhandler(Exception)
+    def internal_error(err: Exception):
+        log.exception("unexpected error")
+        return _error_response(ApiError(500, "internal server error", type="server_error"),
+                               state)
+
+
+def create_app(engine_loop: EngineLoop, config: ServerConfig | None = None) -> Flask:
+    """An OpenAI-compatible Flask app serving `engine_loop` (which must be started)."""
+    config = config or ServerConfig()
+    state = ServerState(engine_loop, config)
+    app = Flask("jaxserve")
+    app.config["MAX_CONTENT_LENGTH"] = config.max_body_bytes
+    app.json.sort_keys = False
+    app.extensions["jaxserve"] = state
+    _register_routes(app, state)
+    _register_errors(app, state)
+    return app

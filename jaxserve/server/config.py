@@ -1,0 +1,60 @@
+"""Server configuration: one frozen dataclass, validated with messages a user can act on."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxserve.sampling_params import MAX_LOGPROBS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
+
+
+def _positive_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ServerConfig:
+    """How the HTTP layer admits and bounds requests (the engine has its own EngineConfig).
+
+    `max_waiting_requests` bounds requests accepted beyond the engine's `max_num_seqs` running
+    slots; past it new requests get 503 instead of queueing without limit. `threads` is the
+    WSGI worker count: every open stream holds one thread, so it should exceed the number of
+    concurrent clients you expect (running + waiting).
+    """
+
+    served_model_name: str = "smollm2-135m"
+    api_key: str | None = None
+    max_waiting_requests: int = 128
+    max_n: int = 16
+    max_logprobs: int = MAX_LOGPROBS
+    max_stop_strings: int = MAX_STOP_STRINGS
+    max_stop_string_chars: int = MAX_STOP_STRING_CHARS
+    max_body_bytes: int = 4 << 20
+    threads: int = 64
+    drain_timeout_s: float = 60.0
+    # How often a handler waiting for tokens checks that its client is still connected.
+    disconnect_poll_s: float = 0.5
+
+    def __post_init__(self):
+        if not isinstance(self.served_model_name, str) or not self.served_model_name:
+            raise ValueError("served_model_name must be a non-empty string")
+        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
+            raise ValueError("api_key must be a non-empty string or None")
+        for name in ("max_n", "max_stop_strings", "max_stop_string_chars", "max_body_bytes",
+                     "threads"):
+            _positive_int(name, getattr(self, name))
+        if isinstance(self.max_waiting_requests, bool) or not isinstance(
+                self.max_waiting_requests, int) or self.max_waiting_requests < 0:
+            raise ValueError("max_waiting_requests must be an integer >= 0, got "
+                             f"{self.max_waiting_requests!r}")
+        if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"max_logprobs must be in [0, {MAX_LOGPROBS}] (the sampler's "
+                             f"limit), got {self.max_logprobs!r}")
+        if self.max_stop_strings > MAX_STOP_STRINGS or \
+                self.max_stop_string_chars > MAX_STOP_STRING_CHARS:
+            raise ValueError(f"the engine allows at most {MAX_STOP_STRINGS} stop strings of "
+                             f"{MAX_STOP_STRING_CHARS} characters")
+        for name in ("drain_timeout_s", "disconnect_poll_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")

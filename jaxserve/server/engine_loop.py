@@ -1,0 +1,193 @@
+"""EngineLoop: the one thread that owns and steps the (not thread-safe) LLMEngine.
+
+HTTP handler threads never touch the engine. They hand commands over through a thread-safe
+inbox (submit a group of sub-requests, abort some) and read what the engine produced from the
+group's own queue. Admission (queue bound, draining, engine dead) is decided under a lock at
+submit time so that a burst of handlers cannot overshoot the bound.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+import time
+
+from jaxserve.outputs import RequestOutput
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.server.errors import invalid, unavailable
+
+log = logging.getLogger("jaxserve.server")
+
+
+@dataclasses.dataclass(frozen=True)
+class SubRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    index: int  # the choice index this sub-request fills in the response
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """One item on a group's queue: an engine output, or an error that ends the group."""
+
+    index: int
+    output: RequestOutput | None
+    time: float  # monotonic, taken on the engine thread when the output was produced
+    error: Exception | None = None
+
+
+ACCEPTED = "accepted"  # first item on a group's queue once all its sub-requests are queued
+
+
+class EngineLoop:
+    def __init__(self, engine, idle_poll_s: float = 0.05):
+        self.engine = engine
+        self._idle_poll_s = idle_poll_s
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._in_flight = 0  # sub-requests accepted and not yet finished or aborted
+        self._draining = False
+        self._stopped = threading.Event()
+        self._error: BaseException | None = None
+        self._routes: dict[str, tuple[queue.SimpleQueue, int]] = {}  # engine thread only
+        self._stats = engine.stats()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+
+    # ---- any thread ------------------------------------------------------------------------
+
+    def start(self) -> "EngineLoop":
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopped.set()
+        self._inbox.put(None)  # wakes an idle loop
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self._error is None and not self._stopped.is_set()
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    def begin_drain(self) -> None:
+        """From now on new requests are refused; those in flight run to completion."""
+        with self._lock:
+            self._draining = True
+
+    def in_flight(self) -> int:
+        with self._lock:
+            return self._in_flight
+
+    def stats(self) -> dict:
+        """The engine's stats as of the end of its last step (a copy)."""
+        return dict(self._stats)
+
+    def submit(self, subs: list[SubRequest], capacity: int) -> queue.SimpleQueue:
+        """Queues a group of sub-requests; their events arrive on the returned queue.
+
+        `capacity` bounds accepted, unfinished sub-requests (running + waiting). Raises
+        ApiError (503) when draining, dead or full; nothing is queued then.
+        """
+        with self._lock:
+            if not self.alive:
+                raise unavailable("the engine is not running", "engine_unavailable")
+            if self._draining:
+                raise unavailable("the server is shutting down", "server_draining")
+            if self._in_flight + len(subs) > capacity:
+                raise unavailable(f"too many requests in flight ({self._in_flight}); retry "
+                                  "later", "queue_full")
+            self._in_flight += len(subs)
+        out: queue.SimpleQueue = queue.SimpleQueue()
+        self._inbox.put(("submit", subs, out))
+        return out
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Aborts sub-requests that have not finished (a no-op for finished ones)."""
+        self._inbox.put(("abort", list(request_ids), None))
+
+    # ---- the engine thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stopped.is_set():
+                busy = self.engine.has_unfinished_requests()
+                self._handle_inbox(block=not busy)
+                if self.engine.has_unfinished_requests():
+                    self._dispatch(self.engine.step())
+                self._stats = self.engine.stats()
+        except BaseException as e:  # noqa: BLE001 - any failure kills serving; report it
+            log.exception("engine loop died")
+            self._error = e
+            self._fail_all(f"the engine failed: {type(e).__name__}")
+            return
+        self._fail_all("the engine was stopped")  # nobody may wait forever on a dead loop
+
+    def _handle_inbox(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=self._idle_poll_s) if block else \
+                self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while item is not None:
+            kind, payload, out = item
+            if kind == "submit":
+                self._add_group(payload, out)
+            else:
+                self._abort(payload)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                item = None
+
+    def _add_group(self, subs: list[SubRequest], out: queue.SimpleQueue) -> None:
+        added = []
+        try:
+            for sub in subs:
+                self.engine.add_request(sub.request_id, sub.prompt_token_ids, sub.params)
+                added.append(sub)
+                self._routes[sub.request_id] = (out, sub.index)
+        except (ValueError, TypeError) as e:
+            # The handler validated already; this is the engine's last word. All or nothing.
+            self._abort([s.request_id for s in added])
+            self._release(len(subs) - len(added))
+            out.put(Event(-1, None, time.monotonic(), error=invalid(str(e), "prompt")))
+            return
+        out.put(ACCEPTED)
+
+    def _abort(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            if self._routes.pop(rid, None) is not None:
+                self.engine.abort(rid)
+                self._release(1)
+
+    def _release(self, count: int) -> None:
+        with self._lock:
+            self._in_flight -= count
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        for out in outputs:
+            route = self._routes.get(out.request_id)
+            if route is None:
+                continue
+            route[0].put(Event(route[1], out, now))
+            if out.finished:
+                del self._routes[out.request_id]
+                self._release(1)
+
+    def _fail_all(self, message: str) -> None:
+        err = unavailable(message, "engine_unavailable")
+        for out, index in self._routes.values():
+            out.put(Event(index, None, time.monotonic(), error=err))
+        self._release(len(self._routes))
+        self._routes.clear()

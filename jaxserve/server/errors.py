@@ -1,0 +1,33 @@
+"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` with a status code."""
+
+from __future__ import annotations
+
+MAX_SHOWN_CHARS = 40
+
+
+class ApiError(Exception):
+    """An error the client can act on; becomes the JSON error body and the HTTP status."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type = status, message, type
+        self.param, self.code = param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def invalid(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+def unavailable(message: str, code: str) -> ApiError:
+    return ApiError(503, message, type="service_unavailable_error", code=code)
+
+
+def shown(value) -> str:
+    """A short repr of a client value: error bodies must never echo a whole (huge) input."""
+    text = repr(value)
+    return text if len(text) <= MAX_SHOWN_CHARS else text[:MAX_SHOWN_CHARS] + "...(truncated)"

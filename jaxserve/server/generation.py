@@ -1,0 +1,148 @@
+"""One HTTP request's generation: n x prompts sub-requests in the engine, merged into choices.
+
+Runs in the handler thread. It submits the sub-requests to the engine loop, turns the engine's
+events into per-choice deltas, records latency metrics, and aborts whatever is unfinished when
+it is closed (the client went away, or an error) so KV blocks go back to the pool.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import time
+import uuid
+from typing import Callable, Iterator
+
+from jaxserve.server.engine_loop import ACCEPTED, EngineLoop, Event, SubRequest
+from jaxserve.server.errors import ApiError, unavailable
+from jaxserve.server.formatting import Choice
+from jaxserve.server.metrics import ServerMetrics
+from jaxserve.server.protocol import GenerationRequest
+
+INT64 = 2 ** 64
+
+
+class ClientGone(Exception):
+    """The client disconnected while we waited for tokens."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Delta:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]]
+    finish_reason: str | None
+
+
+def _sub_seed(seed: int | None, i: int) -> int | None:
+    if seed is None or i == 0:
+        return seed
+    return (seed + i + 2 ** 63) % INT64 - 2 ** 63  # stays a valid int64 seed
+
+
+def _sub_requests(req: GenerationRequest, base: str) -> list[SubRequest]:
+    subs = []
+    for p, ids in enumerate(req.prompts):
+        for i in range(req.n):
+            params = dataclasses.replace(req.params, seed=_sub_seed(req.params.seed, i))
+            subs.append(SubRequest(f"{base}-{p}-{i}", ids, params, p * req.n + i))
+    return subs
+
+
+class Generation:
+    def __init__(self, loop: EngineLoop, metrics: ServerMetrics, req: GenerationRequest,
+                 capacity: int, poll_s: float, disconnected: Callable[[], bool]):
+        self.t0 = time.monotonic()
+        self.req, self._loop, self._metrics = req, loop, metrics
+        self._poll_s, self._disconnected = poll_s, disconnected
+        self.id = uuid.uuid4().hex
+        self._subs = _sub_requests(req, self.id)
+        self.choices = [Choice(s.index) for s in self._subs]
+        self._last_token_time: dict[int, float] = {}
+        self._open = {s.index for s in self._subs}
+        self._queue = loop.submit(self._subs, capacity)  # raises 503 before anything queued
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.req.prompts)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.choices)
+
+    def _next(self) -> Event | str:
+        while True:
+            try:
+                return self._queue.get(timeout=self._poll_s)
+            except queue.Empty:
+                if self._disconnected():
+                    raise ClientGone() from None
+                if not self._loop.alive:
+                    raise unavailable("the engine is not running", "engine_unavailable") \
+                        from None
+
+    def wait_accepted(self) -> None:
+        """Returns once the engine queued every sub-request; raises the engine's refusal."""
+        item = self._next()
+        if isinstance(item, Event):
+            self._open.clear()  # the loop already took back whatever it had queued
+            raise item.error
+        assert item == ACCEPTED, item
+
+    def deltas(self) -> Iterator[Delta]:
+        """Yields what each choice gained, as the engine produces it, until all finish."""
+        while self._open:
+            event = self._next()
+            if event.error is not None:
+                self._open.clear()  # the engine loop dropped them all
+                raise event.error
+            yield self._apply(event)
+
+    def collect(self) -> list[Choice]:
+        for _ in self.deltas():
+            pass
+        return self.choices
+
+    def _apply(self, event: Event) -> Delta:
+        out = event.output.outputs[0]
+        choice = self.choices[event.index]
+        start = len(choice.token_ids)
+        new_ids = out.token_ids[start:]
+        new_lps = list(out.logprobs[start:len(out.token_ids)]) if out.logprobs is not None \
+            else []
+        choice.token_ids.extend(new_ids)
+        choice.logprobs.extend(new_lps)
+        choice.text += out.delta_text
+        if new_ids:
+            self._observe_token(event.index, event.time, len(new_ids))
+        if event.output.finished:
+            choice.finish_reason = out.finish_reason
+            self._open.discard(event.index)
+            self._observe_finish(event, choice)
+        return Delta(event.index, out.delta_text, new_ids, new_lps, choice.finish_reason)
+
+    def _observe_token(self, index: int, now: float, count: int) -> None:
+        last = self._last_token_time.get(index)
+        if last is None:
+            self._metrics.ttft.observe(now - self.t0)
+        else:
+            for _ in range(count):
+                self._metrics.itl.observe((now - last) / count)
+        self._last_token_time[index] = now
+
+    def _observe_finish(self, event: Event, choice: Choice) -> None:
+        m = self._metrics
+        m.e2e.observe(event.time - self.t0)
+        m.prompt_tokens.inc(len(event.output.prompt_token_ids))
+        m.generation_tokens.inc(len(choice.token_ids))
+        m.requests.labels(finish_reason=choice.finish_reason or "none").inc()
+
+    def close(self) -> None:
+        """Aborts unfinished sub-requests (their KV blocks return to the pool)."""
+        if self._open:
+            self._loop.abort([s.request_id for s in self._subs if s.index in self._open])
+            self._open.clear()
+
+
+__all__ = ["ApiError", "ClientGone", "Delta", "Generation"]

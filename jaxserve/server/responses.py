@@ -1,0 +1,103 @@
+"""Turns a running Generation into OpenAI responses: one JSON body, or a stream of SSE chunks."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Iterator
+
+from jaxserve.server import formatting as fmt
+from jaxserve.server.errors import ApiError
+from jaxserve.server.generation import ClientGone, Delta, Generation
+
+log = logging.getLogger("jaxserve.server")
+
+
+class Responder:
+    """Formats one request's choices; `chat` picks the chat or the legacy completions shape."""
+
+    def __init__(self, gen: Generation, model: str, decode):
+        self.gen, self.req, self.model, self.decode = gen, gen.req, model, decode
+        self.chat = self.req.chat
+        self.id = ("chatcmpl-" if self.chat else "cmpl-") + gen.id
+        self.created = int(time.time())
+
+    def _usage(self) -> dict:
+        return fmt.usage(self.gen.prompt_tokens, self.gen.completion_tokens)
+
+    def _prompt_text(self, index: int) -> str:
+        return self.req.prompt_texts[index // self.req.n]
+
+    def _logprobs(self, token_ids, entries, offset: int = 0) -> dict | None:
+        k = self.req.top_logprobs
+        if k is None:
+            return None
+        if self.chat:
+            return fmt.chat_logprobs(self.decode, token_ids, entries, k)
+        return fmt.completion_logprobs(self.decode, token_ids, entries, k, offset)
+
+    def _body(self, choices: list[dict], usage: dict | None, chunk: bool) -> dict:
+        build = fmt.chat_body if self.chat else fmt.completion_body
+        return build(self.id, self.created, self.model, choices, usage, chunk)
+
+    # ---- whole response -------------------------------------------------------------------
+
+    def full(self) -> dict:
+        choices = []
+        for c in self.gen.collect():
+            if self.chat:
+                choices.append({"index": c.index, "finish_reason": c.finish_reason,
+                                "message": {"role": "assistant", "content": c.text},
+                                "logprobs": self._logprobs(c.token_ids, c.logprobs)})
+            else:
+                prefix = self._prompt_text(c.index) if self.req.echo else ""
+                choices.append({"index": c.index, "text": prefix + c.text,
+                                "finish_reason": c.finish_reason,
+                                "logprobs": self._logprobs(c.token_ids, c.logprobs)})
+        return self._body(choices, self._usage(), chunk=False)
+
+    # ---- stream ---------------------------------------------------------------------------
+
+    def _first_chunks(self) -> Iterator[bytes]:
+        for c in self.gen.choices:
+            if self.chat:
+                choice = {"index": c.index, "delta": {"role": "assistant", "content": ""},
+                          "logprobs": None, "finish_reason": None}
+            elif self.req.echo:
+                choice = {"index": c.index, "text": self._prompt_text(c.index),
+                          "logprobs": None, "finish_reason": None}
+            else:
+                continue
+            yield fmt.sse(self._body([choice], None, chunk=True))
+
+    def _chunk(self, d: Delta, offset: int) -> bytes | None:
+        if not d.text and d.finish_reason is None and not d.logprobs:
+            return None  # text held back (it may become a stop string): nothing to say yet
+        lps = self._logprobs(d.token_ids, d.logprobs, offset) if d.token_ids else None
+        if self.chat:
+            delta = {"content": d.text} if d.text else {}
+            choice = {"index": d.index, "delta": delta, "logprobs": lps,
+                      "finish_reason": d.finish_reason}
+        else:
+            choice = {"index": d.index, "text": d.text, "logprobs": lps,
+                      "finish_reason": d.finish_reason}
+        return fmt.sse(self._body([choice], None, chunk=True))
+
+    def stream(self) -> Iterator[bytes]:
+        """SSE chunks ending in `data: [DONE]`; closing it early aborts what is unfinished."""
+        try:
+            yield from self._first_chunks()
+            for d in self.gen.deltas():
+                c = self.gen.choices[d.index]
+                chunk = self._chunk(d, len(c.text) - len(d.text))
+                if chunk is not None:
+                    yield chunk
+            if self.req.include_usage:
+                yield fmt.sse(self._body([], self._usage(), chunk=True))
+            yield fmt.sse("[DONE]")
+        except ClientGone:
+            log.info("client gone: aborting %s", self.id)
+        except ApiError as e:  # headers are sent: report inside the stream, as OpenAI does
+            yield fmt.sse(e.body())
+        finally:
+            self.gen.close()

@@ -1,0 +1,71 @@
+"""Runs the app under waitress with one engine thread; SIGTERM/SIGINT drain, then exit.
+
+Drain: new requests get 503 at once, in-flight requests run to completion (bounded by
+`drain_timeout_s`), then the listener closes and the process exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+
+import waitress
+
+from jaxserve.server.app import create_app
+from jaxserve.server.config import ServerConfig
+from jaxserve.server.engine_loop import EngineLoop
+
+log = logging.getLogger("jaxserve.server")
+# After the last response body is handed to waitress, its I/O thread still has to send it.
+FLUSH_GRACE_S = 0.5
+
+
+def make_server(app, host: str, port: int, config: ServerConfig):
+    """A waitress server (not yet running); port 0 picks a free port (`.effective_port`)."""
+    return waitress.create_server(
+        app, host=host, port=port, threads=config.threads,
+        connection_limit=config.threads + 64,
+        channel_request_lookahead=1,  # lets handlers notice a client that hung up
+        ident="jaxserve")
+
+
+def drain(loop: EngineLoop, state, timeout: float) -> bool:
+    """Refuses new requests and waits for in-flight ones; True if all finished in time."""
+    loop.begin_drain()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if loop.in_flight() == 0 and state.active == 0:
+            time.sleep(FLUSH_GRACE_S)
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def serve(engine, host: str = "127.0.0.1", port: int = 8000,
+          config: ServerConfig | None = None) -> int:
+    """Serves `engine` until SIGTERM or SIGINT, then drains. Returns an exit code."""
+    config = config or ServerConfig()
+    loop = EngineLoop(engine).start()
+    app = create_app(loop, config)
+    server = make_server(app, host, port, config)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    threading.Thread(target=server.run, name="waitress", daemon=True).start()
+    log.info("serving %s on http://%s:%s/v1", config.served_model_name, server.effective_host,
+             server.effective_port)
+    print(f"jaxserve: listening on http://{server.effective_host}:{server.effective_port}",
+          flush=True)
+    while not stop.wait(0.5):
+        if not loop.alive:
+            log.error("engine loop died: %r", loop.error)
+            break
+    log.info("draining: %d requests in flight", loop.in_flight())
+    drained = drain(loop, app.extensions["jaxserve"], config.drain_timeout_s)
+    log.info("drain %s; shutting down", "complete" if drained else "timed out")
+    server.close()
+    server.task_dispatcher.shutdown(timeout=1)
+    loop.stop()
+    return 0 if drained and loop.error is None else 1

@@ -1,0 +1,71 @@
+"""`jaxserve serve` as a real process: SIGTERM drains in-flight streams, refuses new requests
+with 503, and exits 0."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import requests
+
+MODEL = "smollm2-135m"
+STARTUP_TIMEOUT_S = 240
+
+
+def _start(path) -> tuple[subprocess.Popen, str]:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    cmd = [sys.executable, "-m", "jaxserve.cli", "serve", str(path), "--served-model-name",
+           MODEL, "--port", "0", "--max-num-seqs", "4", "--max-model-len", "256",
+           "--max-num-batched-tokens", "128"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,
+                            text=True)
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    for line in proc.stdout:  # the server prints its address once it is listening
+        if "listening on " in line:
+            return proc, line.split("listening on ")[1].strip()
+        if time.monotonic() > deadline:
+            break
+    proc.kill()
+    raise AssertionError(f"server did not start (rc={proc.poll()})")
+
+
+def _stream(url, result, first_chunk):
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 40, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    lines = []
+    with requests.post(url + "/v1/completions", json=body, stream=True, timeout=120) as r:
+        result["status"] = r.status_code
+        for line in r.iter_lines():
+            if line.startswith(b"data: "):
+                lines.append(line[6:])
+                first_chunk.set()
+    result["lines"] = lines
+
+
+@pytest.mark.timeout(400)
+def test_sigterm_drains_then_exits(smollm2_path):
+    proc, url = _start(smollm2_path)
+    try:
+        result, first_chunk = {}, threading.Event()
+        t = threading.Thread(target=_stream, args=(url, result, first_chunk))
+        t.start()
+        assert first_chunk.wait(60)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        r = requests.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Hi"},
+                          timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "server_draining"
+        assert requests.get(url + "/health", timeout=10).status_code == 503
+        t.join(120)
+        assert result["status"] == 200 and result["lines"][-1] == b"[DONE]"
+        chunks = [json.loads(x) for x in result["lines"][:-1]]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert sum(len(c["choices"]) for c in chunks) == 40  # one chunk per token, none lost
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
