@@ -1,0 +1,1021 @@
+"""GPU check: the one prepared script to run when an H200 is lent (see shared/design/GPU.md).
+
+One call, about 8 minutes on the GPU, every section on its own (a failure is recorded and the
+rest still runs; `--time-budget` skips what is left once exceeded):
+
+  environment        python / jax / jaxlib / plugin versions, devices, device memory
+  bandwidth          measured device copy and read bandwidth, dispatch floor, bf16 matmul rate
+  kernel_correctness paged attention and int4 matmul on the device vs their jnp references
+  kernel_timings     the same cases timed (warm, median) against the nominal 4.3 TB/s and the
+                     measured bandwidth, side by side with the XLA paths
+  e2e_llama3_8b      engine decode tok/s, random Llama-3-8B-shaped model, bf16 vs int4, batch 1/64
+  e2e_smollm2        the same on SmolLM2-135M (from --gguf if loadable, else random weights)
+  hf_peer            HF transformers `generate` on the same GPU, SmolLM2 shapes, bf16
+
+    python scripts/gpu_check.py --out-dir $OUT [--gguf SmolLM2.gguf] [--time-budget 450]
+    python scripts/gpu_check.py --dry-run --out-dir /tmp/gc    # CPU, interpret-mode kernels
+
+Writes gpu_check.json after every section (a killed run keeps what it finished) and
+gpu_check.md at the end, and prints the markdown. Exit status 1 when a section errored or a
+kernel was out of tolerance, else 0. Imports only jax, numpy, flax (and torch/transformers for
+the peer) besides this repository.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import importlib.metadata
+import json
+import math
+import os
+import pathlib
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+import warnings
+import zlib
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+NOMINAL_BW = 4.3e12          # B/s, H200 device copy bandwidth measured here before (GPU.md)
+NOMINAL_BF16_FLOPS = 790e12  # FLOP/s, H200 dense bf16 (GPU.md)
+L2_BYTES = 50 * 2**20        # H200 L2; timed inputs cycle through > 2x this so reads hit HBM
+TOKEN_LOW = 100              # random prompt ids start here (skips special tokens)
+
+warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
+
+
+# ---- what to run: the GPU profile and the tiny CPU dry-run profile ----------------------------
+
+def model_configs(dry: bool) -> dict:
+    from models.config import ModelConfig, RopeScaling
+    if dry:  # same head layouts (K, G, Dh) as the real models, tiny widths and depths
+        return {
+            "llama3_8b": ModelConfig(vocab_size=512, hidden_size=512, intermediate_size=256,
+                                     num_layers=2, num_heads=4, num_kv_heads=2, head_dim=128,
+                                     max_position_embeddings=256),
+            "smollm2": ModelConfig(vocab_size=512, hidden_size=576, intermediate_size=256,
+                                   num_layers=2, num_heads=9, num_kv_heads=3, head_dim=64,
+                                   tie_word_embeddings=True, max_position_embeddings=256)}
+    return {
+        "llama3_8b": ModelConfig(
+            vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+            num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
+            rope_scaling=RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                     original_max_position_embeddings=8192),
+            max_position_embeddings=8192, bos_token_id=128000, eos_token_ids=(128009,)),
+        "smollm2": ModelConfig(
+            vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+            num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
+            max_position_embeddings=8192, tie_word_embeddings=True, bos_token_id=1,
+            eos_token_ids=(2,))}
+
+
+ATTN_HEADS = {"smollm2": (3, 3, 64), "llama3_8b": (8, 4, 128)}  # (kv heads K, group G, Dh)
+INT4_SHAPES = {"smollm2": [(576, 1536), (1536, 576), (576, 576)],
+               "llama3_8b": [(4096, 4096), (4096, 14336), (14336, 4096)]}
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    interpret: bool
+    backend: str                 # engine attention/linear backend
+    attn_cases: tuple            # (model, block_size, batch)
+    max_context: int
+    int4_cases: tuple            # (model, K, N, M)
+    iters: int                   # calls per timing sample
+    reps: int                    # samples; the median is reported
+    copy_bytes: int
+    matmul_n: int
+    max_layers: int              # timed attention caches cycle through up to this many layers
+    max_copies: int              # timed int4/dense weights cycle through up to this many copies
+    e2e_batches: tuple
+    e2e_variants: tuple          # quantizations benchmarked per model (None = bf16)
+    prompt_len: int
+    new_tokens: int
+    max_model_len: int
+    block_size: int = 16
+
+
+GPU_PROFILE = Profile(
+    interpret=False, backend="pallas",
+    attn_cases=tuple((mo, bs, b) for mo in ATTN_HEADS for bs in (16, 32) for b in (1, 64)),
+    max_context=4096,
+    int4_cases=tuple((mo, k, n, m) for mo, shapes in INT4_SHAPES.items() for k, n in shapes
+                     for m in (1, 64)),
+    iters=20, reps=7, copy_bytes=2 << 30, matmul_n=8192, max_layers=32, max_copies=64,
+    e2e_batches=(1, 64), e2e_variants=(None, "int4"), prompt_len=136, new_tokens=64,
+    max_model_len=256)
+
+# CPU: the same code paths through the Pallas interpreter, each at a fraction of a second of
+# work. Cases cover both head layouts, both block sizes, the split (batch 1) and batched paths;
+# compile time, not run time, is what costs here, so the grids are not cross products.
+DRY_PROFILE = Profile(
+    interpret=True, backend="pallas-interpret",
+    attn_cases=(("smollm2", 16, 4), ("llama3_8b", 32, 1)), max_context=64,
+    int4_cases=(("smollm2", 128, 256, 1), ("llama3_8b", 256, 128, 4)),
+    iters=2, reps=2, copy_bytes=8 << 20, matmul_n=256, max_layers=2, max_copies=2,
+    e2e_batches=(2,), e2e_variants=(None, "int4"), prompt_len=20, new_tokens=6,
+    max_model_len=64)
+
+# Tolerances as in tests/test_paged_attention.py and tests/test_int4_matmul.py.
+ATTN_TOL = {"bfloat16": dict(rtol=1e-2, atol=1e-2), "float32": dict(rtol=1e-5, atol=1e-5)}
+INT4_TOL = {"bfloat16": dict(rel=2.0**-8, scale=1e-5), "float32": dict(rel=0.0, scale=1e-5)}
+
+
+class Ctx:
+    """Run state shared by the sections."""
+
+    def __init__(self, args, prof: Profile):
+        self.args, self.prof = args, prof
+        self.start = time.monotonic()
+        self.deadline = self.start + args.time_budget
+        self.bandwidth: dict = {}   # measured copy/read B/s (bandwidth section)
+        self.cases: dict = {}       # kernel inputs shared by correctness and timings
+        self.engine_results: dict = {}
+
+    def over_budget(self) -> bool:
+        return time.monotonic() > self.deadline
+
+    def log(self, msg: str) -> None:
+        print(f"[gpu_check {time.monotonic() - self.start:6.1f}s] {msg}", flush=True)
+
+
+# ---- helpers -----------------------------------------------------------------------------------
+
+def time_calls(fn, arg_sets, iters: int, reps: int) -> dict:
+    """Median seconds per call: `iters` back-to-back calls cycling over `arg_sets`, then one
+    block_until_ready (the device runs them in order), `reps` samples. First call warms up."""
+    import jax
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*arg_sets[0]))
+    first = time.perf_counter() - t0
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out = None
+        for i in range(iters):
+            out = fn(*arg_sets[i % len(arg_sets)])
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - t0) / iters)
+    return {"median_s": statistics.median(samples), "min_s": min(samples),
+            "first_call_s": first}
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def package_versions() -> dict:
+    wanted = ("jax", "jaxlib", "flax", "numpy", "orbax-checkpoint", "ml_dtypes", "torch",
+              "transformers", "safetensors", "tokenizers", "gguf", "jinja2", "tqdm", "flask")
+    out = {}
+    for dist in importlib.metadata.distributions():
+        name = (dist.metadata["Name"] or "").lower()
+        if name in wanted or name.startswith(("jax-cuda", "jax_cuda", "nvidia-cuda-runtime")):
+            out[name] = dist.version
+    return dict(sorted(out.items()))
+
+
+def importable(name: str) -> str | None:
+    """None when `name` imports, else the reason it does not."""
+    try:
+        __import__(name)
+        return None
+    except Exception as e:  # noqa: BLE001 - any import failure is a reason to skip
+        return f"{type(e).__name__}: {e}"
+
+
+# ---- sections: environment and bandwidth -------------------------------------------------------
+
+def section_environment(ctx: Ctx) -> dict:
+    import jax
+    dev = jax.devices()
+    res = {"python": platform.python_version(), "platform": platform.platform(),
+           "jax": jax.__version__, "jaxlib": importlib.metadata.version("jaxlib"),
+           "packages": package_versions(), "default_backend": jax.default_backend(),
+           "devices": [f"{d.platform}:{d.id} {d.device_kind}" for d in dev],
+           "cpu_count": os.cpu_count(), "dry_run": ctx.args.dry_run,
+           "xla_env": {k: v for k, v in os.environ.items() if k.startswith(("XLA_", "JAX_"))},
+           "importable": {m: importable(m) or "ok" for m in
+                          ("gguf", "jinja2", "tqdm", "torch", "transformers")}}
+    stats = dev[0].memory_stats() or {}
+    res["device_memory"] = {k: stats[k] for k in ("bytes_limit", "bytes_in_use",
+                                                  "peak_bytes_in_use") if k in stats}
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,"
+                              "clocks.max.sm,clocks.max.mem,power.limit", "--format=csv"],
+                             capture_output=True, text=True, timeout=20)
+        res["nvidia_smi"] = smi.stdout.strip() or smi.stderr.strip()
+    except Exception as e:  # noqa: BLE001 - CPU machines have no nvidia-smi
+        res["nvidia_smi"] = f"unavailable ({type(e).__name__})"
+    return res
+
+
+def section_bandwidth(ctx: Ctx) -> dict:
+    import jax
+    import jax.numpy as jnp
+    p = ctx.prof
+    n = p.copy_bytes // 4
+    x = jax.random.normal(jax.random.key(0), (n,), jnp.float32)
+    copy = time_calls(jax.jit(lambda a: a + 1.0), [(x,)], p.iters, p.reps)
+    read = time_calls(jax.jit(lambda a: jnp.max(a)), [(x,)], p.iters, p.reps)
+    tiny = jnp.ones((16,), jnp.float32)
+    floor = time_calls(jax.jit(lambda a: a + 1.0), [(tiny,)], max(p.iters, 50), p.reps)
+    m = p.matmul_n
+    a = jax.random.normal(jax.random.key(1), (m, m), jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(2), (m, m), jnp.bfloat16)
+    mm = time_calls(jax.jit(lambda u, v: jnp.dot(u, v)), [(a, b)], p.iters, p.reps)
+    del x, a, b
+    ctx.bandwidth = {"copy": 2 * p.copy_bytes / copy["median_s"],
+                     "read": p.copy_bytes / read["median_s"]}
+    flops = 2 * m ** 3 / mm["median_s"]
+    return {"array_bytes": p.copy_bytes,
+            "copy_bw_Bps": ctx.bandwidth["copy"], "copy_note": "read + write bytes / time",
+            "read_bw_Bps": ctx.bandwidth["read"], "read_note": "max-reduction, bytes / time",
+            "copy_vs_nominal": ctx.bandwidth["copy"] / NOMINAL_BW,
+            "dispatch_floor_s": floor["median_s"],
+            "dispatch_note": "per-call time of a 16-element jitted add: calls faster than "
+                             "about twice this are dispatch-bound",
+            "matmul_n": m, "matmul_bf16_flops": flops,
+            "matmul_vs_nominal": flops / NOMINAL_BF16_FLOPS}
+
+
+# ---- kernel inputs ----------------------------------------------------------------------------
+
+def context_lengths(batch: int, max_ctx: int, block: int, seed: int) -> list[int]:
+    """Mixed lengths up to max_ctx: one full, edge cases (1, a block, a block + 1), the rest
+    uniform. A batch of one gets max_ctx - 3 (a long context ending inside a page)."""
+    import numpy as np
+    if batch == 1:
+        return [max_ctx - 3]
+    lens = np.random.default_rng(seed).integers(1, max_ctx + 1, size=batch)
+    lens[0] = max_ctx
+    for i, v in zip(range(1, batch), (1, block, block + 1)):
+        lens[i] = v
+    return [int(v) for v in lens]
+
+
+def attention_layout(prof: Profile, model: str, block: int, batch: int) -> dict:
+    """Host-side layout of a case: lengths, page table (shuffled blocks; entries past a context
+    name spare blocks), valid slots per block, and L, the number of layers, chosen so the
+    cycled layers exceed 2x L2 (timed reads then come from HBM)."""
+    import numpy as np
+    kh, _, dh = ATTN_HEADS[model]
+    lens = context_lengths(batch, prof.max_context, block, seed=block * 1000 + batch)
+    pages = [-(-n // block) for n in lens]
+    used = sum(pages)
+    nb = used + 5  # null block + used + spares
+    rng = np.random.default_rng(batch + block)
+    ids = rng.permutation(np.arange(1, nb))
+    spare = np.concatenate([[0], ids[used:]])
+    table = rng.choice(spare, size=(batch, max(pages))).astype(np.int32)
+    valid = np.zeros(nb, np.int32)
+    start = 0
+    for b, (n, cnt) in enumerate(zip(lens, pages)):
+        table[b, :cnt] = ids[start:start + cnt]
+        valid[ids[start:start + cnt]] = np.minimum(block, n - block * np.arange(cnt))
+        start += cnt
+    per_layer = used * block * kh * dh * 2 * 2  # K + V pages, bf16
+    layers = int(min(prof.max_layers, max(2, math.ceil(2 * L2_BYTES / per_layer))))
+    return {"lens": lens, "table": table, "valid": valid, "layers": layers,
+            "cache_shape": (layers, nb, block, kh, dh), "bytes_per_call": per_layer}
+
+
+def attention_case(ctx: Ctx, model: str, block: int, batch: int) -> dict:
+    """Device-built caches `[L, NB, BS, K, Dh]` bf16; every slot outside some row's context
+    (null block 0, spare blocks, page tails) is NaN, and table entries past a context point at
+    NaN blocks, so a wrong read shows."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    key = (model, block, batch)
+    if key in ctx.cases:
+        return ctx.cases[key]
+    kh, g, dh = ATTN_HEADS[model]
+    lay = attention_layout(ctx.prof, model, block, batch)
+    mask = jnp.arange(block)[None, :] < jnp.asarray(lay["valid"])[:, None]  # [NB, BS]
+    mask = mask[None, :, :, None, None]
+    k1, k2, k3 = jax.random.split(jax.random.key(zlib.crc32(repr(key).encode())), 3)
+    shape, nan = lay["cache_shape"], jnp.bfloat16(jnp.nan)
+    lens = lay["lens"]
+    case = {"q": jax.random.normal(k1, (batch, kh * g, dh), jnp.bfloat16),
+            "k": jnp.where(mask, jax.random.normal(k2, shape, jnp.bfloat16), nan),
+            "v": jnp.where(mask, jax.random.normal(k3, shape, jnp.bfloat16), nan),
+            "page_table": jnp.asarray(lay["table"]), "context_lens": jnp.asarray(lens, jnp.int32),
+            "layers": lay["layers"], "bytes_per_call": lay["bytes_per_call"],
+            "desc": {"model": model, "kv_heads": kh, "group": g, "head_dim": dh,
+                     "block_size": block, "batch": batch, "max_len": max(lens),
+                     "mean_len": float(np.mean(lens)), "pages": int(lay["table"].shape[1]),
+                     "cache_shape": list(shape)}}
+    ctx.cases[key] = case
+    return case
+
+
+def int4_weights(ctx: Ctx, k: int, n: int) -> dict:
+    """Random codes over [0, 15] with per-group scales and offsets (asymmetric, the engine's RTN
+    format), in as many copies as make > 2x L2, plus bf16 dense copies for the XLA baseline.
+    Shared by every M of a (K, N)."""
+    import jax
+    import jax.numpy as jnp
+    from pallas_kernels.int4_matmul import pack_int4
+    key = ("int4", k, n)
+    if key in ctx.cases:
+        return ctx.cases[key]
+    g = next(g for g in (128, 64, 32) if k % g == 0)  # jaxserve.quantization.pick_group_size
+    wbytes = k * n // 2 + 2 * (k // g) * n * 4
+    copies = int(min(ctx.prof.max_copies, max(1, math.ceil(2 * L2_BYTES / wbytes))))
+    dense_copies = int(min(ctx.prof.max_copies, max(1, math.ceil(2 * L2_BYTES / (2 * k * n)))))
+    keys = jax.random.split(jax.random.key(k * 7 + n), 2 * copies + dense_copies)
+    weights = []
+    for i in range(copies):
+        u = jax.random.randint(keys[2 * i], (k, n), 0, 16).astype(jnp.uint8)
+        ka, kb = jax.random.split(keys[2 * i + 1])
+        weights.append((pack_int4(u, group_size=g),
+                        jax.random.uniform(ka, (k // g, n), jnp.float32, 0.005, 0.05),
+                        jax.random.uniform(kb, (k // g, n), jnp.float32, -0.4, 0.0)))
+    dense = [jax.random.normal(keys[2 * copies + i], (k, n), jnp.bfloat16) * 0.02
+             for i in range(dense_copies)]
+    ctx.cases[key] = {"weights": weights, "dense": dense, "group_size": g,
+                      "bytes_per_call": wbytes, "copies": copies}
+    return ctx.cases[key]
+
+
+def int4_case(ctx: Ctx, model: str, k: int, n: int, m: int) -> dict:
+    """The (K, N) weights with bf16 activations x [M, K]."""
+    import jax
+    import jax.numpy as jnp
+    w = int4_weights(ctx, k, n)
+    x = jax.random.normal(jax.random.key(m * 31 + k), (m, k), jnp.bfloat16)
+    return {**w, "x": x, "desc": {"model": model, "K": k, "N": n, "M": m,
+                                  "group_size": w["group_size"], "copies": w["copies"]}}
+
+
+# ---- section: kernel correctness ---------------------------------------------------------------
+
+def check_attention(ctx: Ctx, model: str, block: int, batch: int) -> dict:
+    import jax.numpy as jnp
+    import numpy as np
+    from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
+    c = attention_case(ctx, model, block, batch)
+    layer = jnp.int32(c["layers"] - 1)
+    args = (c["q"], c["k"], c["v"], layer, c["page_table"], c["context_lens"])
+    out = np.asarray(paged_attention(*args, interpret=ctx.prof.interpret), np.float32)
+    ref = np.asarray(paged_attention_reference(*args), np.float32)
+    tol = ATTN_TOL["bfloat16"]
+    err = np.abs(out - ref)
+    finite = bool(np.isfinite(out).all())
+    ok = finite and bool(np.all(err <= tol["atol"] + tol["rtol"] * np.abs(ref)))
+    return {**c["desc"], "dtype": "bfloat16", "finite": finite,
+            "max_abs_err": float(np.nanmax(err)) if finite else float("nan"),
+            "max_rel_err": float(np.nanmax(err / np.maximum(np.abs(ref), tol["atol"]))),
+            "max_abs_ref": float(np.max(np.abs(ref))), "tolerance": tol, "within_tol": ok}
+
+
+def check_int4(ctx: Ctx, model: str, k: int, n: int, m: int) -> dict:
+    import jax.numpy as jnp
+    import numpy as np
+    from pallas_kernels.int4_matmul import int4_matmul, int4_matmul_reference
+    c = int4_case(ctx, model, k, n, m)
+    packed, scales, offsets = c["weights"][0]
+    g = c["group_size"]
+    y = np.asarray(int4_matmul(c["x"], packed, scales, offsets, group_size=g,
+                               interpret=ctx.prof.interpret).astype(jnp.float32))
+    ref = np.asarray(int4_matmul_reference(c["x"].astype(jnp.float32), packed, scales, offsets,
+                                           group_size=g))
+    tol = INT4_TOL["bfloat16"]
+    scale = float(np.max(np.abs(ref)))
+    err = np.abs(y - ref)
+    finite = bool(np.isfinite(y).all())
+    ok = finite and bool(np.all(err <= tol["rel"] * np.abs(ref) + tol["scale"] * scale))
+    return {**c["desc"], "dtype": "bfloat16", "finite": finite,
+            "max_abs_err": float(err.max()), "max_rel_err": float(err.max() / scale),
+            "rel_err_note": "normalised by max|reference|", "tolerance": tol, "within_tol": ok}
+
+
+def run_cases(ctx: Ctx, keys, fn, what: str) -> tuple[list, list]:
+    """Runs fn(ctx, *key) per key; one failing case is recorded, the rest still run."""
+    rows, skipped = [], []
+    for key in keys:
+        if ctx.over_budget():
+            skipped.append(list(key))
+            continue
+        try:
+            rows.append(fn(ctx, *key))
+        except Exception as e:  # noqa: BLE001 - recorded per case
+            rows.append({"case": list(key), "error": f"{type(e).__name__}: {e}",
+                         "traceback": traceback.format_exc()[-2000:]})
+        ctx.log(f"{what} {key}: {summarise_row(rows[-1])}")
+    return rows, skipped
+
+
+def summarise_row(row: dict) -> str:
+    if "error" in row:
+        return "ERROR " + row["error"][:200]
+    if "within_tol" in row:
+        return f"max_abs_err={row['max_abs_err']:.3g} ok={row['within_tol']}"
+    return f"kernel {row['kernel']['median_s'] * 1e6:.1f} us"
+
+
+def section_kernel_correctness(ctx: Ctx) -> dict:
+    attn, s1 = run_cases(ctx, ctx.prof.attn_cases, check_attention, "attention")
+    int4, s2 = run_cases(ctx, ctx.prof.int4_cases, check_int4, "int4")
+    rows = attn + int4
+    bad = [r for r in rows if "error" in r or not r.get("within_tol")]
+    res = {"paged_attention": attn, "int4_matmul": int4, "num_cases": len(rows),
+           "num_bad": len(bad)}
+    if s1 or s2:
+        res["skipped_cases"] = s1 + s2
+    if bad:
+        res["_status"] = "failed"
+    elif s1 or s2:
+        res["_status"], res["_reason"] = "partial", "time budget exceeded"
+    return res
+
+
+# ---- section: kernel timings -------------------------------------------------------------------
+
+def xla_decode_attention(q, k_cache, v_cache, layer, page_table, context_lens):
+    """The engine's XLA decode attention: jaxserve/attention.py's gather_context and
+    paged_attention_xla math for one query token, without the KV write. Self-contained so the
+    kernel sections need nothing of jaxserve (whose package imports tqdm and jinja2)."""
+    import jax
+    import jax.numpy as jnp
+    b, nb = page_table.shape
+    _, _, bs, kh, dh = k_cache.shape
+    keys = k_cache[layer, page_table].reshape(b, nb * bs, kh, dh)  # [B, S, K, Dh]
+    values = v_cache[layer, page_table].reshape(b, nb * bs, kh, dh)
+    h = q.shape[1]
+    qg = q.reshape(b, kh, h // kh, dh)
+    scores = jnp.einsum("BKGD,BSKD->BKGS", qg, keys,
+                        preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(dh))
+    visible = jnp.arange(nb * bs)[None, :] < context_lens[:, None]  # [B, S]
+    scores = jnp.where(visible[:, None, None], scores, -1e30)  # attention.MASK_VALUE
+    probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
+    out = jnp.einsum("BKGS,BSKD->BKGD", probs, values, preferred_element_type=jnp.float32)
+    return out.reshape(b, h, dh).astype(q.dtype)
+
+
+def rates(ctx: Ctx, seconds: float, nbytes: int, flops: int | None = None) -> dict:
+    out = {"median_s": seconds, "bytes_per_s": nbytes / seconds,
+           "vs_nominal_bw": nbytes / seconds / NOMINAL_BW}
+    for kind in ("copy", "read"):
+        if ctx.bandwidth.get(kind):
+            out[f"vs_measured_{kind}_bw"] = nbytes / seconds / ctx.bandwidth[kind]
+    if flops:
+        out["flops_per_s"] = flops / seconds
+        out["vs_nominal_bf16_flops"] = flops / seconds / NOMINAL_BF16_FLOPS
+    return out
+
+
+def time_attention(ctx: Ctx, model: str, block: int, batch: int) -> dict:
+    import jax
+    import jax.numpy as jnp
+    from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
+    c = attention_case(ctx, model, block, batch)
+    p = ctx.prof
+    sets = [(c["q"], c["k"], c["v"], jnp.int32(i), c["page_table"], c["context_lens"])
+            for i in range(c["layers"])]
+
+    def kernel(*a):
+        return paged_attention(*a, interpret=p.interpret)
+
+    impls = {"kernel": kernel, "xla_engine_path": jax.jit(xla_decode_attention),
+             "reference_f32": jax.jit(paged_attention_reference)}
+    row = {**c["desc"], "bytes_per_call": c["bytes_per_call"], "layers_cycled": c["layers"]}
+    for name, fn in impls.items():
+        t = time_calls(fn, sets, p.iters, p.reps)
+        row[name] = {**rates(ctx, t["median_s"], c["bytes_per_call"]),
+                     "first_call_s": t["first_call_s"]}
+    for name in ("xla_engine_path", "reference_f32"):
+        row[f"kernel_over_{name}"] = row["kernel"]["median_s"] / row[name]["median_s"]
+    return row
+
+
+def time_int4(ctx: Ctx, model: str, k: int, n: int, m: int) -> dict:
+    import jax
+    import jax.numpy as jnp
+    from pallas_kernels.int4_matmul import int4_matmul, int4_matmul_reference, pick_blocks
+    c = int4_case(ctx, model, k, n, m)
+    p, g, x = ctx.prof, c["group_size"], c["x"]
+    sets = [(x, *w) for w in c["weights"]]
+    flops = 2 * m * k * n
+
+    def kernel(*a):
+        return int4_matmul(*a, group_size=g, interpret=p.interpret)
+
+    row = {**c["desc"], "bytes_per_call": c["bytes_per_call"],
+           "blocks_mnk_split": list(pick_blocks(m, k, n, g))}
+    xla = jax.jit(lambda *a: int4_matmul_reference(*a, group_size=g))
+    for name, fn, args in (("kernel", kernel, sets), ("xla_engine_path", xla, sets)):
+        t = time_calls(fn, args, p.iters, p.reps)
+        row[name] = {**rates(ctx, t["median_s"], c["bytes_per_call"], flops),
+                     "first_call_s": t["first_call_s"]}
+    dense = jax.jit(lambda a, w: jnp.dot(a, w, preferred_element_type=jnp.float32)
+                    .astype(a.dtype))
+    t = time_calls(dense, [(x, w) for w in c["dense"]], p.iters, p.reps)
+    row["dense_bf16_xla"] = rates(ctx, t["median_s"], 2 * k * n, flops)
+    row["kernel_over_xla_engine_path"] = row["kernel"]["median_s"] / \
+        row["xla_engine_path"]["median_s"]
+    row["kernel_over_dense_bf16"] = row["kernel"]["median_s"] / row["dense_bf16_xla"]["median_s"]
+    return row
+
+
+def section_kernel_timings(ctx: Ctx) -> dict:
+    try:
+        attn, s1 = run_cases(ctx, ctx.prof.attn_cases, time_attention, "attention timing")
+        int4, s2 = run_cases(ctx, ctx.prof.int4_cases, time_int4, "int4 timing")
+    finally:
+        ctx.cases.clear()
+        gc.collect()
+    res = {"paged_attention": attn, "int4_matmul": int4,
+           "method": f"median of {ctx.prof.reps} samples of {ctx.prof.iters} back-to-back "
+                     "calls (inputs cycled to exceed L2), one block_until_ready per sample; "
+                     "bytes = K+V pages read (attention), packed + scales + offsets (int4)"}
+    if any("error" in r for r in attn + int4):
+        res["_status"] = "failed"
+    elif s1 or s2:
+        res.update(_status="partial", _reason="time budget exceeded", skipped_cases=s1 + s2)
+    return res
+
+
+# ---- end-to-end decode on the engine -----------------------------------------------------------
+
+def decode_run(engine, batch: int, prompt_len: int, new_tokens: int, seed: int) -> dict:
+    """Fixed-length prompts, EOS ignored, greedy. Decode time runs from the step in which the
+    last request got its first token to the end, so prefill is excluded."""
+    import numpy as np
+    from jaxserve import SamplingParams
+    vocab = engine.model.config.vocab_size
+    prompts = np.random.default_rng(seed).integers(TOKEN_LOW, min(vocab, 40000),
+                                                   size=(batch, prompt_len))
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    compiled = engine.runner.num_compiled
+    t0 = time.perf_counter()
+    for p in prompts:
+        engine.add_request(engine.next_request_id(), p.tolist(), params)
+    counts, t_dec, base, steps, now = {}, None, 0, 0, t0
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        now = time.perf_counter()
+        for o in outs:
+            counts[o.request_id] = len(o.outputs[0].token_ids)
+        if t_dec is None:
+            if len(counts) == batch:
+                t_dec, base = now, sum(counts.values())
+        else:
+            steps += 1
+    total = sum(counts.values())
+    dec_s = now - t_dec if t_dec is not None else float("nan")
+    return {"batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens,
+            "generated": total, "all_lengths_ok": all(v == new_tokens for v in counts.values()),
+            "wall_s": now - t0, "overall_tok_s": total / (now - t0),
+            "decode_steps": steps, "decode_s": dec_s,
+            "decode_tok_s": (total - base) / dec_s if steps else float("nan"),
+            "decode_steps_per_s": steps / dec_s if steps else float("nan"),
+            "compiles_during_run": engine.runner.num_compiled - compiled}
+
+
+def weight_bytes_per_step(model) -> int:
+    """Bytes of weights one decode step reads: all params, less the embedding table when the LM
+    head is separate (only a few embedding rows are gathered)."""
+    import jax
+    total = sum(leaf.nbytes for leaf in jax.tree.leaves(model.params))
+    if not model.config.tie_word_embeddings:
+        total -= model.params["embedding"].nbytes
+    return int(total)
+
+
+def ensure_params_on_device(engine) -> str | None:
+    """The engine's int4 quantization may leave numpy (host) arrays in the params, which jit
+    would re-send every step; move them to the device so the kernel path is what is timed."""
+    import jax
+    import numpy as np
+    if not any(isinstance(x, np.ndarray) for x in jax.tree.leaves(engine.model.params)):
+        return None
+    model = dataclasses.replace(engine.model, params=jax.device_put(engine.model.params))
+    engine.model = engine.runner.model = model
+    return ("engine left quantized params as host numpy arrays (jit would copy them to the "
+            "device every step); moved to the device by gpu_check")
+
+
+def build_llm(ctx: Ctx, model, quantization):
+    """An engine sized for the benchmark: a token budget that admits every prompt in the first
+    step (so decode runs at one batch bucket and only a few programs compile), a KV cache for
+    max_num_seqs full-length sequences, and no warm-up (the first run compiles what it uses)."""
+    from jaxserve import LLM
+    p = ctx.prof
+    seqs = max(p.e2e_batches)
+    pages = seqs * -(-p.max_model_len // p.block_size) + 2
+    kv = pages * p.block_size * model.config.kv_bytes_per_token(2 if model.dtype == "bfloat16"
+                                                                  else 4)
+    t0 = time.perf_counter()
+    llm = LLM(model, attention_backend=p.backend, linear_backend=p.backend,
+              quantization=quantization, max_num_seqs=seqs, max_model_len=p.max_model_len,
+              max_num_batched_tokens=next_pow2(max(512, seqs * (p.prompt_len + 1))),
+              kv_cache_memory=int(kv), block_size=p.block_size, warmup=False)
+    note = ensure_params_on_device(llm.engine)
+    return llm, time.perf_counter() - t0, note
+
+
+def bench_variant(ctx: Ctx, model, quantization) -> dict:
+    """One engine (bf16 or int4) at every batch size: a warm-up run compiles, a second is timed."""
+    p = ctx.prof
+    llm, build_s, note = build_llm(ctx, model, quantization)
+    wbytes = weight_bytes_per_step(llm.engine.model)
+    res = {"quantization": quantization or "none (bf16)", "construct_s": build_s,
+           "weight_bytes_per_step": wbytes, "runs": []}
+    if note:
+        res["note"] = note
+    kv_tok = model.config.kv_bytes_per_token(2)
+    for batch in p.e2e_batches:
+        if ctx.over_budget():
+            res["runs"].append({"batch": batch, "skipped": "time budget exceeded"})
+            continue
+        warm = decode_run(llm.engine, batch, p.prompt_len, p.new_tokens, seed=batch)
+        run = decode_run(llm.engine, batch, p.prompt_len, p.new_tokens, seed=batch + 1)
+        if run["compiles_during_run"]:  # e.g. a config registered lazily during the warm-up
+            again = decode_run(llm.engine, batch, p.prompt_len, p.new_tokens, seed=batch + 2)
+            again["compiles_in_discarded_run"] = run["compiles_during_run"]
+            run = again
+        run["warmup_wall_s"] = warm["wall_s"]
+        sps = run["decode_steps_per_s"]
+        kv_step = batch * (p.prompt_len + p.new_tokens / 2) * kv_tok
+        for kind, bw in (("nominal", NOMINAL_BW), ("measured_copy", ctx.bandwidth.get("copy")),
+                         ("measured_read", ctx.bandwidth.get("read"))):
+            if bw:
+                run[f"mbu_weights_vs_{kind}"] = wbytes * sps / bw
+                run[f"mbu_weights_kv_vs_{kind}"] = (wbytes + kv_step) * sps / bw
+        res["runs"].append(run)
+        ctx.log(f"  {quantization or 'bf16'} batch {batch}: {run['decode_tok_s']:.1f} decode "
+                f"tok/s, {sps:.1f} steps/s")
+    del llm
+    gc.collect()
+    return res
+
+
+def bench_model(ctx: Ctx, name: str, model, source: str) -> dict:
+    res = {"model": name, "source": source, "config": model.config.to_dict(),
+           "num_params": model.config.num_params(), "backend": ctx.prof.backend,
+           "block_size": ctx.prof.block_size, "max_model_len": ctx.prof.max_model_len,
+           "variants": []}
+    for quant in ctx.prof.e2e_variants:
+        if ctx.over_budget():
+            res["variants"].append({"quantization": quant, "skipped": "time budget exceeded"})
+            continue
+        try:
+            res["variants"].append(bench_variant(ctx, model, quant))
+        except Exception as e:  # noqa: BLE001 - the other variant still runs
+            res["variants"].append({"quantization": quant, "error": f"{type(e).__name__}: {e}",
+                                    "traceback": traceback.format_exc()[-2000:]})
+            res["_status"] = "error"
+        gc.collect()
+    ctx.engine_results[name] = res
+    return res
+
+
+def section_e2e_llama3_8b(ctx: Ctx) -> dict:
+    from models.random_init import random_model
+    t0 = time.perf_counter()
+    model = random_model(model_configs(ctx.args.dry_run)["llama3_8b"], "bfloat16")
+    init_s = time.perf_counter() - t0
+    res = bench_model(ctx, "llama3_8b", model, "random weights (models.random_init)")
+    res["init_s"] = init_s
+    return res
+
+
+def load_smollm2(ctx: Ctx):
+    """(model, source): the GGUF when given and loadable, else random SmolLM2-shaped weights."""
+    from models.random_init import random_model
+    path = ctx.args.gguf
+    why = None
+    if not path:
+        why = "no --gguf given"
+    elif not pathlib.Path(path).is_file():
+        why = f"--gguf {path} does not exist here"
+    else:
+        why = importable("gguf")
+        if why is None:
+            from models import load_model
+            try:
+                return load_model(path, "bfloat16", compilation_cache=False), f"gguf {path}"
+            except Exception as e:  # noqa: BLE001 - fall back to random weights
+                why = f"loading {path} failed: {type(e).__name__}: {e}"
+        else:
+            why = f"gguf package not importable ({why})"
+    cfg = model_configs(ctx.args.dry_run)["smollm2"]
+    return random_model(cfg, "bfloat16"), f"random weights, SmolLM2 config ({why})"
+
+
+def section_e2e_smollm2(ctx: Ctx) -> dict:
+    model, source = load_smollm2(ctx)
+    return bench_model(ctx, "smollm2", model, source)
+
+
+# ---- HF transformers peer ----------------------------------------------------------------------
+
+def hf_model(ctx: Ctx, torch, device):
+    """SmolLM2 in HF: from the GGUF (needs the gguf package) or random weights, same config."""
+    import transformers
+    path = ctx.args.gguf
+    if path and pathlib.Path(path).is_file() and importable("gguf") is None:
+        p = pathlib.Path(path)
+        m = transformers.AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name)
+        return m.to(device=device, dtype=torch.bfloat16).eval(), f"gguf {path}"
+    c = model_configs(ctx.args.dry_run)["smollm2"]
+    hc = transformers.LlamaConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size, num_hidden_layers=c.num_layers,
+        num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
+        head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
+        max_position_embeddings=c.max_position_embeddings,
+        tie_word_embeddings=c.tie_word_embeddings)
+    torch.manual_seed(0)
+    m = transformers.LlamaForCausalLM(hc).to(device=device, dtype=torch.bfloat16).eval()
+    why = "no --gguf given" if not path else "GGUF or the gguf package unavailable"
+    return m, f"random weights, SmolLM2 config ({why})"
+
+
+def hf_decode(torch, model, device, batch: int, prompt_len: int, new_tokens: int) -> dict:
+    """Greedy generate of exactly new_tokens per row; decode time starts at the first logits."""
+    import numpy as np
+    from transformers import LogitsProcessor, LogitsProcessorList
+    first = []
+
+    class Timer(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            if not first:
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                first.append(time.perf_counter())
+            return scores
+
+    ids = np.random.default_rng(batch).integers(TOKEN_LOW, min(model.config.vocab_size, 40000),
+                                                size=(batch, prompt_len))
+    ids = torch.tensor(ids, device=device)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                             do_sample=False, max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, pad_token_id=0,
+                             logits_processor=LogitsProcessorList([Timer()]))
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    end = time.perf_counter()
+    got = out.shape[1] - prompt_len
+    return {"batch": batch, "prompt_len": prompt_len, "new_tokens": got, "wall_s": end - t0,
+            "overall_tok_s": batch * got / (end - t0),
+            "decode_tok_s": batch * (got - 1) / (end - first[0]) if got > 1 else float("nan")}
+
+
+def section_hf_peer(ctx: Ctx) -> dict:
+    for mod in ("torch", "transformers"):
+        why = importable(mod)
+        if why:
+            return {"_status": "skipped", "_reason": f"{mod} not importable here ({why})"}
+    import torch
+    if not ctx.args.dry_run and not torch.cuda.is_available():
+        return {"_status": "skipped", "_reason": "torch sees no CUDA device"}
+    device = torch.device("cuda" if torch.cuda.is_available() and not ctx.args.dry_run
+                          else "cpu")
+    model, source = hf_model(ctx, torch, device)
+    p = ctx.prof
+    res = {"source": source, "device": str(device), "torch": torch.__version__,
+           "transformers": importlib.metadata.version("transformers"), "dtype": "bfloat16",
+           "runs": []}
+    for batch in p.e2e_batches:
+        if ctx.over_budget():
+            res["runs"].append({"batch": batch, "skipped": "time budget exceeded"})
+            continue
+        hf_decode(torch, model, device, batch, p.prompt_len, 4)  # warm-up
+        res["runs"].append(hf_decode(torch, model, device, batch, p.prompt_len, p.new_tokens))
+    del model
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return res
+
+
+# ---- report ------------------------------------------------------------------------------------
+
+def fmt(v, spec=".3g") -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return "nan" if math.isnan(v) else format(v, spec)
+    return str(v)
+
+
+def md_environment(r: dict) -> list[str]:
+    mem = r.get("device_memory", {})
+    return [f"- python {r['python']}, jax {r['jax']}, jaxlib {r['jaxlib']}, backend "
+            f"{r['default_backend']}", f"- devices: {', '.join(r['devices'])}",
+            f"- device memory limit: {fmt(mem.get('bytes_limit', 0) / 2**30)} GiB",
+            f"- packages: {', '.join(f'{k} {v}' for k, v in r['packages'].items())}",
+            f"- importable: {r['importable']}", f"- nvidia-smi: `{r['nvidia_smi']}`"]
+
+
+def md_bandwidth(r: dict) -> list[str]:
+    return [f"- copy bandwidth (read+write): {r['copy_bw_Bps'] / 1e12:.3f} TB/s "
+            f"({r['copy_vs_nominal']:.2f} x nominal 4.3 TB/s)",
+            f"- read bandwidth (max-reduction): {r['read_bw_Bps'] / 1e12:.3f} TB/s",
+            f"- dispatch floor: {r['dispatch_floor_s'] * 1e6:.1f} us per jitted call",
+            f"- bf16 matmul {r['matmul_n']}^3: {r['matmul_bf16_flops'] / 1e12:.1f} TFLOP/s "
+            f"({r['matmul_vs_nominal']:.2f} x nominal 790)"]
+
+
+def md_correctness(r: dict) -> list[str]:
+    out = ["| kernel | case | max abs err | max rel err | ok |", "|---|---|---|---|---|"]
+    for kind in ("paged_attention", "int4_matmul"):
+        for row in r.get(kind, []):
+            if "error" in row:
+                out.append(f"| {kind} | {row['case']} | ERROR: {row['error'][:120]} | | no |")
+                continue
+            case = (f"{row['model']} bs{row['block_size']} B{row['batch']} "
+                    f"maxlen {row['max_len']}" if kind == "paged_attention" else
+                    f"{row['model']} {row['K']}->{row['N']} M{row['M']} g{row['group_size']}")
+            out.append(f"| {kind} | {case} | {fmt(row['max_abs_err'])} | "
+                       f"{fmt(row['max_rel_err'])} | {'yes' if row['within_tol'] else 'NO'} |")
+    return out
+
+
+def md_timings(r: dict) -> list[str]:
+    out = [f"{r.get('method', '')}", "",
+           "| kernel | case | MB/call | kernel us | TB/s | x4.3 | x meas. copy | x meas. read | "
+           "XLA us | kernel/XLA | extra |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for kind in ("paged_attention", "int4_matmul"):
+        for row in r.get(kind, []):
+            if "error" in row:
+                out.append(f"| {kind} | {row['case']} | ERROR: {row['error'][:120]} ||||||||")
+                continue
+            k, x = row["kernel"], row["xla_engine_path"]
+            if kind == "paged_attention":
+                case = f"{row['model']} bs{row['block_size']} B{row['batch']}"
+                extra = f"f32 ref {row['reference_f32']['median_s'] * 1e6:.1f} us"
+            else:
+                case = f"{row['model']} {row['K']}->{row['N']} M{row['M']}"
+                extra = (f"dense bf16 {row['dense_bf16_xla']['median_s'] * 1e6:.1f} us; "
+                         f"{k['flops_per_s'] / 1e12:.2f} TFLOP/s")
+            out.append(f"| {kind} | {case} | {row['bytes_per_call'] / 1e6:.2f} | "
+                       f"{k['median_s'] * 1e6:.1f} | {k['bytes_per_s'] / 1e12:.3f} | "
+                       f"{k['vs_nominal_bw']:.2f} | {fmt(k.get('vs_measured_copy_bw'), '.2f')} | "
+                       f"{fmt(k.get('vs_measured_read_bw'), '.2f')} | "
+                       f"{x['median_s'] * 1e6:.1f} | {row['kernel_over_xla_engine_path']:.2f} | "
+                       f"{extra} |")
+    return out
+
+
+def md_e2e(r: dict) -> list[str]:
+    out = [f"- model: {r['model']} ({r['num_params'] / 1e6:.0f}M params), source: "
+           f"{r['source']}, backend {r['backend']}, block {r['block_size']}", "",
+           "| weights | batch | decode tok/s | steps/s | overall tok/s | MBU (weights) vs 4.3 | "
+           "vs measured copy | compiles in run | lengths ok |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for v in r["variants"]:
+        label = v.get("quantization") or "bf16"
+        if "error" in v or "skipped" in v:
+            out.append(f"| {label} | {v.get('error') or v.get('skipped')} ||||||||")
+            continue
+        for run in v["runs"]:
+            if "skipped" in run:
+                out.append(f"| {label} | {run['batch']} | {run['skipped']} |||||||")
+                continue
+            out.append(f"| {label} | {run['batch']} | {fmt(run['decode_tok_s'], '.1f')} | "
+                       f"{fmt(run['decode_steps_per_s'], '.1f')} | "
+                       f"{fmt(run['overall_tok_s'], '.1f')} | "
+                       f"{fmt(run.get('mbu_weights_vs_nominal'), '.3f')} | "
+                       f"{fmt(run.get('mbu_weights_vs_measured_copy'), '.3f')} | "
+                       f"{run['compiles_during_run']} | {run['all_lengths_ok']} |")
+        if v.get("note"):
+            out.append(f"\nnote ({label}): {v['note']}\n")
+    return out
+
+
+def md_hf(r: dict) -> list[str]:
+    out = [f"- {r['source']} on {r['device']}, torch {r['torch']}, transformers "
+           f"{r['transformers']}, bf16", "", "| batch | decode tok/s | overall tok/s |",
+           "|---|---|---|"]
+    for run in r["runs"]:
+        if "skipped" in run:
+            out.append(f"| {run['batch']} | {run['skipped']} | |")
+        else:
+            out.append(f"| {run['batch']} | {fmt(run['decode_tok_s'], '.1f')} | "
+                       f"{fmt(run['overall_tok_s'], '.1f')} |")
+    return out
+
+
+MD = {"environment": md_environment, "bandwidth": md_bandwidth,
+      "kernel_correctness": md_correctness, "kernel_timings": md_timings,
+      "e2e_llama3_8b": md_e2e, "e2e_smollm2": md_e2e, "hf_peer": md_hf}
+
+
+def markdown(report: dict) -> str:
+    lines = [f"# gpu_check {'(dry run, CPU)' if report['dry_run'] else ''}", "",
+             f"command: `{report['command']}`", ""]
+    for name, sec in report["sections"].items():
+        lines += [f"## {name}: {sec['status']} ({sec['seconds']:.1f}s)", ""]
+        if sec.get("reason"):
+            lines += [f"reason: {sec['reason']}", ""]
+        if sec.get("error"):
+            lines += ["```", sec["error"], "```", ""]
+        if sec.get("result") and sec["status"] != "skipped":
+            try:
+                lines += MD[name](sec["result"]) + [""]
+            except Exception as e:  # noqa: BLE001 - the JSON has everything anyway
+                lines += [f"(markdown rendering failed: {type(e).__name__}: {e})", ""]
+    return "\n".join(lines)
+
+
+# ---- driver ------------------------------------------------------------------------------------
+
+SECTIONS = [("environment", section_environment), ("bandwidth", section_bandwidth),
+            ("kernel_correctness", section_kernel_correctness),
+            ("kernel_timings", section_kernel_timings),
+            ("e2e_llama3_8b", section_e2e_llama3_8b), ("e2e_smollm2", section_e2e_smollm2),
+            ("hf_peer", section_hf_peer)]
+
+
+def run_section(ctx: Ctx, name: str, fn) -> dict:
+    if ctx.over_budget() and name != "environment":
+        return {"status": "skipped", "seconds": 0.0,
+                "reason": f"time budget ({ctx.args.time_budget:.0f}s) exceeded before this section"}
+    ctx.log(f"section {name} ...")
+    t0 = time.monotonic()
+    try:
+        result = fn(ctx)
+        status = result.pop("_status", "ok")
+        sec = {"status": status, "result": result}
+        if "_reason" in result:
+            sec["reason"] = result.pop("_reason")
+    except Exception as e:  # noqa: BLE001 - one section failing must not stop the others
+        sec = {"status": "error", "error": f"{type(e).__name__}: {e}",
+               "traceback": traceback.format_exc()[-4000:]}
+    sec["seconds"] = time.monotonic() - t0
+    gc.collect()
+    ctx.log(f"section {name}: {sec['status']} in {sec['seconds']:.1f}s"
+            + (f" ({sec.get('error') or sec.get('reason')})" if sec["status"] != "ok" else ""))
+    return sec
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out-dir", default="gpu_check_out")
+    ap.add_argument("--gguf", default=None, help="SmolLM2 .gguf file (else random weights)")
+    ap.add_argument("--time-budget", type=float, default=450.0,
+                    help="seconds; sections starting after this are skipped")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="CPU, interpret-mode kernels, tiny shapes and models")
+    ap.add_argument("--sections", default=",".join(n for n, _ in SECTIONS),
+                    help="comma-separated subset of sections to run")
+    args = ap.parse_args(argv)
+    unknown = set(args.sections.split(",")) - {n for n, _ in SECTIONS}
+    if unknown:
+        ap.error(f"unknown sections {sorted(unknown)}; known: {[n for n, _ in SECTIONS]}")
+    return args
+
+
+def write_report(out_dir: pathlib.Path, report: dict) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir / "gpu_check.json.tmp"
+    tmp.write_text(json.dumps(report, indent=1, default=str))
+    tmp.replace(out_dir / "gpu_check.json")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.dry_run:
+        os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax
+    if not args.dry_run and jax.default_backend() != "gpu":
+        print(f"gpu_check: no GPU (jax backend {jax.default_backend()!r}); use --dry-run",
+              file=sys.stderr)
+        return 2
+    ctx = Ctx(args, DRY_PROFILE if args.dry_run else GPU_PROFILE)
+    wanted = set(args.sections.split(","))
+    out_dir = pathlib.Path(args.out_dir)
+    report = {"command": " ".join([sys.executable] + sys.argv), "dry_run": args.dry_run,
+              "time_budget_s": args.time_budget, "profile": dataclasses.asdict(ctx.prof),
+              "started": time.strftime("%Y-%m-%d %H:%M:%S"), "sections": {}}
+    for name, fn in SECTIONS:
+        if name in wanted:
+            report["sections"][name] = run_section(ctx, name, fn)
+            report["elapsed_s"] = time.monotonic() - ctx.start
+            write_report(out_dir, report)
+    md = markdown(report)
+    (out_dir / "gpu_check.md").write_text(md)
+    print(md, flush=True)
+    bad = [n for n, s in report["sections"].items() if s["status"] in ("error", "failed")]
+    if bad:
+        print(f"gpu_check: problems in {bad}", file=sys.stderr)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

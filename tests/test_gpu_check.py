@@ -1,0 +1,103 @@
+"""scripts/gpu_check.py on CPU: its --dry-run runs every section (interpret-mode kernels, tiny
+models) and the kernels agree with their references within the kernel tests' tolerances, so the
+one GPU run we get is not wasted on a broken script."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "scripts" / "gpu_check.py"
+SECTIONS = ["environment", "bandwidth", "kernel_correctness", "kernel_timings",
+            "e2e_llama3_8b", "e2e_smollm2", "hf_peer"]
+# May be skipped (with a reason) where the packages are missing, as in .venv on CPU.
+MAY_SKIP = {"hf_peer"}
+
+
+def run_script(out_dir: pathlib.Path, *args: str, timeout: int = 300):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    return subprocess.run([sys.executable, str(SCRIPT), "--out-dir", str(out_dir), *args],
+                          capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu_check")
+    proc = run_script(out, "--dry-run")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc, json.loads((out / "gpu_check.json").read_text()), out
+
+
+def test_every_section_ok_or_skipped_with_reason(dry_run):
+    proc, report, out = dry_run
+    assert report["dry_run"] is True
+    assert list(report["sections"]) == SECTIONS
+    for name, sec in report["sections"].items():
+        if name in MAY_SKIP and sec["status"] == "skipped":
+            assert sec["reason"], name
+        else:
+            assert sec["status"] == "ok", (name, sec.get("error"), sec.get("traceback"))
+    md = (out / "gpu_check.md").read_text()
+    assert md.startswith("# gpu_check") and md in proc.stdout
+    for name in SECTIONS:
+        assert f"## {name}: " in md
+
+
+def test_kernels_within_tolerance(dry_run):
+    _, report, _ = dry_run
+    res = report["sections"]["kernel_correctness"]["result"]
+    profile = report["profile"]
+    assert len(res["paged_attention"]) == len(profile["attn_cases"])
+    assert len(res["int4_matmul"]) == len(profile["int4_cases"])
+    assert res["num_bad"] == 0
+    for row in res["paged_attention"]:
+        tol = row["tolerance"]
+        assert row["finite"] and row["within_tol"], row
+        assert 0 <= row["max_abs_err"] <= tol["atol"] + tol["rtol"] * row["max_abs_ref"]
+    for row in res["int4_matmul"]:
+        assert row["finite"] and row["within_tol"], row
+        assert 0 <= row["max_rel_err"] <= row["tolerance"]["rel"] + row["tolerance"]["scale"]
+
+
+def test_timings_and_engine_runs_are_complete(dry_run):
+    _, report, _ = dry_run
+    timings = report["sections"]["kernel_timings"]["result"]
+    for row in timings["paged_attention"] + timings["int4_matmul"]:
+        for impl in ("kernel", "xla_engine_path"):
+            assert row[impl]["median_s"] > 0 and row[impl]["bytes_per_s"] > 0, row
+        assert math.isfinite(row["kernel_over_xla_engine_path"])
+    assert report["sections"]["bandwidth"]["result"]["copy_bw_Bps"] > 0
+    for name in ("e2e_llama3_8b", "e2e_smollm2"):
+        res = report["sections"][name]["result"]
+        assert [v["quantization"] for v in res["variants"]] == ["none (bf16)", "int4"]
+        for variant in res["variants"]:
+            assert variant["weight_bytes_per_step"] > 0
+            for run in variant["runs"]:
+                assert run["all_lengths_ok"] and run["decode_tok_s"] > 0, run
+                assert run["compiles_during_run"] == 0, run
+                assert run["mbu_weights_vs_nominal"] > 0
+
+
+def test_time_budget_skips_sections_with_a_reason(tmp_path):
+    proc = run_script(tmp_path, "--dry-run", "--time-budget", "0",
+                      "--sections", "environment,bandwidth,e2e_smollm2", timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    sections = json.loads((tmp_path / "gpu_check.json").read_text())["sections"]
+    assert sections["environment"]["status"] == "ok"  # always runs: it costs nothing
+    for name in ("bandwidth", "e2e_smollm2"):
+        assert sections[name]["status"] == "skipped"
+        assert "time budget" in sections[name]["reason"]
+
+
+def test_refuses_to_run_the_gpu_profile_without_a_gpu(tmp_path):
+    proc = run_script(tmp_path, timeout=120)
+    assert proc.returncode == 2
+    assert "--dry-run" in proc.stderr
