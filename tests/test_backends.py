@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from compile_guard import count_compiles
 from jaxserve import EngineConfig, LLMEngine, SamplingParams
 from jaxserve.quantization import pick_group_size, quantize_params_int4
 from models.config import ModelConfig
@@ -74,3 +75,18 @@ def test_kernel_backend_refuses_unsupported_shapes(model):
     with pytest.raises(ValueError, match="block_size 4"):
         LLMEngine(EngineConfig(model="tiny", block_size=4, max_model_len=64, warmup=False,
                                attention_backend="pallas"), model=model)
+
+
+def test_kernel_path_compiles_nothing_after_warmup(model, prompts):
+    engine = LLMEngine(EngineConfig(model="tiny", block_size=16, max_num_seqs=4, max_model_len=64,
+                                    max_num_batched_tokens=32, warmup=True,
+                                    attention_backend="pallas-interpret",
+                                    linear_backend="pallas-interpret", quantization="int4"),
+                       model=model)
+    with count_compiles() as events:
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p[:40], SamplingParams(temperature=0.5, max_tokens=5,
+                                                              seed=i, logprobs=2))
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert events == [] and engine.stats()["num_compiles_after_warmup"] == 0

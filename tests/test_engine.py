@@ -6,12 +6,10 @@ under the tiny fp32 summation-order differences between the two paths except at 
 which these prompts do not hit (the oracle's top-2 margin is asserted below).
 """
 
-import contextlib
-
-import jax
 import numpy as np
 import pytest
 
+from compile_guard import count_compiles
 from jaxserve import EngineConfig, LLMEngine, SamplingParams
 
 PROMPTS = [
@@ -112,23 +110,6 @@ def test_preemption_matches_dense(model, prompt_ids, oracle):
     stats = engine.stats()
     assert stats["num_preemptions"] > 0
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
-
-
-@contextlib.contextmanager
-def count_compiles():
-    """Counts XLA compilations (not persistent-cache hits: tracing is counted too)."""
-    events = []
-
-    def listener(event, duration, **kwargs):
-        if event in ("/jax/core/compile/jaxpr_trace_duration",
-                     "/jax/core/compile/backend_compile_duration"):
-            events.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        yield events
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 def test_no_compiles_after_warmup(model, prompt_ids):
