@@ -29,6 +29,34 @@ def gather_context(cache: KVCache, layer, page_table):
     return keys, values
 
 
+def ragged_decode_attention(q, cache: KVCache, layer, meta: PagedMeta):
+    """Decode attention over the flat list of blocks in use, `meta.ragged` `[3, P]`.
+
+    Gathering `[B, n_blocks]` pages pads every row to the longest context in the batch, and on
+    a CPU that gather's memory traffic is the decode step's largest cost. Here each block in use
+    is gathered once; a softmax across each row's blocks is assembled with segment reductions.
+    q `[B, 1, H, Dh]`; returns `[B, 1, H, Dh]`.
+    """
+    b, _, h, dh = q.shape
+    blocks, rows, starts = meta.ragged[0], meta.ragged[1], meta.ragged[2]  # [P] each
+    keys, values = cache.k[layer, blocks], cache.v[layer, blocks]  # [P, BS, K, Dh]
+    bs, kh = keys.shape[1], keys.shape[2]
+    qp = q[:, 0].reshape(b, kh, h // kh, dh)[rows]  # [P, K, G, Dh]
+    scores = jnp.einsum("PKGD,PSKD->PKGS", qp, keys,
+                        preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(dh))
+    pos = starts[:, None] + jnp.arange(bs, dtype=jnp.int32)  # [P, BS]
+    visible = pos < meta.context_lens[rows][:, None]  # [P, BS]
+    scores = jnp.where(visible[:, None, None], scores, MASK_VALUE)
+    row_max = jax.ops.segment_max(scores.max(-1), rows, num_segments=b)  # [B, K, G]
+    probs = jnp.exp(scores - row_max[rows][..., None])  # [P, K, G, BS]
+    denom = jax.ops.segment_sum(probs.sum(-1), rows, num_segments=b)  # [B, K, G]
+    out = jnp.einsum("PKGS,PSKD->PKGD", probs.astype(values.dtype), values,
+                     preferred_element_type=jnp.float32)
+    # Idle batch rows own no blocks: keep them finite (0) rather than 0 / 0.
+    out = jax.ops.segment_sum(out, rows, num_segments=b) / jnp.maximum(denom, 1e-30)[..., None]
+    return out.reshape(b, 1, h, dh).astype(q.dtype)
+
+
 def paged_attention_xla(q, k, v, cache: KVCache, layer, meta: PagedMeta):
     """Writes this step's k/v into the cache, then attends over each row's paged context.
 
@@ -36,6 +64,8 @@ def paged_attention_xla(q, k, v, cache: KVCache, layer, meta: PagedMeta):
     Serves decode (T = 1, B = batch slots) and prefill chunks (B = 1, T = chunk) alike.
     """
     cache = write_kv(cache, layer, k, v, meta.slots)
+    if meta.ragged is not None:
+        return ragged_decode_attention(q, cache, layer, meta), cache
     keys, values = gather_context(cache, layer, meta.page_table)  # [B, S, K, Dh]
     b, t, h, dh = q.shape
     kh = keys.shape[2]

@@ -59,3 +59,8 @@ def prefill_block_buckets(token_bucket: int, block_size: int, max_blocks_per_seq
     """
     narrow = min(max_blocks_per_seq, -(-token_bucket // block_size))
     return sorted({narrow, max_blocks_per_seq})
+
+
+def ragged_block_buckets(rows: int, max_blocks_per_seq: int) -> list[int]:
+    """Sizes of the flat list of blocks a decode call of `rows` rows can use (XLA path)."""
+    return powers_of_two_up_to(rows * max_blocks_per_seq, rows)

@@ -37,6 +37,9 @@ class PagedMeta:
     slots: jax.Array        # [B, T] int32: flat cache slot (block * block_size + offset) to write
     page_table: jax.Array   # [B, n_blocks] int32: block ids of each row's context, 0-padded
     context_lens: jax.Array  # [B] int32: tokens in each row's context after this step's writes
+    # [3, P] int32 (block id, row, position of the block's first token) of every block in use,
+    # padded with (0, 0, huge): the XLA decode path's flat page list. None elsewhere.
+    ragged: jax.Array | None = None
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype_bytes: int) -> int:

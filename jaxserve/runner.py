@@ -68,6 +68,9 @@ class ModelRunner:
         self.batch_buckets = buckets.decode_batch_buckets(max_num_seqs)
         self.token_buckets = buckets.prefill_token_buckets(max_num_batched_tokens)
         self._module = model.module(attention=attention, **({"linear": linear} if linear else {}))
+        # The XLA attention decodes over a flat list of the blocks in use (see attention.py);
+        # kernels take the page table.
+        self.ragged = attention is paged_attention_xla
         self._step = jax.jit(self._step_impl, donate_argnums=(1,))
         self._compiles_at_warmup: int | None = None
 
@@ -91,7 +94,7 @@ class ModelRunner:
 
     def shapes(self) -> list[tuple[int, int, int]]:
         """Every (rows, tokens, page-table width) the runner can run: what warm-up compiles."""
-        out = [(rows, 1, nb) for rows in self.batch_buckets for nb in self.decode_buckets]
+        out = [(rows, 1, nb) for rows in self.batch_buckets for nb in self._decode_widths(rows)]
         for tb in self.token_buckets:
             for nb in buckets.prefill_block_buckets(tb, self.block_size, self.max_blocks):
                 out.append((1, tb, nb))
@@ -109,10 +112,18 @@ class ModelRunner:
         self._compiles_at_warmup = self.num_compiled
         return time.perf_counter() - start
 
+    def _decode_widths(self, rows: int) -> list[int]:
+        if self.ragged:
+            return buckets.ragged_block_buckets(rows, self.max_blocks)
+        return self.decode_buckets
+
     def _idle_inputs(self, rows: int, tokens: int, nb: int) -> StepInputs:
         z = np.zeros((rows, tokens), np.int32)  # [B, T]
+        ragged = None
+        if self.ragged and tokens == 1:  # nb counts blocks in the flat list
+            ragged, nb = np.zeros((3, nb), np.int32), 1
         meta = PagedMeta(positions=z, slots=z, page_table=np.zeros((rows, nb), np.int32),
-                         context_lens=np.ones((rows,), np.int32))
+                         context_lens=np.ones((rows,), np.int32), ragged=ragged)
         return StepInputs(tokens=z, meta=meta, logits_index=np.zeros((rows,), np.int32),
                           history=np.zeros((rows, self.max_model_len), np.int32),
                           prompt_lens=np.zeros((rows,), np.int32),
@@ -210,14 +221,30 @@ class ModelRunner:
             prompt_lens[r] = seq.num_prompt_tokens
             params[r], row_seeds[r] = seq.sampling_params, seeds[seq.request_id]
             generated[r] = seq.num_output_tokens
-        nb = buckets.pick(self.decode_buckets, -(-int(ctx.max()) // self.block_size))
-        meta = PagedMeta(positions=positions, slots=slots,
-                         page_table=self.page_table[rows_slot, :nb], context_lens=ctx)
+        meta = self._decode_pages(rows_slot, ctx, len(items))
+        meta = PagedMeta(positions=positions, slots=slots, context_lens=ctx, **meta)
         want = any(i.seq.sampling_params.logprobs is not None for i in items)
         inp = StepInputs(tokens=tokens, meta=meta, logits_index=np.zeros((s,), np.int32),
                          history=self.history[rows_slot], prompt_lens=prompt_lens,
                          sample_pos=ctx.copy(), want_logprobs=np.bool_(want))
         return self._run(inp, params, row_seeds, generated, s)
+
+    def _decode_pages(self, rows_slot: np.ndarray, ctx: np.ndarray, n: int) -> dict:
+        """The page table cut to a bucket, or (XLA path) the flat list of blocks in use."""
+        counts = -(-ctx[:n] // self.block_size)  # [n] blocks per row
+        if not self.ragged:
+            nb = buckets.pick(self.decode_buckets, int(counts.max()))
+            return {"page_table": self.page_table[rows_slot, :nb]}
+        size = buckets.pick(buckets.ragged_block_buckets(len(rows_slot), self.max_blocks),
+                            int(counts.sum()))
+        ragged = np.zeros((3, size), np.int32)  # [3, P]; padding: block 0 of row 0, masked
+        ragged[2] = np.iinfo(np.int32).max // 2
+        rows = np.repeat(np.arange(n), counts)
+        first = np.concatenate([np.arange(c) for c in counts])  # block index within its row
+        ragged[0, :rows.size] = self.page_table[rows_slot[rows], first]
+        ragged[1, :rows.size] = rows
+        ragged[2, :rows.size] = first * self.block_size
+        return {"page_table": np.zeros((len(rows_slot), 1), np.int32), "ragged": ragged}
 
     def _collect(self, items, rows, sampled) -> dict[str, SampleResult]:
         tokens, logprob = np.asarray(sampled.tokens), np.asarray(sampled.logprob)
