@@ -34,10 +34,12 @@ class RequestState:
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         self._hold = max((len(s) for s in self.params.stop), default=1) - 1
         self._stop_ids = set(self.params.stop_token_ids)
-        self._eos_ids = set(tokenizer.stop_token_ids) if tokenizer is not None else set()
 
     def on_token(self, result: SampleResult, eos_ids: set[int]) -> SequenceStatus | None:
-        """Records a sampled token; returns FINISHED_STOPPED if it ends the request."""
+        """Records a sampled token; returns FINISHED_STOPPED if it ends the request.
+
+        eos_ids: the engine's end-of-sequence ids (tokenizer stop tokens, else the config's).
+        """
         now = time.monotonic()
         if self.metrics.first_token_time is None:
             self.metrics.first_token_time = now
@@ -50,7 +52,7 @@ class RequestState:
         if token in self._stop_ids and min_reached:
             self.stop_reason = token
             return SequenceStatus.FINISHED_STOPPED
-        is_eos = token in (eos_ids | self._eos_ids)
+        is_eos = token in eos_ids
         if is_eos and not p.ignore_eos and min_reached:
             return SequenceStatus.FINISHED_STOPPED  # EOS: not part of the text
         if self.detok is not None:

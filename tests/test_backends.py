@@ -55,8 +55,6 @@ def test_int4_kernel_engine_matches_int4_xla(model, prompts):
     pallas = greedy(model, prompts, attention_backend="pallas-interpret",
                     linear_backend="pallas-interpret", quantization="int4")
     assert pallas == xla
-    float_out = greedy(model, prompts, attention_backend="xla", linear_backend="xla")
-    assert xla != float_out or True  # int4 may or may not flip a token; reported, not asserted
 
 
 def test_int4_params_dequantize_close_to_float(model):
