@@ -36,7 +36,8 @@ def _cmd_generate(args) -> int:
     try:
         params = _sampling_params(args)
         start = time.perf_counter()
-        llm = LLM(args.model, **_engine_kwargs(args))
+        # A one-shot run compiles only the shapes it meets; a server compiles every bucket.
+        llm = LLM(args.model, warmup=args.warmup, **_engine_kwargs(args))
     except (ValueError, FileNotFoundError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -53,9 +54,10 @@ def _cmd_generate(args) -> int:
         print(f"[{len(out.prompt_token_ids)} prompt + {len(c.token_ids)} generated tokens, "
               f"finish={c.finish_reason}, ttft {m.time_to_first_token:.3f}s, "
               f"decode {len(c.token_ids) / max(m.decode_time, 1e-9):.1f} tok/s]", file=sys.stderr)
-    warm = llm.engine.warmup_seconds or 0.0
-    print(f"[start-up {ready:.1f}s incl. warm-up compile {warm:.1f}s; {llm.stats()}]",
-          file=sys.stderr)
+    warm = llm.engine.warmup_seconds
+    compile_note = (f"incl. warm-up compile {warm:.1f}s" if warm is not None else
+                    "no warm-up: the first steps include their compiles")
+    print(f"[start-up {ready:.1f}s, {compile_note}; {llm.stats()}]", file=sys.stderr)
     return 0
 
 
@@ -125,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="generate completions for one or more prompts")
     p.add_argument("prompt", nargs="+")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
+    p.add_argument("--warmup", action="store_true",
+                   help="compile every shape bucket first (what `serve` does); by default "
+                        "only the shapes this run needs are compiled")
     _add_engine_args(p)
     _add_sampling_args(p)
     p.set_defaults(func=_cmd_generate)
