@@ -10,23 +10,32 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 
 
+class SamplingParamError(ValueError):
+    """A sampling parameter out of its range; `param` names the field (the server reports it)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
 def _finite(name: str, value, low=None, high=None, low_open=False):
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
+        raise SamplingParamError(name, f"{name} must be a finite number, got {value!r}")
     if low is not None and (value <= low if low_open else value < low):
-        raise ValueError(f"{name} must be {'>' if low_open else '>='} {low}, got {value}")
+        raise SamplingParamError(
+            name, f"{name} must be {'>' if low_open else '>='} {low}, got {value}")
     if high is not None and value > high:
-        raise ValueError(f"{name} must be <= {high}, got {value}")
+        raise SamplingParamError(name, f"{name} must be <= {high}, got {value}")
 
 
-def _int(name: str, value, low=None, high=None, allow_none=False):
+def _int(name: str, value, low=None, high=None, allow_none=False, param=None):
     if value is None and allow_none:
         return
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
+        raise SamplingParamError(param or name, f"{name} must be an integer, got {value!r}")
     if (low is not None and value < low) or (high is not None and value > high):
         bounds = f"in [{low}, {high}]" if high is not None else f">= {low}"
-        raise ValueError(f"{name} must be {bounds}, got {value}")
+        raise SamplingParamError(param or name, f"{name} must be {bounds}, got {value}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -74,15 +83,16 @@ class SamplingParams:
         _int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS, allow_none=True)
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if len(stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
+            raise SamplingParamError(
+                "stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
         for s in stop:
             if not isinstance(s, str) or not s or len(s) > MAX_STOP_STRING_CHARS:
-                raise ValueError("stop strings must be non-empty strings of at most "
-                                 f"{MAX_STOP_STRING_CHARS} characters")
+                raise SamplingParamError("stop", "stop strings must be non-empty strings of at "
+                                         f"most {MAX_STOP_STRING_CHARS} characters")
         object.__setattr__(self, "stop", stop)
         ids = tuple(self.stop_token_ids)
         for t in ids:
-            _int("stop_token_ids entries", t, 0)
+            _int("stop_token_ids entries", t, 0, param="stop_token_ids")
         object.__setattr__(self, "stop_token_ids", ids)
 
     @property

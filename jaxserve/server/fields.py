@@ -48,17 +48,12 @@ class Fields:
             raise invalid(f"'{name}' must be {bounds}, got {value}", name)
         return value
 
-    def number(self, name: str, default: float, low: float | None = None,
-               high: float | None = None, low_open: bool = False) -> float:
+    def number(self, name: str, default: float) -> float:
+        """A finite number; ranges are checked where the value is used (SamplingParams)."""
         value = self.body.get(name)
         if value is None:
             return default
         if isinstance(value, bool) or not isinstance(value, (int, float)) or \
                 not math.isfinite(value):
             raise invalid(f"'{name}' must be a finite number, got {shown(value)}", name)
-        if low is not None and (value <= low if low_open else value < low):
-            raise invalid(f"'{name}' must be {'>' if low_open else '>='} {low}, got {value}",
-                          name)
-        if high is not None and value > high:
-            raise invalid(f"'{name}' must be <= {high}, got {value}", name)
         return float(value)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import SamplingParamError, SamplingParams
 from jaxserve.server.config import ServerConfig
 from jaxserve.server.errors import ApiError, invalid, shown
 from jaxserve.server.fields import Fields
@@ -91,21 +91,24 @@ def _stream_options(f: Fields, stream: bool) -> bool:
     return Fields(opts).boolean("include_usage", False)
 
 
-def _sampling(f: Fields, config: ServerConfig, max_tokens: int, top_logprobs: int | None,
+def _sampling(f: Fields, max_tokens: int, top_logprobs: int | None,
               stop: tuple[str, ...]) -> SamplingParams:
-    """One sub-request's SamplingParams (n=1; the seed is offset per choice later)."""
-    return SamplingParams(
-        temperature=f.number("temperature", 1.0, 0.0),
-        top_p=f.number("top_p", 1.0, 0.0, 1.0, low_open=True),
-        top_k=f.integer("top_k", -1, -1),
-        min_p=f.number("min_p", 0.0, 0.0, 1.0),
-        repetition_penalty=f.number("repetition_penalty", 1.0, 0.0, low_open=True),
-        presence_penalty=f.number("presence_penalty", 0.0, -2.0, 2.0),
-        frequency_penalty=f.number("frequency_penalty", 0.0, -2.0, 2.0),
-        seed=f.integer("seed", None, -(2 ** 63), 2 ** 63 - 1),
-        max_tokens=max_tokens,
-        min_tokens=f.integer("min_tokens", 0, 0, max_tokens),
-        stop=stop, ignore_eos=f.boolean("ignore_eos"), logprobs=top_logprobs)
+    """One sub-request's SamplingParams (n=1; the seed is offset per choice later).
+
+    Fields are type-checked here; their ranges are SamplingParams' own, reported as 400s.
+    """
+    try:
+        return SamplingParams(
+            temperature=f.number("temperature", 1.0), top_p=f.number("top_p", 1.0),
+            top_k=f.integer("top_k", -1), min_p=f.number("min_p", 0.0),
+            repetition_penalty=f.number("repetition_penalty", 1.0),
+            presence_penalty=f.number("presence_penalty", 0.0),
+            frequency_penalty=f.number("frequency_penalty", 0.0),
+            seed=f.integer("seed", None), max_tokens=max_tokens,
+            min_tokens=f.integer("min_tokens", 0), stop=stop,
+            ignore_eos=f.boolean("ignore_eos"), logprobs=top_logprobs)
+    except SamplingParamError as e:
+        raise invalid(str(e), e.param) from e
 
 
 def _max_tokens(f: Fields, prompts: list[list[int]], info: ModelInfo, chat: bool) -> int:
@@ -134,7 +137,7 @@ def _build(f: Fields, config: ServerConfig, info: ModelInfo, *, chat: bool,
     include_usage = _stream_options(f, stream)
     n = f.integer("n", 1, 1, config.max_n)
     stop = _stop(f, config)
-    params = _sampling(f, config, _max_tokens(f, prompts, info, chat), top_logprobs, stop)
+    params = _sampling(f, _max_tokens(f, prompts, info, chat), top_logprobs, stop)
     return GenerationRequest(chat=chat, model=f.string("model", required=True), prompts=prompts,
                              prompt_texts=texts, params=params, n=n, stream=stream,
                              include_usage=include_usage, top_logprobs=top_logprobs, echo=echo)
