@@ -17,6 +17,7 @@ import jax.experimental.pallas.fuser  # noqa: F401
 import jax.numpy as jnp
 
 from jaxserve.attention import paged_attention_xla, write_kv
+from jaxserve.config import BACKENDS
 from models.config import ModelConfig
 from models.llama import dense_linear
 from pallas_kernels.int4_matmul import int4_matmul, int4_matmul_reference
@@ -24,7 +25,6 @@ from pallas_kernels.paged_attention import paged_attention
 
 log = logging.getLogger("jaxserve")
 
-BACKENDS = ("auto", "xla", "pallas", "pallas-interpret")
 # What the Triton paged-attention kernel is built for (power-of-2 tiles, see its module).
 KERNEL_HEAD_DIMS = (64, 128)
 KERNEL_BLOCK_SIZES = (8, 16, 32, 64, 128, 256)

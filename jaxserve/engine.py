@@ -47,9 +47,8 @@ class LLMEngine:
         self.model = model if model is not None else load_model(config.model, config.dtype)
         if config.quantization == "int4":
             from jaxserve.quantization import quantize_params_int4
-            # On device once: numpy leaves would be copied to the device on every step.
-            params = jax.device_put(quantize_params_int4(self.model.params))
-            self.model = dataclasses.replace(self.model, params=params)
+            self.model = dataclasses.replace(self.model,
+                                             params=quantize_params_int4(self.model.params))
         mc, bs = self.model.config, config.block_size
         dtype_bytes = np.dtype(self.model.params["embedding"].dtype).itemsize
         num_blocks = plan_num_blocks(mc, bs, dtype_bytes, _kv_budget(config, self.model))

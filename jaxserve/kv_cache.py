@@ -42,19 +42,15 @@ class PagedMeta:
     ragged: jax.Array | None = None
 
 
-def kv_bytes_per_token(config: ModelConfig, dtype_bytes: int) -> int:
-    return config.kv_bytes_per_token(dtype_bytes)
-
-
 def plan_num_blocks(config: ModelConfig, block_size: int, dtype_bytes: int,
                     memory_bytes: int) -> int:
     """Blocks (including the null block) that fit in `memory_bytes`."""
-    per_block = block_size * kv_bytes_per_token(config, dtype_bytes)
+    per_block = block_size * config.kv_bytes_per_token(dtype_bytes)
     return int(memory_bytes // per_block)
 
 
 def log_plan(config: ModelConfig, block_size: int, dtype_bytes: int, num_blocks: int) -> None:
-    per_token = kv_bytes_per_token(config, dtype_bytes)
+    per_token = config.kv_bytes_per_token(dtype_bytes)
     textbook = 2 * config.num_layers * config.hidden_size * dtype_bytes
     log.info("KV cache: %d bytes/token (2*layers*kv_heads*head_dim*bytes = 2*%d*%d*%d*%d; "
              "the 2*L*d_model*p formula would say %d), %d blocks of %d tokens = %d tokens, "

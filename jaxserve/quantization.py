@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
-import numpy as np
+import jax.numpy as jnp
 
 from pallas_kernels.int4_matmul import quantize_int4
 
-QUANTIZATIONS = ("int4",)
 # The decoder's linear layers, stacked over layers as [L, K, N] kernels.
 _LINEARS = (("attn", "q_proj"), ("attn", "k_proj"), ("attn", "v_proj"), ("attn", "o_proj"),
             ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
@@ -28,14 +29,13 @@ def quantize_params_int4(params: dict, group_size: int = 128, symmetric: bool = 
     """
     layers = dict(params["layers"])
     for block, name in _LINEARS:
-        w = params["layers"][block][name]["kernel"]  # [L, K, N]
+        w = jnp.asarray(params["layers"][block][name]["kernel"], jnp.float32)  # [L, K, N]
         g = pick_group_size(w.shape[1], group_size)
-        parts = [quantize_int4(jax.numpy.asarray(w[i], np.float32), group_size=g,
-                               symmetric=symmetric) for i in range(w.shape[0])]
-        q = {"packed": np.stack([np.asarray(p[0]) for p in parts]),  # [L, K/2, N] uint8
-             "scales": np.stack([np.asarray(p[1]) for p in parts])}  # [L, K/g, N]
+        quantize = functools.partial(quantize_int4, group_size=g, symmetric=symmetric)
+        packed, scales, offsets = jax.vmap(quantize)(w)  # over layers: [L, K/2, N], [L, K/g, N]
+        q = {"packed": packed, "scales": scales}
         if not symmetric:
-            q["offsets"] = np.stack([np.asarray(p[2]) for p in parts])  # [L, K/g, N]
+            q["offsets"] = offsets
         layers[block] = dict(layers[block])
         layers[block][name] = dict(layers[block][name], kernel=q)
     return dict(params, layers=layers)
