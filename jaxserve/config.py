@@ -33,6 +33,7 @@ class EngineConfig:
     quantization: str | None = None  # "int4": round-to-nearest W4A16, groups of 128 (or 64/32)
     seed: int = 0
     warmup: bool = True
+    profile_dir: str | None = None  # where jax.profiler captures go (jaxserve/profiling.py)
 
     def __post_init__(self):
         if self.dtype not in ("float32", "bfloat16"):
