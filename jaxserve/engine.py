@@ -189,6 +189,11 @@ class LLMEngine:
         self.step_totals.record(self.last_step)
         self.kv_tracker.observe(self.memory())
 
+    def reset_stats(self) -> None:
+        """Restarts the step and memory running totals (e.g. after a warm-up pass)."""
+        self.last_step, self.step_totals = None, StepTotals()
+        self.kv_tracker = kv_accounting.MemoryTracker()
+
     def memory(self) -> kv_accounting.MemorySnapshot:
         """KV memory now: per request and in total, with the contiguous baselines."""
         bm = self.scheduler.block_manager

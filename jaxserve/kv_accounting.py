@@ -147,8 +147,9 @@ class MemoryTracker:
         self.peak_tokens = max(self.peak_tokens, snap.tokens)
 
     def to_dict(self) -> dict:
-        s = self.sums
-        return {"num_steps": self.num_steps, "peak_requests": self.peak_requests,
+        s, n = self.sums, max(1, self.num_steps)
+        return {"num_steps": self.num_steps, "mean_tokens": s["tokens"] / n,
+                "mean_reserved": s["reserved"] / n, "peak_requests": self.peak_requests,
                 "peak_blocks_used": self.peak_blocks_used, "peak_tokens": self.peak_tokens,
                 "paged_waste_fraction": _waste(s["tokens"], s["reserved"]),
                 "contiguous_max_len_waste_fraction": _waste(

@@ -99,3 +99,25 @@ class Profiler:
             if self._steps_left > 0:
                 return None
             return self._stop_locked()
+
+
+def scope_device_seconds(run_dir: str | pathlib.Path, scope: str) -> float | None:
+    """Seconds of device-timeline events whose op path contains `/scope/`, summed over a capture.
+
+    GPU traces give each kernel event its op's name-scope path (e.g.
+    `jit(_step_impl)/decode/attention/...`) as a stat; CPU traces have no device plane, so the
+    answer there is None.
+    """
+    from jax.profiler import ProfileData
+    needle, total, found = f"/{scope}/", 0, False
+    for xplane in pathlib.Path(run_dir).glob("*.xplane.pb"):
+        for plane in ProfileData.from_file(str(xplane)).planes:
+            if not plane.name.startswith("/device:"):
+                continue
+            found = True
+            for line in plane.lines:
+                for event in line.events:
+                    texts = [event.name, *(v for _, v in event.stats if isinstance(v, str))]
+                    if any(needle in t for t in texts):
+                        total += event.duration_ns
+    return total / 1e9 if found else None
