@@ -137,9 +137,9 @@ class Block(nn.Module):
             h, positions, cache, layer, meta)
         x = x + h
         h = RMSNorm(c.rms_norm_eps, self.dtype, name="post_norm")(x)
-        with jax.named_scope("mlp"):  # so a profile reads by stage (jaxserve/profiling.py)
-            h = MLP(c, self.dtype, self.linear, name="mlp")(h)
-        return (x + h, cache, layer + 1), None
+        # Flax puts module names on jax's name stack, so profiles already read ".../attn/...",
+        # ".../mlp/..." (jaxserve/profiling.py); Attention adds "attention" around the kernel.
+        return (x + MLP(c, self.dtype, self.linear, name="mlp")(h), cache, layer + 1), None
 
 
 class Llama(nn.Module):
