@@ -57,6 +57,10 @@ class EngineConfig:
             if getattr(self, name) not in BACKENDS:
                 raise ValueError(f"{name} must be one of {BACKENDS}, got "
                                  f"{getattr(self, name)!r}")
+        if self.profile_dir is not None and (not isinstance(self.profile_dir, str)
+                                             or not self.profile_dir):
+            raise ValueError(f"profile_dir must be a directory path (str) or None, got "
+                             f"{self.profile_dir!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got "
                              f"{self.quantization!r}")

@@ -3,9 +3,10 @@
 A capture writes `DIR/plugins/profile/<timestamp>/` with `<host>.xplane.pb` (TensorBoard /
 xprof) and `perfetto_trace.json.gz` (Perfetto). Inside, the host timeline shows each
 `engine_step` with its `schedule` / `execute` / `postprocess` parts, and the compiled step's ops
-carry the named scopes set in runner.py and models/llama.py (`prefill` or `decode`, then
-`attention`, `mlp`, `sampling`): on a GPU they label the kernels, on the CPU they sit in the HLO
-metadata of the trace (XLA:CPU names its thunks after fused HLO ops).
+carry name-scope paths: `prefill` or `decode` and `sampling` (runner.py), `attention` around
+the attention kernel (models/llama.py), and Flax's module names (`layers/attn`, `layers/mlp`).
+On a GPU they label the kernels; on the CPU they sit in the HLO metadata of the trace (XLA:CPU
+names its thunks after fused HLO ops).
 
 jax allows one capture per process; a Profiler owns at most one and refuses a second.
 """

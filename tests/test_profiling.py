@@ -101,6 +101,7 @@ def op_paths(run_dir) -> set[str]:
 
 def test_profile_of_n_steps_has_stage_scopes(model, tmp_path):
     engine = make_engine(model, tmp_path)
+    run(engine, workload(seed=1, n=3))  # compiles first: XLA compiling under a capture is slow
     engine.start_profile(num_steps=3)
     assert engine.stats()["profiling"]
     run(engine, workload(seed=1, n=3))  # more than 3 steps: the capture stops itself
