@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import pathlib
 import threading
+import warnings
 
 import jax
 
@@ -111,14 +112,16 @@ def scope_device_seconds(run_dir: str | pathlib.Path, scope: str) -> float | Non
     """
     from jax.profiler import ProfileData
     needle, total, found = f"/{scope}/", 0, False
-    for xplane in pathlib.Path(run_dir).glob("*.xplane.pb"):
-        for plane in ProfileData.from_file(str(xplane)).planes:
-            if not plane.name.startswith("/device:"):
-                continue
-            found = True
-            for line in plane.lines:
-                for event in line.events:
-                    texts = [event.name, *(v for _, v in event.stats if isinstance(v, str))]
-                    if any(needle in t for t in texts):
-                        total += event.duration_ns
+    with warnings.catch_warnings():  # jaxlib's nanobind stats type warns on iteration
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for xplane in pathlib.Path(run_dir).glob("*.xplane.pb"):
+            for plane in ProfileData.from_file(str(xplane)).planes:
+                if not plane.name.startswith("/device:"):
+                    continue
+                found = True
+                for line in plane.lines:
+                    for event in line.events:
+                        texts = [event.name, *(v for _, v in event.stats if isinstance(v, str))]
+                        if any(needle in t for t in texts):
+                            total += event.duration_ns
     return total / 1e9 if found else None

@@ -15,7 +15,7 @@ import pytest
 from jax.profiler import ProfileData
 
 from jaxserve import EngineConfig, LLMEngine, SamplingParams
-from jaxserve.profiling import Profiler, ProfilerError
+from jaxserve.profiling import Profiler, ProfilerError, scope_device_seconds
 from models.config import ModelConfig
 from models.random_init import random_model
 
@@ -147,3 +147,37 @@ def test_profiler_refuses_what_it_cannot_do(tmp_path):
     finally:
         run_dir = profiler.stop()
     assert any(run_dir.glob("*.xplane.pb"))
+
+
+GPU_XSPACE = """
+planes {
+  id: 1 name: "/device:GPU:0"
+  lines { id: 1 name: "XLA Ops" timestamp_ns: 1000
+    events { metadata_id: 1 offset_ps: 0 duration_ps: 2000000
+      stats { metadata_id: 1 str_value: "jit(_step_impl)/decode/Llama/layers/attn/attention/dot" } }
+    events { metadata_id: 2 offset_ps: 3000000 duration_ps: 5000000
+      stats { metadata_id: 1 str_value: "jit(_step_impl)/decode/Llama/layers/mlp/up_proj/dot" } }
+    events { metadata_id: 1 offset_ps: 9000000 duration_ps: 1000000
+      stats { metadata_id: 1 str_value: "jit(_step_impl)/prefill/Llama/layers/attn/attention/exp" } }
+  }
+  event_metadata { key: 1 value { id: 1 name: "fusion.1" } }
+  event_metadata { key: 2 value { id: 2 name: "fusion.2" } }
+  stat_metadata { key: 1 value { id: 1 name: "tf_op" } }
+}
+planes { id: 2 name: "/host:CPU" }
+"""
+
+
+def test_scope_device_seconds_sums_device_events(tmp_path):
+    """The GPU path of the ablation's attention time, on a hand-written GPU-shaped trace
+    (no GPU here: the real trace layout is an assumption this test pins down)."""
+    (tmp_path / "gpu.xplane.pb").write_bytes(
+        ProfileData.text_proto_to_serialized_xspace(GPU_XSPACE))
+    assert scope_device_seconds(tmp_path, "attention") == pytest.approx(3e-6)
+    assert scope_device_seconds(tmp_path, "mlp") == pytest.approx(5e-6)
+    assert scope_device_seconds(tmp_path, "sampling") == 0
+    host_only = tmp_path / "cpu"
+    host_only.mkdir()
+    (host_only / "cpu.xplane.pb").write_bytes(ProfileData.text_proto_to_serialized_xspace(
+        'planes { id: 2 name: "/host:CPU" }'))
+    assert scope_device_seconds(host_only, "attention") is None
