@@ -274,7 +274,11 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     logging.getLogger("jax").setLevel(logging.WARNING)
     logging.getLogger("absl").setLevel(logging.WARNING)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    steps = getattr(args, "profile_steps", None)
+    if steps is not None and (steps < 1 or args.profile_dir is None):
+        parser.error("--profile-steps takes a positive number of steps and needs --profile-dir")
     return args.func(args)
 
 

@@ -63,6 +63,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--no-plot", action="store_true", help="skip the PNG (no matplotlib)")
     ap.add_argument("--note", default="", help="a line added to the report (e.g. machine load)")
     ap.add_argument("--out-dir", default="docs")
+    ap.add_argument("--render-only", action="store_true",
+                    help="re-write the markdown and PNG from OUT_DIR/ablate_block_size.json "
+                         "(pass the workload arguments of the run that made it)")
     args = ap.parse_args(argv)
     args.block_sizes = [int(b) for b in args.block_sizes.split(",") if b]
     if args.quick:
@@ -140,7 +143,7 @@ def _fmt(v) -> str:
     return f"{v:.3g}" if isinstance(v, float) else str(v)
 
 
-def conclusion(rows: list[dict]) -> list[str]:
+def conclusion(rows: list[dict], env: dict) -> list[str]:
     """Sentences computed from the rows (the reader can check each against the table)."""
     best = max(rows, key=lambda r: r["output_tok_s"])
     near = [r["block_size"] for r in rows if r["output_tok_s"] >= 0.9 * best["output_tok_s"]]
@@ -167,11 +170,31 @@ def conclusion(rows: list[dict]) -> list[str]:
                      f"{r16['contiguous_request_waste_fraction']:.1%} (reserve prompt + "
                      f"max_tokens) and {r16['contiguous_max_len_waste_fraction']:.1%} (reserve "
                      f"max_model_len) for a contiguous cache serving the same requests.")
+    if max(env["load_avg_start"][0], env["load_avg_end"][0]) > env["cpus"]:
+        lines.append(f"- The machine was shared during this run (load average "
+                     f"{env['load_avg_start'][0]} -> {env['load_avg_end'][0]} on {env['cpus']} "
+                     f"CPUs): throughput and warm-up times are noisy. Concurrency, preemptions, "
+                     f"utilisation, waste and page-table sizes depend only on the schedule, which "
+                     f"is deterministic, and do not vary between runs.")
     return lines
 
 
-def render_markdown(args, env: dict, rows: list[dict], budget: int, per_token: int) -> str:
-    cmd = " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv])
+MECHANISMS = """## Why (the mechanisms behind the columns)
+
+- Internal fragmentation: a sequence's last block is on average half empty, so held-but-unused
+  slots grow about linearly with block_size (and are 0 at block_size 1). Under a fixed budget
+  those slots are taken from other sequences: fewer run at once and more are preempted.
+- The null block (block 0, what padding points at) costs one whole block: negligible at small
+  sizes, a large share of a small budget at 128-256.
+- Small blocks cost bookkeeping and gathers: the page table has max_model_len / block_size
+  entries per sequence, and the XLA decode path gathers one [block_size, kv_heads, head_dim]
+  tile per block in use, so block_size 1 gathers every token separately; the Python block
+  manager also appends one block per block_size tokens.
+"""
+
+
+def render_markdown(args, env: dict, rows: list[dict], budget: int, per_token: int,
+                    cmd: str) -> str:
     head = ("| block | tok/s | warm-up s | max conc. | preempt | KV util | peak util | waste | "
             "contig. req waste | contig. max-len waste | page table entries (bytes) | "
             "attention s |")
@@ -203,7 +226,8 @@ def render_markdown(args, env: dict, rows: list[dict], budget: int, per_token: i
               "(tail blocks), averaged over steps; contiguous = the same requests in a cache "
               "that reserves prompt + max_tokens, or max_model_len, per request; page table = "
               "the runner's [max_num_seqs, max_model_len / block_size] int32 table.", "",
-              "## Conclusion (computed from the table)", "", *conclusion(rows), ""]
+              "## Conclusion (computed from the table)", "", *conclusion(rows, env), "",
+              MECHANISMS]
     return "\n".join(lines)
 
 
@@ -240,6 +264,16 @@ def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     out = pathlib.Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if args.render_only:
+        saved = json.loads((out / f"{NAME}.json").read_text())
+        per_token = saved.get("bytes_per_token")
+        if per_token is None:  # files written before these keys existed
+            from models.config_io import load_config
+            per_token = load_config(args.model).kv_bytes_per_token(
+                4 if args.dtype == "float32" else 2)
+        return write_reports(args, out, saved["rows"], saved["environment"],
+                             saved.get("budget_bytes", args.kv_tokens * per_token), per_token,
+                             " ".join(shlex.quote(a) for a in saved["command"]))
     model, token_range = load(args)
     import numpy as np
     per_token = model.config.kv_bytes_per_token(np.dtype(model.params["embedding"].dtype).itemsize)
@@ -249,7 +283,8 @@ def main(argv=None) -> list[dict]:
     env = {"jax": jax.__version__, "backend": jax.default_backend(),
            "cpus": len(os.sched_getaffinity(0)), "machine": platform.machine(),
            "load_avg_start": tuple(round(x, 1) for x in os.getloadavg())}
-    print("command:", " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]), flush=True)
+    command = [sys.executable, *sys.argv]
+    print("command:", " ".join(shlex.quote(a) for a in command), flush=True)
     t0 = time.perf_counter()
     rows = []
     for bs in args.block_sizes:
@@ -261,10 +296,16 @@ def main(argv=None) -> list[dict]:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
         writer.writeheader()
         writer.writerows(rows)
-    md = render_markdown(args, env, rows, budget, per_token)
+    (out / f"{NAME}.json").write_text(json.dumps(
+        {"command": command, "environment": env, "budget_bytes": budget,
+         "bytes_per_token": per_token, "rows": rows}, indent=2))
+    return write_reports(args, out, rows, env, budget, per_token,
+                         " ".join(shlex.quote(a) for a in command))
+
+
+def write_reports(args, out: pathlib.Path, rows, env, budget, per_token, cmd) -> list[dict]:
+    md = render_markdown(args, env, rows, budget, per_token, cmd)
     (out / f"{NAME}.md").write_text(md)
-    (out / f"{NAME}.json").write_text(json.dumps({"command": sys.argv, "environment": env,
-                                                  "rows": rows}, indent=2))
     if not args.no_plot:
         plot(rows, out / f"{NAME}.png", f"block_size ablation, KV budget {args.kv_tokens} tokens")
     print("\n" + md)

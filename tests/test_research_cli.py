@@ -75,3 +75,5 @@ def test_ablation_quick(tmp_path):
     md = (tmp_path / "ablate_block_size.md").read_text()
     assert "| 4 |" in md and "| 64 |" in md and "## Conclusion" in md
     assert (tmp_path / "ablate_block_size.png").exists() == plot
+    script.main(argv + ["--render-only", "--no-plot"])  # re-renders from the saved JSON
+    assert (tmp_path / "ablate_block_size.md").read_text() == md
