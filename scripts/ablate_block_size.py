@@ -186,6 +186,9 @@ MECHANISMS = """## Why (the mechanisms behind the columns)
   those slots are taken from other sequences: fewer run at once and more are preempted.
 - The null block (block 0, what padding points at) costs one whole block: negligible at small
   sizes, a large share of a small budget at 128-256.
+- Preemptions can fall again at the largest sizes: admission waits for whole free blocks, so
+  fewer sequences start in the first place and fewer run to be preempted; the loss shows as
+  concurrency and utilisation instead.
 - Small blocks cost bookkeeping and gathers: the page table has max_model_len / block_size
   entries per sequence, and the XLA decode path gathers one [block_size, kv_heads, head_dim]
   tile per block in use, so block_size 1 gathers every token separately; the Python block
