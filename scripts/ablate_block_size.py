@@ -159,8 +159,8 @@ def conclusion(rows: list[dict], env: dict) -> list[str]:
                          f"{r['preemptions']} preemptions, waste {r['waste_fraction']:.1%}"
                          for r in starved) + f" (vs up to {most} concurrent at smaller sizes).")
     small = min(rows, key=lambda r: r["block_size"])
-    lines.append(f"- Small blocks waste almost nothing (bs {small['block_size']}: "
-                 f"{small['waste_fraction']:.1%}) but need big page tables "
+    lines.append(f"- The smallest blocks waste the least (bs {small['block_size']}: "
+                 f"{small['waste_fraction']:.1%}) but need the biggest page tables "
                  f"({small['page_table_entries']} entries, {small['page_table_bytes']} bytes) "
                  f"and more gather work per token: {small['output_tok_s']:.1f} tok/s.")
     r16 = next((r for r in rows if r["block_size"] == 16), None)
@@ -285,7 +285,7 @@ def main(argv=None) -> list[dict]:
                              token_range)
     env = {"jax": jax.__version__, "backend": jax.default_backend(),
            "cpus": len(os.sched_getaffinity(0)), "machine": platform.machine(),
-           "load_avg_start": tuple(round(x, 1) for x in os.getloadavg())}
+           "load_avg_start": [round(x, 1) for x in os.getloadavg()]}  # lists: JSON-stable
     command = [sys.executable, *sys.argv]
     print("command:", " ".join(shlex.quote(a) for a in command), flush=True)
     t0 = time.perf_counter()
@@ -293,7 +293,7 @@ def main(argv=None) -> list[dict]:
     for bs in args.block_sizes:
         print(f"block_size {bs} ...", flush=True)
         rows.append(run_one(args, model, workload, bs, budget))
-    env["load_avg_end"] = tuple(round(x, 1) for x in os.getloadavg())
+    env["load_avg_end"] = [round(x, 1) for x in os.getloadavg()]
     env["sweep_seconds"] = round(time.perf_counter() - t0, 1)
     with open(out / f"{NAME}.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)

@@ -158,7 +158,7 @@ planes {
     events { metadata_id: 2 offset_ps: 3000000 duration_ps: 5000000
       stats { metadata_id: 1 str_value: "jit(_step_impl)/decode/Llama/layers/mlp/up_proj/dot" } }
     events { metadata_id: 1 offset_ps: 9000000 duration_ps: 1000000
-      stats { metadata_id: 1 str_value: "jit(_step_impl)/prefill/Llama/layers/attn/attention/exp" } }
+      stats { metadata_id: 1 str_value: "jit(_step_impl)/prefill/Llama/attn/attention/exp" } }
   }
   event_metadata { key: 1 value { id: 1 name: "fusion.1" } }
   event_metadata { key: 2 value { id: 2 name: "fusion.2" } }

@@ -1,4 +1,5 @@
-"""`jaxserve bench --profile-dir` and scripts/ablate_block_size.py --quick on a tiny random model."""
+"""`jaxserve bench --profile-dir` and scripts/ablate_block_size.py --quick, on a tiny random
+model."""
 
 import csv
 import importlib.util
@@ -7,8 +8,6 @@ import pathlib
 import re
 import subprocess
 import sys
-
-import pytest
 
 from jaxserve.workload import make_workload
 from models import checkpoint
