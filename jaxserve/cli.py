@@ -75,7 +75,8 @@ def _cmd_generate(args) -> int:
     warm = llm.engine.warmup_seconds
     compile_note = (f"incl. warm-up compile {warm:.1f}s" if warm is not None else
                     "no warm-up: the first steps include their compiles")
-    print(f"[start-up {ready:.1f}s, {compile_note}; {llm.stats()}]", file=sys.stderr)
+    flat = {k: v for k, v in llm.stats().items() if not isinstance(v, dict)}  # not step/KV
+    print(f"[start-up {ready:.1f}s, {compile_note}; {flat}]", file=sys.stderr)
     return 0
 
 
