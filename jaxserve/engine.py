@@ -15,9 +15,8 @@ from typing import Sequence as Seq
 import jax
 import numpy as np
 
-from jaxserve import backends
+from jaxserve import backends, kv_accounting
 from jaxserve.config import EngineConfig
-from jaxserve import kv_accounting
 from jaxserve.kv_cache import log_plan, plan_num_blocks
 from jaxserve.outputs import RequestOutput
 from jaxserve.profiling import Profiler
