@@ -1,4 +1,5 @@
-"""`jaxserve` command line: download a model, generate text, serve an OpenAI-compatible API."""
+"""`jaxserve` command line: download a model, generate text, serve an OpenAI-compatible API,
+benchmark, size a KV cache."""
 
 from __future__ import annotations
 
@@ -19,7 +20,22 @@ def _engine_kwargs(args) -> dict:
     return dict(dtype=args.dtype, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
-                seed=args.seed if args.seed is not None else 0)
+                seed=args.seed if args.seed is not None else 0,
+                profile_dir=getattr(args, "profile_dir", None))
+
+
+def _start_profile(engine, args) -> None:
+    """`--profile-dir` with `--profile-steps N`: capture the first N steps (else all of them)."""
+    if args.profile_dir is not None and (args.profile_steps or not args.serve_like):
+        engine.start_profile(num_steps=args.profile_steps)
+
+
+def _stop_profile(engine) -> None:
+    if engine.profiler.active:
+        engine.stop_profile()
+    for run in engine.profiler.captures:
+        print(f"[profile: {run} (open the .xplane.pb in TensorBoard/xprof or "
+              f"perfetto_trace.json.gz in ui.perfetto.dev)]", file=sys.stderr)
 
 
 def _sampling_params(args):
@@ -42,11 +58,13 @@ def _cmd_generate(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     ready = time.perf_counter() - start
+    _start_profile(llm.engine, args)
     if args.chat:
         outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params,
                         use_tqdm=False)
     else:
         outs = llm.generate(args.prompt, params, use_tqdm=False)
+    _stop_profile(llm.engine)
     for out in outs:
         c = out.outputs[0]
         print(c.text)
@@ -57,7 +75,8 @@ def _cmd_generate(args) -> int:
     warm = llm.engine.warmup_seconds
     compile_note = (f"incl. warm-up compile {warm:.1f}s" if warm is not None else
                     "no warm-up: the first steps include their compiles")
-    print(f"[start-up {ready:.1f}s, {compile_note}; {llm.stats()}]", file=sys.stderr)
+    flat = {k: v for k, v in llm.stats().items() if not isinstance(v, dict)}  # not step/KV
+    print(f"[start-up {ready:.1f}s, {compile_note}; {flat}]", file=sys.stderr)
     return 0
 
 
@@ -73,7 +92,118 @@ def _cmd_serve(args) -> int:
     except (ValueError, FileNotFoundError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    _start_profile(engine, args)  # only with --profile-steps; else POST /start_profile
     return serve(engine, args.host, args.port, config)
+
+
+def _cmd_bench(args) -> int:
+    from jaxserve import EngineConfig, LLMEngine
+    from jaxserve.workload import make_workload, run_workload
+    try:
+        engine = LLMEngine(EngineConfig(model=args.model, warmup=args.warmup,
+                                        **_engine_kwargs(args)))
+    except (ValueError, FileNotFoundError, KeyError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    vocab = engine.model.config.vocab_size
+    workload = make_workload(args.seed or 0, args.num_requests, args.prompt_len,
+                             args.output_len, (min(100, vocab - 1), min(40000, vocab)))
+    warm = None
+    if not args.warmup:  # an untimed pass of the same requests compiles the shapes they meet
+        warm = run_workload(engine, workload)
+        engine.reset_stats()
+    _start_profile(engine, args)
+    result = run_workload(engine, workload)
+    _stop_profile(engine)
+    s = engine.stats()
+    if warm is not None:
+        print(f"warm-up pass (untimed, {warm['num_compiles']} compiles): "
+              f"{warm['seconds']:.2f}s")
+    t, mem = s["step_totals"], s["kv_memory_time_avg"]
+    busy = max(1e-9, t["schedule_s"] + t["device_s"] + t["postprocess_s"])
+    print(f"{result['num_requests']} requests, {result['prompt_tokens']} prompt + "
+          f"{result['output_tokens']} generated tokens in {result['seconds']:.2f}s: "
+          f"{result['output_tok_s']:.1f} generated tok/s, {result['total_tok_s']:.1f} total "
+          f"tok/s; {t['num_steps']} steps, {result['num_preemptions']} preemptions, "
+          f"{result['num_compiles']} compiles")
+    print(f"step time: schedule {t['schedule_s'] / busy:.1%}, device {t['device_s'] / busy:.1%}, "
+          f"postprocess {t['postprocess_s'] / busy:.1%} of {busy:.2f}s")
+    print(f"KV waste (time-averaged): paged {mem['paged_waste_fraction']:.1%} vs contiguous "
+          f"{mem['contiguous_request_waste_fraction']:.1%} (prompt + max_tokens reserved) and "
+          f"{mem['contiguous_max_len_waste_fraction']:.1%} (max_model_len reserved); peak "
+          f"{mem['peak_requests']} sequences, {mem['peak_blocks_used']} blocks")
+    return 0
+
+
+def _parse_bytes(text: str) -> int:
+    """'8e9', '4GiB', '512MB', '1073741824' -> bytes."""
+    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3,
+             "mb": 10**6, "gb": 10**9, "tb": 10**12, "b": 1}
+    low = text.strip().lower()
+    for unit, scale in units.items():
+        if low.endswith(unit):
+            return int(float(low[:-len(unit)]) * scale)
+    return int(float(low))
+
+
+def _cmd_kv_size(args) -> int:
+    from jaxserve.kv_size import kv_size
+    from models.config_io import load_config
+    try:
+        config = load_config(args.model)
+        budget = None if args.budget is None else _parse_bytes(args.budget)
+        result = kv_size(config, args.batch, args.seq_len, args.dtype, budget, args.block_size)
+    except (ValueError, FileNotFoundError, KeyError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print("\n".join(result.lines(config)))
+    return 0
+
+
+def _add_profile_args(p: argparse.ArgumentParser, serve_like: bool = False) -> None:
+    p.add_argument("--profile-dir", default=None,
+                   help="write jax.profiler traces here (TensorBoard/Perfetto)" +
+                        ("; enables POST /start_profile and /stop_profile" if serve_like else ""))
+    p.add_argument("--profile-steps", type=int, default=None,
+                   help="capture only the first N engine steps" +
+                        (" (else captures come from the endpoints)" if serve_like else
+                         " (default: all)"))
+    p.set_defaults(serve_like=serve_like)
+
+
+def _add_bench_parser(sub) -> None:
+    p = sub.add_parser("bench", help="time a seeded synthetic workload through the engine")
+    p.add_argument("model_name", nargs="?", metavar="MODEL", help="overrides --model")
+    p.add_argument("--num-requests", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, nargs=2, default=(32, 128), metavar=("MIN", "MAX"))
+    p.add_argument("--output-len", type=int, nargs=2, default=(16, 64), metavar=("MIN", "MAX"))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", action="store_true",
+                   help="compile every bucket first instead of an untimed pass of the workload")
+    _add_engine_args(p)
+    _add_profile_args(p)
+    p.set_defaults(func=lambda a: _cmd_bench(_with_model(a)))
+
+
+def _with_model(args):
+    if args.model_name:
+        args.model = args.model_name
+    return args
+
+
+def _add_kv_size_parser(sub) -> None:
+    p = sub.add_parser("kv-size", help="KV-cache bytes for a model, batch and sequence length")
+    p.add_argument("model", help="model name, .gguf file, HF directory / config.json, or orbax "
+                                 "checkpoint (only the config is read)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--seq-len", type=int, required=True)
+    p.add_argument("--dtype", default="float16",
+                   choices=["float32", "bfloat16", "float16", "float8", "int8"])
+    p.add_argument("--budget", default=None,
+                   help="memory budget, e.g. 8GiB or 8e9: how many sequences of --seq-len fit")
+    p.add_argument("--block-size", type=int, default=16,
+                   help="block size for the paged fit (whole blocks plus the null block)")
+    p.set_defaults(func=_cmd_kv_size)
 
 
 def _add_serve_parser(sub) -> None:
@@ -89,6 +219,7 @@ def _add_serve_parser(sub) -> None:
                    help="requests queued beyond the running batch before 503")
     p.add_argument("--seed", type=int, default=None)
     _add_engine_args(p)
+    _add_profile_args(p, serve_like=True)
     p.set_defaults(func=_cmd_serve)
 
 
@@ -132,8 +263,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "only the shapes this run needs are compiled")
     _add_engine_args(p)
     _add_sampling_args(p)
+    _add_profile_args(p)
     p.set_defaults(func=_cmd_generate)
     _add_serve_parser(sub)
+    _add_bench_parser(sub)
+    _add_kv_size_parser(sub)
     return parser
 
 
@@ -141,7 +275,11 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     logging.getLogger("jax").setLevel(logging.WARNING)
     logging.getLogger("absl").setLevel(logging.WARNING)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    steps = getattr(args, "profile_steps", None)
+    if steps is not None and (steps < 1 or args.profile_dir is None):
+        parser.error("--profile-steps takes a positive number of steps and needs --profile-dir")
     return args.func(args)
 
 

@@ -33,6 +33,7 @@ class EngineConfig:
     quantization: str | None = None  # "int4": round-to-nearest W4A16, groups of 128 (or 64/32)
     seed: int = 0
     warmup: bool = True
+    profile_dir: str | None = None  # where jax.profiler captures go (jaxserve/profiling.py)
 
     def __post_init__(self):
         if self.dtype not in ("float32", "bfloat16"):
@@ -56,6 +57,10 @@ class EngineConfig:
             if getattr(self, name) not in BACKENDS:
                 raise ValueError(f"{name} must be one of {BACKENDS}, got "
                                  f"{getattr(self, name)!r}")
+        if self.profile_dir is not None and (not isinstance(self.profile_dir, str)
+                                             or not self.profile_dir):
+            raise ValueError(f"profile_dir must be a directory path (str) or None, got "
+                             f"{self.profile_dir!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got "
                              f"{self.quantization!r}")

@@ -15,15 +15,17 @@ from typing import Sequence as Seq
 import jax
 import numpy as np
 
-from jaxserve import backends
+from jaxserve import backends, kv_accounting
 from jaxserve.config import EngineConfig
 from jaxserve.kv_cache import log_plan, plan_num_blocks
 from jaxserve.outputs import RequestOutput
+from jaxserve.profiling import Profiler
 from jaxserve.request_state import RequestState
 from jaxserve.runner import ModelRunner
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import Scheduler, SchedulerConfig
 from jaxserve.sequence import Sequence, SequenceStatus
+from jaxserve.step_stats import StepStats, StepTotals
 from models import Model, load_model
 
 log = logging.getLogger("jaxserve")
@@ -78,6 +80,10 @@ class LLMEngine:
         self._rng = np.random.default_rng(config.seed)
         self._counter = 0
         self.warmup_seconds = None
+        self.profiler = Profiler(config.profile_dir)
+        self.last_step: StepStats | None = None
+        self.step_totals = StepTotals()
+        self.kv_tracker = kv_accounting.MemoryTracker()
         if config.warmup:
             self.warmup_seconds = self.runner.warmup()
             log.info("warm-up: %d programs compiled in %.1fs", self.runner.num_compiled,
@@ -134,11 +140,24 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedules, runs the model once, and returns outputs of requests that progressed."""
-        out = self.scheduler.schedule()
-        if out.is_empty:
-            return []
-        seeds = {i.request_id: self.requests[i.request_id].seed for i in out.scheduled}
-        sampled = self.runner.execute(out, seeds)
+        with jax.profiler.StepTraceAnnotation("engine_step", step_num=self.step_totals.num_steps):
+            t0 = time.perf_counter()
+            with jax.profiler.TraceAnnotation("schedule"):
+                out = self.scheduler.schedule()
+            if out.is_empty:
+                return []
+            t1 = time.perf_counter()
+            with jax.profiler.TraceAnnotation("execute"):
+                seeds = {i.request_id: self.requests[i.request_id].seed for i in out.scheduled}
+                sampled = self.runner.execute(out, seeds)
+            t2 = time.perf_counter()
+            with jax.profiler.TraceAnnotation("postprocess"):
+                outputs = self._postprocess(out, sampled)
+            self._record_step(out, len(sampled), t1 - t0, t2 - t1, time.perf_counter() - t2)
+        self.profiler.on_step()
+        return outputs
+
+    def _postprocess(self, out, sampled) -> list[RequestOutput]:
         finished: dict[str, SequenceStatus] = {}
         for rid, result in sampled.items():
             reason = self.requests[rid].on_token(result, self.eos_ids)
@@ -155,6 +174,41 @@ class LLMEngine:
                 del self.requests[rid]
         return outputs
 
+    def _record_step(self, out, num_sampled: int, schedule_s: float, device_s: float,
+                     postprocess_s: float) -> None:
+        bm = self.scheduler.block_manager
+        self.last_step = StepStats(
+            step=self.step_totals.num_steps, num_seqs=len(out.scheduled),
+            num_prefill_seqs=len(out.prefills), num_decode_seqs=len(out.decodes),
+            num_prefill_tokens=sum(i.num_new_tokens for i in out.prefills),
+            num_decode_tokens=sum(i.num_new_tokens for i in out.decodes),
+            num_sampled=num_sampled, num_preempted=len(out.preempted),
+            kv_blocks_used=bm.num_used_blocks, schedule_s=schedule_s, device_s=device_s,
+            postprocess_s=postprocess_s)
+        self.step_totals.record(self.last_step)
+        self.kv_tracker.observe(self.memory())
+
+    def reset_stats(self) -> None:
+        """Restarts the step and memory running totals (e.g. after a warm-up pass)."""
+        self.last_step, self.step_totals = None, StepTotals()
+        self.kv_tracker = kv_accounting.MemoryTracker()
+
+    def memory(self) -> kv_accounting.MemorySnapshot:
+        """KV memory now: per request and in total, with the contiguous baselines."""
+        bm = self.scheduler.block_manager
+        return kv_accounting.snapshot(
+            self.scheduler.running, block_size=self.config.block_size,
+            num_usable_blocks=bm.num_usable_blocks, max_model_len=self.max_model_len,
+            num_used_blocks=bm.num_used_blocks)
+
+    def start_profile(self, directory=None, num_steps: int | None = None):
+        """Starts a jax.profiler capture (see jaxserve/profiling.py); returns its directory."""
+        return self.profiler.start(directory, num_steps)
+
+    def stop_profile(self):
+        """Stops the capture; returns the run directory holding the trace files."""
+        return self.profiler.stop()
+
     def stats(self) -> dict:
         bm = self.scheduler.block_manager
         return {
@@ -166,4 +220,9 @@ class LLMEngine:
             "waiting": self.scheduler.num_waiting,
             "block_size": self.config.block_size,
             "max_model_len": self.max_model_len,
+            "last_step": None if self.last_step is None else self.last_step.to_dict(),
+            "step_totals": self.step_totals.to_dict(),
+            "kv_memory": self.memory().to_dict(),
+            "kv_memory_time_avg": self.kv_tracker.to_dict(),
+            "profiling": self.profiler.active,
         }

@@ -77,10 +77,16 @@ class ModelRunner:
     # ---- the jitted step ------------------------------------------------------------------
 
     def _step_impl(self, params, cache, inp: StepInputs, st: SamplingTensors):
-        logits, cache = self._module.apply({"params": params}, inp.tokens, inp.meta.positions,
-                                           cache, inp.meta, logits_index=inp.logits_index)
-        out = sample(logits, st, inp.history, inp.meta.context_lens, inp.prompt_lens,
-                     inp.sample_pos, inp.want_logprobs)
+        # Named scopes label the ops in a profile (prefill|decode / attention, mlp, sampling).
+        # A decode call has one token per row; prefill buckets start at 16 tokens (only a
+        # max_num_batched_tokens of 1 would make a 1-token prefill, which is a decode's math).
+        with jax.named_scope("decode" if inp.tokens.shape[1] == 1 else "prefill"):
+            logits, cache = self._module.apply({"params": params}, inp.tokens,
+                                               inp.meta.positions, cache, inp.meta,
+                                               logits_index=inp.logits_index)
+            with jax.named_scope("sampling"):
+                out = sample(logits, st, inp.history, inp.meta.context_lens, inp.prompt_lens,
+                             inp.sample_pos, inp.want_logprobs)
         return cache, out
 
     @property

@@ -288,16 +288,27 @@ def _as_dtype(dtype):
     return np.dtype(dtype)
 
 
+def _reader_config(reader: gguf.GGUFReader, by_name: dict, path) -> ModelConfig:
+    rope_freqs = by_name.get("rope_freqs.weight")
+    rope_freqs = None if rope_freqs is None else gguf.quants.dequantize(
+        rope_freqs.data, QT(rope_freqs.tensor_type))
+    return _config(_metadata(reader), by_name, path, rope_freqs)
+
+
+def read_gguf_config(path: str | os.PathLike) -> ModelConfig:
+    """The model config of a GGUF file from its metadata alone (no weight is read)."""
+    path = pathlib.Path(path)
+    reader = _open(path)
+    return _reader_config(reader, {t.name: t for t in reader.tensors}, path)
+
+
 def read_gguf(path: str | os.PathLike, dtype=np.float32) -> GGUFCheckpoint:
     """Loads a llama / qwen2 GGUF file: config, dequantized HF-layout weights, raw blocks."""
     path = pathlib.Path(path)
     dtype = _as_dtype(dtype)
     reader = _open(path)
     by_name = {t.name: t for t in reader.tensors}
-    rope_freqs = by_name.get("rope_freqs.weight")
-    rope_freqs = None if rope_freqs is None else gguf.quants.dequantize(
-        rope_freqs.data, QT(rope_freqs.tensor_type))
-    cfg = _config(_metadata(reader), by_name, path, rope_freqs)
+    cfg = _reader_config(reader, by_name, path)
     expected = expected_hf_shapes(cfg)
     hf_to_gguf = {h: n for n in by_name if (h := _hf_name(n)) is not None}
     missing = [f"{n} ({_gguf_name(n)})" for n in expected if n not in hf_to_gguf]

@@ -102,7 +102,8 @@ class Attention(nn.Module):
         v = v.reshape(b, t, c.num_kv_heads, c.head_dim)  # [B, T, K, Dh]
         inv_freq = inv_frequencies(c)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-        out, cache = self.attention(q, k, v, cache, layer, meta)
+        with jax.named_scope("attention"):  # the paged-attention kernel, not the projections
+            out, cache = self.attention(q, k, v, cache, layer, meta)
         out = out.reshape(b, t, c.num_heads * c.head_dim)
         return Linear(c.hidden_size, False, self.dtype, linear=lin, name="o_proj")(out), cache
 
@@ -136,6 +137,8 @@ class Block(nn.Module):
             h, positions, cache, layer, meta)
         x = x + h
         h = RMSNorm(c.rms_norm_eps, self.dtype, name="post_norm")(x)
+        # Flax puts module names on jax's name stack, so profiles already read ".../attn/...",
+        # ".../mlp/..." (jaxserve/profiling.py); Attention adds "attention" around the kernel.
         return (x + MLP(c, self.dtype, self.linear, name="mlp")(h), cache, layer + 1), None
 
 

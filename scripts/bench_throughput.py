@@ -28,9 +28,10 @@ import time
 
 import numpy as np
 
+from jaxserve.workload import TOKEN_RANGE, make_workload  # shared with `jaxserve bench`
+
 REPO = pathlib.Path(__file__).resolve().parent.parent
 LLAMA_CPP_PAPER_FIGURE = 71.3  # PERFORMANCE.md, llama-cpp-python 0.3.36, batch 1
-TOKEN_RANGE = (100, 40000)     # random prompt ids: ordinary tokens, no specials
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -71,15 +72,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.batch1_new_tokens = 64
     args.hf_requests = min(args.hf_requests, args.num_requests)
     return args
-
-
-def make_workload(seed: int, n: int, prompt_len, output_len) -> list[dict]:
-    """n requests: random ids, lengths uniform in the closed ranges; identical for every engine."""
-    rng = np.random.default_rng(seed)
-    plens = rng.integers(prompt_len[0], prompt_len[1] + 1, size=n)
-    olens = rng.integers(output_len[0], output_len[1] + 1, size=n)
-    return [{"prompt": rng.integers(*TOKEN_RANGE, size=int(p)).tolist(), "max_tokens": int(o)}
-            for p, o in zip(plens, olens)]
 
 
 def batch1_prompt(seed: int, length: int) -> list[int]:

@@ -20,6 +20,7 @@ from jaxserve.server.engine_loop import EngineLoop
 from jaxserve.server.errors import ApiError, unavailable
 from jaxserve.server.generation import ClientGone, Generation
 from jaxserve.server.metrics import ServerMetrics
+from jaxserve.server.profile_routes import register_profile_routes
 from jaxserve.server.protocol import ModelInfo, parse_chat, parse_completion
 from jaxserve.server.responses import Responder
 
@@ -193,5 +194,6 @@ def create_app(engine_loop: EngineLoop, config: ServerConfig | None = None) -> F
     app.json.sort_keys = False
     app.extensions["jaxserve"] = state
     _register_routes(app, state)
+    register_profile_routes(app, state)
     _register_errors(app, state)
     return app

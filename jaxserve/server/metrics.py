@@ -8,7 +8,7 @@ engine loop's last stats snapshot.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
                    5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -42,6 +42,69 @@ class _EngineCollector:
                                   s["num_compiles_after_warmup"])
         yield GaugeMetricFamily("jaxserve_engine_alive", "1 while the engine loop runs",
                                 1.0 if self._loop.alive else 0.0)
+        yield from _step_metrics(s)
+        yield from _kv_memory_metrics(s)
+
+
+STEP_HISTOGRAMS = {
+    "step_seconds": ("jaxserve_step_duration_seconds", "Wall time of one engine step"),
+    "batch_size": ("jaxserve_step_batch_size", "Sequences in one engine step"),
+    "batch_tokens": ("jaxserve_step_batch_tokens", "Tokens (prefill + decode) in one step"),
+}
+
+
+def _step_metrics(s: dict):
+    """From jaxserve/step_stats.py: running totals, histograms, and the last step."""
+    totals, last = s.get("step_totals"), s.get("last_step")
+    if totals is None:
+        return
+    yield CounterMetricFamily("jaxserve_engine_steps", "Engine steps that ran a batch",
+                              totals["num_steps"])
+    phase = CounterMetricFamily("jaxserve_step_phase_seconds",
+                                "Engine step time by phase: schedule, device (inputs, jitted "
+                                "step, fetching ids), postprocess", labels=["phase"])
+    for name in ("schedule", "device", "postprocess"):
+        phase.add_metric([name], totals[f"{name}_s"])
+    yield phase
+    tokens = CounterMetricFamily("jaxserve_step_tokens", "Tokens run through the model, by "
+                                 "kind", labels=["kind"])
+    tokens.add_metric(["prefill"], totals["num_prefill_tokens"])
+    tokens.add_metric(["decode"], totals["num_decode_tokens"])
+    yield tokens
+    for key, (name, doc) in STEP_HISTOGRAMS.items():
+        h = totals["histograms"][key]
+        yield HistogramMetricFamily(name, doc, buckets=h["buckets"], sum_value=h["sum"])
+    if last is not None:
+        yield GaugeMetricFamily("jaxserve_last_step_num_seqs", "Sequences in the last step",
+                                last["num_seqs"])
+        split = GaugeMetricFamily("jaxserve_last_step_tokens", "Tokens in the last step, by kind",
+                                  labels=["kind"])
+        split.add_metric(["prefill"], last["num_prefill_tokens"])
+        split.add_metric(["decode"], last["num_decode_tokens"])
+        yield split
+    yield GaugeMetricFamily("jaxserve_profiling_active", "1 while a jax.profiler capture runs",
+                            1.0 if s.get("profiling") else 0.0)
+
+
+def _kv_memory_metrics(s: dict):
+    """From jaxserve/kv_accounting.py: what the paged cache holds and wastes right now."""
+    m = s.get("kv_memory")
+    if m is None:
+        return
+    yield GaugeMetricFamily("jaxserve_kv_tokens_stored", "Token slots holding KV",
+                            m["tokens"])
+    yield GaugeMetricFamily("jaxserve_kv_blocks_used", "KV blocks held by requests (a shared "
+                            "block counted once)", m["blocks_used"])
+    yield GaugeMetricFamily("jaxserve_kv_slots_wasted", "Slots held in tail blocks but empty "
+                            "(internal fragmentation)", m["wasted"])
+    yield GaugeMetricFamily("jaxserve_kv_waste_ratio", "Wasted / held slots of the paged cache",
+                            m["waste_fraction"])
+    contiguous = GaugeMetricFamily(
+        "jaxserve_kv_contiguous_waste_ratio", "Wasted / reserved slots a contiguous cache "
+        "would have for the running requests", labels=["reservation"])
+    contiguous.add_metric(["prompt_plus_max_tokens"], m["contiguous_request_waste_fraction"])
+    contiguous.add_metric(["max_model_len"], m["contiguous_max_len_waste_fraction"])
+    yield contiguous
 
 
 class ServerMetrics:
