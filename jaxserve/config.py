@@ -33,6 +33,8 @@ class EngineConfig:
     quantization: str | None = None  # "int4": round-to-nearest W4A16, groups of 128 (or 64/32)
     seed: int = 0
     warmup: bool = True
+    # Devices to split each layer over (jaxserve/sharding.py); must not exceed jax.device_count().
+    tensor_parallel_size: int = 1
 
     def __post_init__(self):
         if self.dtype not in ("float32", "bfloat16"):
@@ -56,6 +58,10 @@ class EngineConfig:
             if getattr(self, name) not in BACKENDS:
                 raise ValueError(f"{name} must be one of {BACKENDS}, got "
                                  f"{getattr(self, name)!r}")
+        if isinstance(self.tensor_parallel_size, bool) or \
+                not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be a positive integer, got "
+                             f"{self.tensor_parallel_size!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got "
                              f"{self.quantization!r}")

@@ -15,7 +15,7 @@ from typing import Sequence as Seq
 import jax
 import numpy as np
 
-from jaxserve import backends
+from jaxserve import backends, sharding
 from jaxserve.config import EngineConfig
 from jaxserve.kv_cache import log_plan, plan_num_blocks
 from jaxserve.outputs import RequestOutput
@@ -45,13 +45,19 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, model: Model | None = None):
         self.config = config
         self.model = model if model is not None else load_model(config.model, config.dtype)
+        tp = None
+        if config.tensor_parallel_size > 1:  # heads padded for the mesh before quantization
+            tp = sharding.TensorParallel(sharding.make_mesh(config.tensor_parallel_size))
+            self.model = sharding.pad_heads(self.model, tp.size)
         if config.quantization == "int4":
             from jaxserve.quantization import quantize_params_int4
             self.model = dataclasses.replace(self.model,
                                              params=quantize_params_int4(self.model.params))
         mc, bs = self.model.config, config.block_size
+        # The budget is one device's memory, so plan with the KV heads one device holds.
+        plan_mc = sharding.per_device_config(mc, tp.size) if tp else mc
         dtype_bytes = np.dtype(self.model.params["embedding"].dtype).itemsize
-        num_blocks = plan_num_blocks(mc, bs, dtype_bytes, _kv_budget(config, self.model))
+        num_blocks = plan_num_blocks(plan_mc, bs, dtype_bytes, _kv_budget(config, self.model))
         capacity = max(0, num_blocks - 1) * bs
         max_len = config.max_model_len or min(mc.max_position_embeddings, capacity)
         if max_len > mc.max_position_embeddings:
@@ -63,7 +69,7 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_len,
             block_size=bs, num_blocks=num_blocks,
             enable_chunked_prefill=config.enable_chunked_prefill))
-        log_plan(mc, bs, dtype_bytes, num_blocks)
+        log_plan(plan_mc, bs, dtype_bytes, num_blocks)
         self.max_model_len = max_len
         tok = self.model.tokenizer
         self.eos_ids = set(tok.stop_token_ids) if tok is not None else set(mc.eos_token_ids)
@@ -73,7 +79,7 @@ class LLMEngine:
             num_blocks=num_blocks, max_model_len=max_len, eos_ids=sorted(self.eos_ids),
             attention=backends.attention_backend(backends.resolve(config.attention_backend), mc,
                                                  bs, config.attention_backend),
-            linear=backends.linear_backend(backends.resolve(config.linear_backend)))
+            linear=backends.linear_backend(backends.resolve(config.linear_backend)), tp=tp)
         self.requests: dict[str, RequestState] = {}
         self._rng = np.random.default_rng(config.seed)
         self._counter = 0
