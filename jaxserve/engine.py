@@ -15,7 +15,7 @@ from typing import Sequence as Seq
 import jax
 import numpy as np
 
-from jaxserve import backends, sharding
+from jaxserve import backends, multihost, sharding
 from jaxserve.config import EngineConfig
 from jaxserve.kv_cache import log_plan, plan_num_blocks
 from jaxserve.outputs import RequestOutput
@@ -46,7 +46,7 @@ class LLMEngine:
         self.config = config
         self.model = model if model is not None else load_model(config.model, config.dtype)
         tp = None
-        if config.tensor_parallel_size > 1:  # heads padded for the mesh before quantization
+        if config.tensor_parallel_size > 1 or jax.process_count() > 1:  # heads padded for the mesh before quantization
             tp = sharding.TensorParallel(sharding.make_mesh(config.tensor_parallel_size))
             self.model = sharding.pad_heads(self.model, tp.size)
         if config.quantization == "int4":
@@ -58,6 +58,8 @@ class LLMEngine:
         plan_mc = sharding.per_device_config(mc, tp.size) if tp else mc
         dtype_bytes = np.dtype(self.model.params["embedding"].dtype).itemsize
         num_blocks = plan_num_blocks(plan_mc, bs, dtype_bytes, _kv_budget(config, self.model))
+        if jax.process_count() > 1:  # one cache shape on every host: process 0's plan
+            num_blocks = multihost.agree(num_blocks)
         capacity = max(0, num_blocks - 1) * bs
         max_len = config.max_model_len or min(mc.max_position_embeddings, capacity)
         if max_len > mc.max_position_embeddings:
@@ -80,6 +82,10 @@ class LLMEngine:
             attention=backends.attention_backend(backends.resolve(config.attention_backend), mc,
                                                  bs, config.attention_backend),
             linear=backends.linear_backend(backends.resolve(config.linear_backend)), tp=tp)
+        # Multi-host: process 0 schedules and broadcasts every step; the others follow().
+        self.channel = multihost.StepChannel(self.runner) if jax.process_count() > 1 else None
+        if self.channel is not None and multihost.is_leader():
+            self.runner.before_step = self.channel.send
         self.requests: dict[str, RequestState] = {}
         self._rng = np.random.default_rng(config.seed)
         self._counter = 0

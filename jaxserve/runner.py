@@ -61,6 +61,7 @@ class ModelRunner:
             jit_kwargs = tp.step_jit_kwargs(shardings)
         self.model, self.block_size, self.max_model_len = model, block_size, max_model_len
         self.tp = tp
+        self.before_step = None  # multi-host: process 0 broadcasts each step's inputs here
         self.num_slots = max_num_seqs
         self.max_blocks = -(-max_model_len // block_size)
         self.eos_ids = tuple(eos_ids)
@@ -192,6 +193,8 @@ class ModelRunner:
     def _run(self, inp: StepInputs, params_per_row, seeds_per_row, generated, rows):
         st = SamplingTensors.from_params(params_per_row, seeds_per_row, generated,
                                          self.eos_ids, size=rows)
+        if self.before_step is not None:
+            self.before_step(inp, st)
         self.cache, sampled = self._step(self.model.params, self.cache, inp, st)
         return sampled
 

@@ -8,6 +8,7 @@ process: the device count is fixed when JAX starts, and this suite runs with one
 import json
 import os
 import pathlib
+import socket
 import subprocess
 import sys
 
@@ -183,3 +184,29 @@ def test_smollm2_same_greedy_tokens_on_1_2_4_devices():
         print(f"SmolLM2 tp={n}: heads {r['heads']}, weights/device {r['weights'][0] / 2**20:.1f}"
               f" MiB, KV/device {r['kv'][0] / r['num_blocks'] / 1024:.1f} KiB per block")
         assert r["tokens"] == one, f"tensor_parallel_size={n}"
+
+
+def test_two_processes_on_loopback(runs):
+    """Multi-host on one machine: 2 processes x 1 CPU device, process 0 broadcasting steps."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    procs = [subprocess.Popen([sys.executable, str(WORKER.parent / "mh_worker.py"), str(i),
+                               str(port)], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in (0, 1)]
+    results = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=600)
+            lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+            assert p.returncode == 0 and lines, err[-4000:]
+            results.append(json.loads(lines[-1][len("RESULT "):]))
+    finally:
+        for p in procs:
+            p.kill()
+    leader, follower = results
+    assert leader["tokens"] == runs["gqa"]["1"]["tokens"]
+    assert follower["steps"] > 0
+    # Each process holds one shard of a cache that spans both processes' devices.
+    assert leader["devices"] == follower["devices"] == [1, 2]
