@@ -34,7 +34,7 @@ CPU_KV_CACHE_BYTES = 1 << 30
 def _kv_budget(config: EngineConfig, model: Model) -> int:
     if config.kv_cache_memory is not None:
         return config.kv_cache_memory
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}  # this process's (multi-host)
     if "bytes_limit" in stats:  # accelerators report their memory; the CPU does not
         free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
         return int(free * config.gpu_memory_utilization)
