@@ -279,6 +279,22 @@ class TensorParallel:
         return annotated
 
 
+def linear_kind(kind: str, requested: str, quantized: bool) -> str:
+    """The linear backend under tensor parallelism.
+
+    The int4 matmul kernel is not shard-mapped yet: which of its operands is split depends on the
+    layer (column or row parallel), which a linear backend `(x, w)` is not told. Quantized
+    weights therefore run the XLA int4 path (partitioned by the annotations) under TP.
+    """
+    if not quantized or kind == "xla":
+        return kind
+    if requested != "auto":
+        raise ValueError(f"linear_backend={requested!r} with quantized weights does not support "
+                         "tensor_parallel_size > 1 yet; use linear_backend='xla' (or 'auto')")
+    log.info("tensor parallel: quantized linear layers use the XLA int4 path")
+    return "xla"
+
+
 def per_device_config(config: ModelConfig, n: int) -> ModelConfig:
     """The config one device sees for KV planning: its share of the (padded) KV heads."""
     return dataclasses.replace(config, num_kv_heads=config.num_kv_heads // n,

@@ -210,3 +210,11 @@ def test_two_processes_on_loopback(runs):
     assert follower["steps"] > 0
     # Each process holds one shard of a cache that spans both processes' devices.
     assert leader["devices"] == follower["devices"] == [1, 2]
+
+
+def test_quantized_kernel_linear_refused_under_tp_auto_falls_back():
+    from jaxserve.sharding import linear_kind
+    assert linear_kind("pallas", "auto", quantized=True) == "xla"
+    assert linear_kind("pallas", "pallas", quantized=False) == "pallas"  # float: dense_linear
+    with pytest.raises(ValueError, match="use linear_backend='xla'"):
+        linear_kind("pallas", "pallas", quantized=True)
