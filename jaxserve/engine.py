@@ -76,16 +76,16 @@ class LLMEngine:
         tok = self.model.tokenizer
         self.eos_ids = set(tok.stop_token_ids) if tok is not None else set(mc.eos_token_ids)
         linear_kind = backends.resolve(config.linear_backend)
-        if tp is not None:
-            linear_kind = sharding.linear_kind(linear_kind, config.linear_backend,
-                                               quantized=config.quantization is not None)
+        linear = backends.linear_backend(linear_kind)
+        if tp is not None and linear_kind != "xla":  # the int4 kernel runs per shard
+            linear = tp.linear(linear)
         self.runner = ModelRunner(
             self.model, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, block_size=bs,
             num_blocks=num_blocks, max_model_len=max_len, eos_ids=sorted(self.eos_ids),
             attention=backends.attention_backend(backends.resolve(config.attention_backend), mc,
                                                  bs, config.attention_backend),
-            linear=backends.linear_backend(linear_kind), tp=tp)
+            linear=linear, tp=tp)
         # Multi-host: process 0 schedules and broadcasts every step; the others follow().
         self.channel = multihost.StepChannel(self.runner) if jax.process_count() > 1 else None
         if self.channel is not None and multihost.is_leader():

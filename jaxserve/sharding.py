@@ -278,21 +278,43 @@ class TensorParallel:
             return c(out), cache
         return annotated
 
+    def linear(self, fn):
+        """Wraps a linear backend whose quantized path is a kernel: shard_map per layer role.
 
-def linear_kind(kind: str, requested: str, quantized: bool) -> str:
-    """The linear backend under tensor parallelism.
+        Column parallel: x replicated, weight columns split, output features split. Row
+        parallel: x features and weight rows split, partial products psum'd: the layer's one
+        all-reduce. Float weights go through `fn` under the annotations, as on the XLA path.
+        """
+        def sharded(x, w):
+            if not isinstance(w, dict):
+                return fn(x, w)
+            name, lead = _calling_layer(), (None,) * (x.ndim - 1)
+            if name in COLUMN_PARALLEL:
+                specs = (P(), P(None, AXIS), P(*lead, AXIS))
+            elif name in ROW_PARALLEL:
+                specs = (P(*lead, AXIS), P(AXIS, None), P())
+            else:
+                raise ValueError(f"no tensor-parallel layout for quantized layer {name!r}")
 
-    The int4 matmul kernel is not shard-mapped yet: which of its operands is split depends on the
-    layer (column or row parallel), which a linear backend `(x, w)` is not told. Quantized
-    weights therefore run the XLA int4 path (partitioned by the annotations) under TP.
+            def local(x, w):  # x [..., K(/N)], w leaves [K(/N) / 2 | K(/N) / g, N(/N)]
+                y = fn(x, w)
+                return jax.lax.psum(y, AXIS) if name in ROW_PARALLEL else y
+
+            return jax.shard_map(local, mesh=self.mesh,
+                                 in_specs=(specs[0], {key: specs[1] for key in w}),
+                                 out_specs=specs[2], check_vma=False)(x, w)
+        return sharded
+
+
+def _calling_layer() -> str | None:
+    """Name of the flax module whose method is running: the Linear that called the backend.
+
+    A linear backend is `(x, w)`; whether its layer is column or row parallel is in the layer's
+    name, which flax keeps on its module stack while the method runs.
     """
-    if not quantized or kind == "xla":
-        return kind
-    if requested != "auto":
-        raise ValueError(f"linear_backend={requested!r} with quantized weights does not support "
-                         "tensor_parallel_size > 1 yet; use linear_backend='xla' (or 'auto')")
-    log.info("tensor parallel: quantized linear layers use the XLA int4 path")
-    return "xla"
+    from flax.linen.module import _context
+    stack = _context.module_stack
+    return getattr(stack[-1], "name", None) if stack else None
 
 
 def per_device_config(config: ModelConfig, n: int) -> ModelConfig:

@@ -43,7 +43,11 @@ def runs():
         "kernel": ["tokens", {"config_name": "gqa", "sizes": [4],
                               "attention_backend": "pallas-interpret"}],
         "int4": ["int4", {"sizes": [1, 2]}],
+        # The int4 Pallas matmul per shard (interpreted) against the XLA int4 path on 1 device.
+        "int4_kernel": ["int4", {"sizes": [2], "linear_backend": "pallas-interpret"}],
         "hlo": ["hlo", {"n": 4}],
+        "hlo_int4_kernel": ["hlo", {"n": 2, "quantization": "int4",
+                                    "linear_backend": "pallas-interpret"}],
     })
 
 
@@ -123,9 +127,9 @@ def test_quantization_groups_must_not_straddle_devices():
 
 # ---- multi-device runs ----------------------------------------------------------------------
 
-@pytest.mark.parametrize("label", ["gqa", "smol_heads", "kernel", "int4"])
+@pytest.mark.parametrize("label", ["gqa", "smol_heads", "kernel", "int4", "int4_kernel"])
 def test_same_greedy_tokens_as_one_device(runs, label):
-    one = runs["gqa" if label == "kernel" else label]["1"]["tokens"]
+    one = runs[{"kernel": "gqa", "int4_kernel": "int4"}.get(label, label)]["1"]["tokens"]
     assert len(one) == 2 and all(len(t) == 5 for t in one)
     for n, result in runs[label].items():
         assert result["tokens"] == one, f"tensor_parallel_size={n}"
@@ -172,7 +176,8 @@ def test_memory_per_device_shrinks(runs, label):
 
 def test_two_all_reduces_per_layer(runs):
     """Megatron: one all-reduce after attention, one after the MLP, nothing else per layer."""
-    assert runs["hlo"] == {"decode": {"all-reduce": 2}, "prefill": {"all-reduce": 2}}
+    for label in ("hlo", "hlo_int4_kernel"):  # annotations; int4 kernel under shard_map + psum
+        assert runs[label] == {"decode": {"all-reduce": 2}, "prefill": {"all-reduce": 2}}
 
 
 @pytest.mark.slow
@@ -210,11 +215,3 @@ def test_two_processes_on_loopback(runs):
     assert follower["steps"] > 0
     # Each process holds one shard of a cache that spans both processes' devices.
     assert leader["devices"] == follower["devices"] == [1, 2]
-
-
-def test_quantized_kernel_linear_refused_under_tp_auto_falls_back():
-    from jaxserve.sharding import linear_kind
-    assert linear_kind("pallas", "auto", quantized=True) == "xla"
-    assert linear_kind("pallas", "pallas", quantized=False) == "pallas"  # float: dense_linear
-    with pytest.raises(ValueError, match="use linear_backend='xla'"):
-        linear_kind("pallas", "pallas", quantized=True)

@@ -86,8 +86,8 @@ def collectives_in_layer_loop(hlo: str) -> dict:
             cur = None
         elif cur is not None:
             cur.append(line)
-    loops = [ln for body in comps.values() for ln in body
-             if " while(" in ln and "/Llama/while" in ln]
+    loops = [ln for body in comps.values() for ln in body  # loops inside it end differently
+             if " while(" in ln and re.search(r'op_name="[^"]*/Llama/while"', ln)]
     assert len(loops) == 1, f"expected one layer loop, found {len(loops)}"
     seen, todo = set(), [re.search(r"body=%([\w.\-]+)", loops[0]).group(1)]
     while todo:
@@ -110,9 +110,9 @@ def collectives_in_layer_loop(hlo: str) -> dict:
     return counts
 
 
-def case_hlo(n):
+def case_hlo(n, **kw):
     model = random_model(GQA, seed=3)
-    r = engine(model, n).runner
+    r = engine(model, n, **kw).runner
     out = {}
     for rows, tokens, nb in [(2, 1, 4), (1, 32, 4)]:  # a decode and a prefill shape
         st = SamplingTensors.from_params([], [], [], size=rows)
@@ -122,11 +122,11 @@ def case_hlo(n):
     return out
 
 
-def case_int4(sizes):
+def case_int4(sizes, linear_backend="xla"):
     model = random_model(GQA, seed=3)
     ps = prompts(GQA.vocab_size)
-    return {n: {"tokens": greedy(engine(model, n, quantization="int4", linear_backend="xla"),
-                                 ps)} for n in sizes}
+    return {n: {"tokens": greedy(engine(model, n, quantization="int4",
+                                        linear_backend=linear_backend), ps)} for n in sizes}
 
 
 def case_smollm2(sizes):
