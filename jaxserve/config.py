@@ -17,6 +17,7 @@ class EngineConfig:
     The KV cache size comes from a memory budget: `kv_cache_memory` bytes if given, else
     `gpu_memory_utilization` of free accelerator memory, else (CPU) a 1 GiB default.
     `max_model_len` defaults to the model's context length, capped by what the cache holds.
+    With `tensor_parallel_size` N > 1 the budget is per device, each holding 1/N of the KV heads.
     """
 
     model: str = "smollm2-135m"

@@ -156,7 +156,7 @@ def pad_heads(model: Model, n: int) -> Model:
 
 # ---- partition specs ----------------------------------------------------------------------
 
-def _weight_spec(path: tuple[str, ...], leaf, n: int, vocab_parallel: bool) -> P:
+def _weight_spec(path: tuple[str, ...], vocab_parallel: bool) -> P:
     names = [p for p in path if isinstance(p, str)]
     if names[0] == "embedding":
         return P(AXIS, None) if vocab_parallel else P()
@@ -205,7 +205,7 @@ def param_specs(params, config: ModelConfig, n: int):
     vp = vocab_parallel(config, n)
 
     def spec(path, leaf):
-        s = _weight_spec(tuple(getattr(k, "key", k) for k in path), leaf, n, vp)
+        s = _weight_spec(tuple(getattr(k, "key", k) for k in path), vp)
         _check_divisible(path, leaf, s, n)
         return s
 

@@ -46,6 +46,7 @@ def runs():
         # The int4 Pallas matmul per shard (interpreted) against the XLA int4 path on 1 device.
         "int4_kernel": ["int4", {"sizes": [2], "linear_backend": "pallas-interpret"}],
         "hlo": ["hlo", {"n": 4}],
+        "warmup": ["warmup", {"n": 4}],
         "hlo_int4_kernel": ["hlo", {"n": 2, "quantization": "int4",
                                     "linear_backend": "pallas-interpret"}],
     })
@@ -172,6 +173,12 @@ def test_memory_per_device_shrinks(runs, label):
         norms = 4 * (base.num_layers * 2 * base.hidden_size + base.hidden_size)
         assert (eight["weights"][0] - norms) * 8 == one["weights"][0] - norms
         assert eight["kv"][0] / eight["num_blocks"] * 8 == one["kv"][0] / one["num_blocks"]
+
+
+def test_nothing_compiles_after_warmup_on_4_devices(runs):
+    r = runs["warmup"]
+    assert r["tokens"] == runs["gqa"]["1"]["tokens"]
+    assert r["compiled"] > 1 and r["after_warmup"] == 0
 
 
 def test_two_all_reduces_per_layer(runs):

@@ -75,6 +75,14 @@ def case_tokens(config_name, sizes, **kw):
     return out
 
 
+def case_warmup(n):
+    """Sharded inputs must not retrace: nothing compiles after warm-up."""
+    eng = engine(random_model(GQA, seed=3), n, warmup=True)
+    tokens = greedy(eng, prompts(GQA.vocab_size))
+    return {"tokens": tokens, "compiled": eng.runner.num_compiled,
+            "after_warmup": eng.stats()["num_compiles_after_warmup"]}
+
+
 def collectives_in_layer_loop(hlo: str) -> dict:
     """Collective ops in the body of the layers' while loop (nn.scan), nested calls included."""
     comps, cur = {}, None
@@ -143,7 +151,8 @@ def case_smollm2(sizes):
     return out
 
 
-CASES = {"tokens": case_tokens, "hlo": case_hlo, "int4": case_int4, "smollm2": case_smollm2}
+CASES = {"tokens": case_tokens, "hlo": case_hlo, "int4": case_int4, "smollm2": case_smollm2,
+         "warmup": case_warmup}
 
 
 def main(argv):
