@@ -222,3 +222,66 @@ def test_two_processes_on_loopback(runs):
     assert follower["steps"] > 0
     # Each process holds one shard of a cache that spans both processes' devices.
     assert leader["devices"] == follower["devices"] == [1, 2]
+
+
+def test_sharded_kernel_step_compiles_for_4_h200s():
+    """The TP step with both Pallas kernels under shard_map, compiled for 4 compile-only H200s.
+
+    Deviceless (jax-cuda13-plugin): Triton lowering of the per-shard kernels, NCCL collectives,
+    and the layer loop's all-reduce count in the GPU program.
+    """
+    from jaxserve import backends
+    from jaxserve.kv_cache import KVCache
+    from jaxserve.quantization import quantize_params_int4
+    from jaxserve.runner import ModelRunner
+    from jaxserve.sampler import SamplingTensors
+    from jaxserve.sharding import TensorParallel
+    from hlo_collectives import collectives_in_layer_loop
+    from jax.experimental import topologies
+    from tests import cuda_lowering
+    from tp_worker import SMOL_HEADS
+
+    reason = cuda_lowering.cuda_compiler_available()
+    if reason:
+        pytest.skip(reason)
+    n = 4
+    topo = topologies.get_topology_desc(platform="cuda", topology=f"1x1x{n}",
+                                        target_config=cuda_lowering.H200_TARGET_CONFIG)
+    tp = TensorParallel(jax.sharding.Mesh(topo.devices, ("model",)))
+    # SmolLM2's head counts with its head_dim (the kernel's 64), padded for 4 devices.
+    config = ModelConfig(**dict(SMOL_HEADS.to_dict(), head_dim=64, hidden_size=128,
+                                rope_scaling=None, eos_token_ids=()))
+    model = pad_heads(random_model(config), n)
+    # Groups of 64: o_proj's 12 * 64 rows give 192 per device, which groups of 128 would straddle.
+    params = jax.eval_shape(lambda p: quantize_params_int4(p, group_size=64), model.params)
+    shardings = tp.param_shardings(params, model.config)
+    c, bs = model.config, 16
+    attention = backends.attention_backend("pallas", c, bs, "pallas")
+    # The runner's own step body, without a runner's device arrays.
+    runner = ModelRunner.__new__(ModelRunner)
+    runner.tp, runner.ragged, runner.max_model_len = tp, False, 64
+    runner._module = model.module(attention=tp.attention(attention, per_shard=True),
+                                  linear=tp.linear(backends.linear_backend("pallas")))
+    cache_shape = jax.ShapeDtypeStruct((c.num_layers, 32, bs, c.num_kv_heads, c.head_dim),
+                                       np.float32, sharding=tp.cache_shardings.k)
+    rep = tp.replicated
+
+    def spec(x, sharding=rep):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    args = (jax.tree.map(spec, params, shardings), KVCache(k=cache_shape, v=cache_shape),
+            jax.tree.map(spec, runner._idle_inputs(4, 1, 4)),
+            jax.tree.map(spec, SamplingTensors.from_params([], [], [], size=4)))
+    enabled = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)  # compile-only client
+    try:
+        with jax.set_mesh(tp.mesh):
+            step = jax.jit(runner._step_impl, donate_argnums=(1,),
+                           **tp.step_jit_kwargs(shardings))
+            compiled = step.trace(*args).lower().compile()
+    finally:
+        jax.config.update("jax_enable_compilation_cache", enabled)
+    hlo = compiled.as_text()
+    # One Triton call per kernel in the layer body: 7 int4 linears and the attention decode.
+    assert hlo.count('custom_call_target="__gpu$xla.gpu.triton"') == 8
+    assert collectives_in_layer_loop(hlo) == {"all-reduce": 2}

@@ -6,21 +6,17 @@ the tests start this script, which runs the cases it is given and prints one JSO
 
 import json
 import os
-import re
 import sys
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import numpy as np
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-
-from jaxserve import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from jaxserve.sampler import SamplingTensors  # noqa: E402
-from jaxserve.sharding import bytes_per_device  # noqa: E402
-from models.config import ModelConfig  # noqa: E402
-from models.model import enable_compilation_cache  # noqa: E402
-from models.random_init import random_model  # noqa: E402
+from hlo_collectives import collectives_in_layer_loop
+from jaxserve import EngineConfig, LLMEngine, SamplingParams
+from jaxserve.sampler import SamplingTensors
+from jaxserve.sharding import bytes_per_device
+from models.config import ModelConfig
+from models.model import enable_compilation_cache
+from models.random_init import random_model
 
 # GQA (2 query heads per KV head); both head counts divide by 8; head_dim 64 is the kernel's.
 GQA = ModelConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=2,
@@ -83,41 +79,6 @@ def case_warmup(n):
             "after_warmup": eng.stats()["num_compiles_after_warmup"]}
 
 
-def collectives_in_layer_loop(hlo: str) -> dict:
-    """Collective ops in the body of the layers' while loop (nn.scan), nested calls included."""
-    comps, cur = {}, None
-    for line in hlo.splitlines():
-        m = re.match(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\{\s*$", line)
-        if m:
-            cur = comps.setdefault(m.group(1), [])
-        elif line.startswith("}"):
-            cur = None
-        elif cur is not None:
-            cur.append(line)
-    loops = [ln for body in comps.values() for ln in body  # loops inside it end differently
-             if " while(" in ln and re.search(r'op_name="[^"]*/Llama/while"', ln)]
-    assert len(loops) == 1, f"expected one layer loop, found {len(loops)}"
-    seen, todo = set(), [re.search(r"body=%([\w.\-]+)", loops[0]).group(1)]
-    while todo:
-        name = todo.pop()
-        if name in seen:
-            continue
-        seen.add(name)
-        for ln in comps[name]:
-            todo += re.findall(r"(?:calls|to_apply|body|condition|true_computation|"
-                               r"false_computation)=%([\w.\-]+)", ln)
-            for grp in re.findall(r"(?:branch_computations|called_computations)=\{([^}]*)\}", ln):
-                todo += re.findall(r"%([\w.\-]+)", grp)
-    counts = {}
-    for name in seen:
-        for ln in comps[name]:
-            m = re.search(r"\b(all-reduce|all-gather|reduce-scatter|all-to-all|"
-                          r"collective-permute)(?:-start)?\(", ln)
-            if m:
-                counts[m.group(1)] = counts.get(m.group(1), 0) + 1
-    return counts
-
-
 def case_hlo(n, **kw):
     model = random_model(GQA, seed=3)
     r = engine(model, n, **kw).runner
@@ -165,4 +126,7 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    # Read when JAX first touches a device (not at import), so importers keep their own.
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
     sys.exit(main(sys.argv[1:]))
