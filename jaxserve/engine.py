@@ -45,10 +45,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, model: Model | None = None):
         self.config = config
         self.model = model if model is not None else load_model(config.model, config.dtype)
-        tp = None
-        if config.tensor_parallel_size > 1 or jax.process_count() > 1:  # heads padded for the mesh before quantization
-            tp = sharding.TensorParallel(sharding.make_mesh(config.tensor_parallel_size))
-            self.model = sharding.pad_heads(self.model, tp.size)
+        # Tensor parallel: a mesh, and heads padded for it (float weights: before quantization).
+        tp, self.model = sharding.setup(config.tensor_parallel_size, self.model)
         if config.quantization == "int4":
             from jaxserve.quantization import quantize_params_int4
             self.model = dataclasses.replace(self.model,
@@ -87,9 +85,7 @@ class LLMEngine:
                                                  bs, config.attention_backend),
             linear=linear, tp=tp)
         # Multi-host: process 0 schedules and broadcasts every step; the others follow().
-        self.channel = multihost.StepChannel(self.runner) if jax.process_count() > 1 else None
-        if self.channel is not None and multihost.is_leader():
-            self.runner.before_step = self.channel.send
+        self.channel = multihost.attach(self.runner)
         self.requests: dict[str, RequestState] = {}
         self._rng = np.random.default_rng(config.seed)
         self._counter = 0

@@ -44,6 +44,16 @@ def agree(value: int) -> int:
     return int(multihost_utils.broadcast_one_to_all(np.int64(value)))
 
 
+def attach(runner) -> StepChannel | None:
+    """A multi-process run's channel; on process 0 the runner broadcasts before each step."""
+    if jax.process_count() == 1:
+        return None
+    channel = StepChannel(runner)
+    if is_leader():
+        runner.before_step = channel.send
+    return channel
+
+
 def _broadcast_like(template):
     out = multihost_utils.broadcast_one_to_all(template)
     # The broadcast is a psum: bools come back as integers. Restore the template's dtypes.

@@ -59,6 +59,14 @@ def make_mesh(n: int) -> Mesh:
     return Mesh(np.array(jax.devices()[:n]), (AXIS,))
 
 
+def setup(n: int, model: Model) -> tuple[TensorParallel | None, Model]:
+    """The mesh of `n` devices (None: one device, one process) and `model` padded for it."""
+    if n == 1 and jax.process_count() == 1:
+        return None, model
+    tp = TensorParallel(make_mesh(n))
+    return tp, pad_heads(model, n)
+
+
 # ---- head layout --------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)

@@ -5,6 +5,7 @@ Multi-device runs happen in tests/tp_worker.py under XLA_FLAGS=...device_count=8
 process: the device count is fixed when JAX starts, and this suite runs with one device).
 """
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -90,7 +91,6 @@ def test_pad_heads_computes_the_same_function():
     biased = {k: dict(v, bias=rng.normal(size=v["bias"].shape).astype(np.float32))
               if "bias" in v else v for k, v in attn.items()}
     params = dict(model.params, layers=dict(model.params["layers"], attn=biased))
-    import dataclasses
     model = dataclasses.replace(model, params=jax.tree.map(jax.numpy.asarray, params))
     ids = rng.integers(0, 64, 13).tolist()
     want = model.forward_logits(ids)
