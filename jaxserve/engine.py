@@ -84,6 +84,7 @@ class LLMEngine:
             attention=backends.attention_backend(backends.resolve(config.attention_backend), mc,
                                                  bs, config.attention_backend),
             linear=linear, tp=tp)
+        self.model = self.runner.model  # with TP, the placed shards: no unsharded copy is kept
         # Multi-host: process 0 schedules and broadcasts every step; the others follow().
         self.channel = multihost.attach(self.runner)
         self.requests: dict[str, RequestState] = {}

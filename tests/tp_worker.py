@@ -54,7 +54,7 @@ def prompts(vocab, lengths=(5, 20)):
 def memory(eng):
     """Per-device bytes of weights and KV cache, read from the arrays' shards."""
     r = eng.runner
-    return {"weights": sorted(bytes_per_device(r.model.params).values()),
+    return {"weights": sorted(bytes_per_device(eng.model.params).values()),
             "kv": sorted(bytes_per_device(r.cache).values()),
             "num_blocks": int(r.cache.k.shape[1]),
             "heads": [r.model.config.num_heads, r.model.config.num_kv_heads]}
