@@ -21,7 +21,8 @@ def _engine_kwargs(args) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
                 seed=args.seed if args.seed is not None else 0,
-                profile_dir=getattr(args, "profile_dir", None))
+                profile_dir=getattr(args, "profile_dir", None),
+                tensor_parallel_size=args.tensor_parallel_size)
 
 
 def _start_profile(engine, args) -> None:
@@ -38,6 +39,27 @@ def _stop_profile(engine) -> None:
               f"perfetto_trace.json.gz in ui.perfetto.dev)]", file=sys.stderr)
 
 
+def _init_distributed(args) -> None:
+    """Joins a multi-host run (before anything touches a device) when asked to."""
+    given = [args.coordinator_address, args.num_processes, args.process_id]
+    if all(v is None for v in given):
+        return
+    if any(v is None for v in given):
+        raise ValueError("multi-host needs all of --coordinator-address, --num-processes and "
+                         "--process-id")
+    from jaxserve import multihost
+    multihost.initialize(args.coordinator_address, args.num_processes, args.process_id)
+
+
+def _follow(engine) -> bool:
+    """On processes other than 0 of a multi-host run: run process 0's steps; True if so."""
+    from jaxserve import multihost
+    if engine.channel is None or multihost.is_leader():
+        return False
+    print(f"[followed {engine.channel.follow()} steps of process 0]", file=sys.stderr)
+    return True
+
+
 def _sampling_params(args):
     from jaxserve import SamplingParams
     return SamplingParams(
@@ -51,13 +73,23 @@ def _cmd_generate(args) -> int:
     from jaxserve import LLM
     try:
         params = _sampling_params(args)
+        _init_distributed(args)
         start = time.perf_counter()
         # A one-shot run compiles only the shapes it meets; a server compiles every bucket.
         llm = LLM(args.model, warmup=args.warmup, **_engine_kwargs(args))
     except (ValueError, FileNotFoundError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    ready = time.perf_counter() - start
+    if _follow(llm.engine):
+        return 0
+    try:
+        return _generate(llm, args, params, time.perf_counter() - start)
+    finally:
+        if llm.engine.channel is not None:
+            llm.engine.channel.stop()
+
+
+def _generate(llm, args, params, ready: float) -> int:
     _start_profile(llm.engine, args)
     if args.chat:
         outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params,
@@ -88,12 +120,19 @@ def _cmd_serve(args) -> int:
         config = ServerConfig(served_model_name=args.served_model_name or model,
                               api_key=args.api_key, threads=args.threads,
                               max_waiting_requests=args.max_waiting_requests)
+        _init_distributed(args)
         engine = LLMEngine(EngineConfig(model=model, **_engine_kwargs(args)))
     except (ValueError, FileNotFoundError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if _follow(engine):
+        return 0
     _start_profile(engine, args)  # only with --profile-steps; else POST /start_profile
-    return serve(engine, args.host, args.port, config)
+    try:
+        return serve(engine, args.host, args.port, config)
+    finally:
+        if engine.channel is not None:
+            engine.channel.stop()
 
 
 def _cmd_bench(args) -> int:
@@ -231,7 +270,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes")
+    p.add_argument("--kv-cache-memory", type=int, default=None,
+                   help="KV cache bytes (per device with --tensor-parallel-size)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="devices to split every layer over (at most jax.device_count())")
+    g = p.add_argument_group("multi-host (jax.distributed.initialize; run on every host)")
+    g.add_argument("--coordinator-address", default=None, help="HOST:PORT of process 0")
+    g.add_argument("--num-processes", type=int, default=None)
+    g.add_argument("--process-id", type=int, default=None, help="0 schedules and serves")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:

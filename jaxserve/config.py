@@ -17,6 +17,7 @@ class EngineConfig:
     The KV cache size comes from a memory budget: `kv_cache_memory` bytes if given, else
     `gpu_memory_utilization` of free accelerator memory, else (CPU) a 1 GiB default.
     `max_model_len` defaults to the model's context length, capped by what the cache holds.
+    With `tensor_parallel_size` N > 1 the budget is per device, each holding 1/N of the KV heads.
     """
 
     model: str = "smollm2-135m"
@@ -34,6 +35,8 @@ class EngineConfig:
     seed: int = 0
     warmup: bool = True
     profile_dir: str | None = None  # where jax.profiler captures go (jaxserve/profiling.py)
+    # Devices to split each layer over (jaxserve/sharding.py); must not exceed jax.device_count().
+    tensor_parallel_size: int = 1
 
     def __post_init__(self):
         if self.dtype not in ("float32", "bfloat16"):
@@ -61,6 +64,10 @@ class EngineConfig:
                                              or not self.profile_dir):
             raise ValueError(f"profile_dir must be a directory path (str) or None, got "
                              f"{self.profile_dir!r}")
+        if isinstance(self.tensor_parallel_size, bool) or \
+                not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be a positive integer, got "
+                             f"{self.tensor_parallel_size!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got "
                              f"{self.quantization!r}")

@@ -15,7 +15,7 @@ from typing import Sequence as Seq
 import jax
 import numpy as np
 
-from jaxserve import backends, kv_accounting
+from jaxserve import backends, kv_accounting, multihost, sharding
 from jaxserve.config import EngineConfig
 from jaxserve.kv_cache import log_plan, plan_num_blocks
 from jaxserve.outputs import RequestOutput
@@ -36,7 +36,7 @@ CPU_KV_CACHE_BYTES = 1 << 30
 def _kv_budget(config: EngineConfig, model: Model) -> int:
     if config.kv_cache_memory is not None:
         return config.kv_cache_memory
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}  # this process's (multi-host)
     if "bytes_limit" in stats:  # accelerators report their memory; the CPU does not
         free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
         return int(free * config.gpu_memory_utilization)
@@ -47,13 +47,19 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, model: Model | None = None):
         self.config = config
         self.model = model if model is not None else load_model(config.model, config.dtype)
+        # Tensor parallel: a mesh, and heads padded for it (float weights: before quantization).
+        tp, self.model = sharding.setup(config.tensor_parallel_size, self.model)
         if config.quantization == "int4":
             from jaxserve.quantization import quantize_params_int4
             self.model = dataclasses.replace(self.model,
                                              params=quantize_params_int4(self.model.params))
         mc, bs = self.model.config, config.block_size
+        # The budget is one device's memory, so plan with the KV heads one device holds.
+        plan_mc = sharding.per_device_config(mc, tp.size) if tp else mc
         dtype_bytes = np.dtype(self.model.params["embedding"].dtype).itemsize
-        num_blocks = plan_num_blocks(mc, bs, dtype_bytes, _kv_budget(config, self.model))
+        num_blocks = plan_num_blocks(plan_mc, bs, dtype_bytes, _kv_budget(config, self.model))
+        if jax.process_count() > 1:  # one cache shape on every host: process 0's plan
+            num_blocks = multihost.agree(num_blocks)
         capacity = max(0, num_blocks - 1) * bs
         max_len = config.max_model_len or min(mc.max_position_embeddings, capacity)
         if max_len > mc.max_position_embeddings:
@@ -65,17 +71,24 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_len,
             block_size=bs, num_blocks=num_blocks,
             enable_chunked_prefill=config.enable_chunked_prefill))
-        log_plan(mc, bs, dtype_bytes, num_blocks)
+        log_plan(plan_mc, bs, dtype_bytes, num_blocks)
         self.max_model_len = max_len
         tok = self.model.tokenizer
         self.eos_ids = set(tok.stop_token_ids) if tok is not None else set(mc.eos_token_ids)
+        linear_kind = backends.resolve(config.linear_backend)
+        linear = backends.linear_backend(linear_kind)
+        if tp is not None and linear_kind != "xla":  # the int4 kernel runs per shard
+            linear = tp.linear(linear)
         self.runner = ModelRunner(
             self.model, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, block_size=bs,
             num_blocks=num_blocks, max_model_len=max_len, eos_ids=sorted(self.eos_ids),
             attention=backends.attention_backend(backends.resolve(config.attention_backend), mc,
                                                  bs, config.attention_backend),
-            linear=backends.linear_backend(backends.resolve(config.linear_backend)))
+            linear=linear, tp=tp)
+        self.model = self.runner.model  # with TP, the placed shards: no unsharded copy is kept
+        # Multi-host: process 0 schedules and broadcasts every step; the others follow().
+        self.channel = multihost.attach(self.runner)
         self.requests: dict[str, RequestState] = {}
         self._rng = np.random.default_rng(config.seed)
         self._counter = 0

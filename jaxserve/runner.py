@@ -24,6 +24,7 @@ from jaxserve.attention import paged_attention_xla
 from jaxserve.kv_cache import KVCache, PagedMeta
 from jaxserve.sampler import SamplingTensors, sample
 from jaxserve.scheduler import ScheduledSeq, SchedulerOutput
+from jaxserve.sharding import TensorParallel
 from models.model import Model
 
 log = logging.getLogger("jaxserve")
@@ -51,15 +52,23 @@ class StepInputs:
 class ModelRunner:
     def __init__(self, model: Model, *, max_num_seqs: int, max_num_batched_tokens: int,
                  block_size: int, num_blocks: int, max_model_len: int, eos_ids=(),
-                 attention=paged_attention_xla, linear=None):
+                 attention=paged_attention_xla, linear=None, tp: TensorParallel | None = None):
         c = model.config
+        jit_kwargs = {}
+        if tp is not None:  # tensor parallel: params and cache sharded over tp's mesh
+            shardings = tp.param_shardings(model.params, c)
+            model = dataclasses.replace(model, params=tp.place(model.params, shardings))
+            jit_kwargs = tp.step_jit_kwargs(shardings)
         self.model, self.block_size, self.max_model_len = model, block_size, max_model_len
+        self.tp = tp
+        self.before_step = None  # multi-host: process 0 broadcasts each step's inputs here
         self.num_slots = max_num_seqs
         self.max_blocks = -(-max_model_len // block_size)
         self.eos_ids = tuple(eos_ids)
         shape = (c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim)
         dtype = jnp.dtype(model.dtype)
-        self.cache = KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+        self.cache = (tp.new_cache(shape, dtype) if tp is not None else
+                      KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype)))
         self.page_table = np.zeros((self.num_slots, self.max_blocks), np.int32)  # [S, nb]
         self.history = np.zeros((self.num_slots, max_model_len), np.int32)  # [S, L]
         self.slot_of: dict[str, int] = {}
@@ -67,11 +76,13 @@ class ModelRunner:
         self.decode_buckets = buckets.decode_block_buckets(self.max_blocks)
         self.batch_buckets = buckets.decode_batch_buckets(max_num_seqs)
         self.token_buckets = buckets.prefill_token_buckets(max_num_batched_tokens)
-        self._module = model.module(attention=attention, **({"linear": linear} if linear else {}))
         # The XLA attention decodes over a flat list of the blocks in use (see attention.py);
         # kernels take the page table.
         self.ragged = attention is paged_attention_xla
-        self._step = jax.jit(self._step_impl, donate_argnums=(1,))
+        if tp is not None:
+            attention = tp.attention(attention, per_shard=not self.ragged)
+        self._module = model.module(attention=attention, **({"linear": linear} if linear else {}))
+        self._step = jax.jit(self._step_impl, donate_argnums=(1,), **jit_kwargs)
         self._compiles_at_warmup: int | None = None
 
     # ---- the jitted step ------------------------------------------------------------------
@@ -84,6 +95,8 @@ class ModelRunner:
             logits, cache = self._module.apply({"params": params}, inp.tokens,
                                                inp.meta.positions, cache, inp.meta,
                                                logits_index=inp.logits_index)
+            if self.tp is not None:  # one gather of vocab-parallel logits; sampler replicated
+                logits = jax.lax.with_sharding_constraint(logits, self.tp.replicated)
             with jax.named_scope("sampling"):
                 out = sample(logits, st, inp.history, inp.meta.context_lens, inp.prompt_lens,
                              inp.sample_pos, inp.want_logprobs)
@@ -186,6 +199,8 @@ class ModelRunner:
     def _run(self, inp: StepInputs, params_per_row, seeds_per_row, generated, rows):
         st = SamplingTensors.from_params(params_per_row, seeds_per_row, generated,
                                          self.eos_ids, size=rows)
+        if self.before_step is not None:
+            self.before_step(inp, st)
         self.cache, sampled = self._step(self.model.params, self.cache, inp, st)
         return sampled
 

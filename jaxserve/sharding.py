@@ -1,0 +1,340 @@
+"""Tensor parallelism on JAX's SPMD machinery: the mesh, partition specs, head layout.
+
+One 1-D mesh with a "model" axis of N devices, Megatron layout:
+- column-parallel (output features split): q/k/v and gate/up projections;
+- row-parallel (input features split): o and down projections, so each layer needs exactly one
+  all-reduce after attention and one after the MLP (XLA inserts them from the shardings);
+- attention heads split, and the paged KV cache `[L, NB, BS, K, Dh]` split on K: each device holds
+  its heads' pages; block ids, page table, slots and sampling inputs are replicated, so the block
+  manager and scheduler stay single and unchanged;
+- embedding (and the LM head, tied or not) vocab-parallel when N divides the vocabulary: the table
+  is the largest single weight of a small model (SmolLM2: 21% of its parameters, shared by input
+  and output since it ties them), so replicating it would cap the per-device saving; the price is
+  two small collectives per step outside the layers (the lookup's reduce and the logits gather
+  that the sampler needs), none per layer.
+
+Heads must split evenly: `head_layout` pads and replicates heads so both counts divide N (see its
+docstring), a transform applied to the float weights before quantization and placement.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxserve.kv_cache import KVCache
+from models.config import ModelConfig
+from models.model import Model
+
+log = logging.getLogger("jaxserve")
+
+AXIS = "model"
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+ROW_PARALLEL = ("o_proj", "down_proj")
+HEADS = P(None, None, AXIS, None)            # q/k/v/attention output [B, T, H, Dh]
+CACHE = P(None, None, None, AXIS, None)      # [L, NB, BS, K, Dh]
+
+
+def make_mesh(n: int) -> Mesh:
+    """A 1-D mesh of the first `n` devices with axis "model"."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"tensor_parallel_size must be a positive integer, got {n!r}")
+    have = jax.device_count()
+    if n > have:
+        raise ValueError(
+            f"tensor_parallel_size={n} needs {n} devices, but JAX sees {have} "
+            f"({jax.default_backend()}). On GPU, check CUDA_VISIBLE_DEVICES; on CPU, start Python "
+            f"with XLA_FLAGS=--xla_force_host_platform_device_count={n}; across hosts, pass "
+            "--coordinator-address/--num-processes/--process-id on every host.")
+    if jax.process_count() > 1 and n != have:
+        raise ValueError(f"with {jax.process_count()} processes tensor_parallel_size must use "
+                         f"every device ({have}), got {n}")
+    return Mesh(np.array(jax.devices()[:n]), (AXIS,))
+
+
+def setup(n: int, model: Model) -> tuple[TensorParallel | None, Model]:
+    """The mesh of `n` devices (None: one device, one process) and `model` padded for it."""
+    if n == 1 and jax.process_count() == 1:
+        return None, model
+    tp = TensorParallel(make_mesh(n))
+    return tp, pad_heads(model, n)
+
+
+# ---- head layout --------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class HeadLayout:
+    """Where each head of the sharded model comes from: an original head index, or -1 (zero).
+
+    New q head i attends with new KV head i // (len(q_src) // len(kv_src)), the usual GQA
+    grouping, and device d holds the d-th contiguous slice of both lists.
+    """
+
+    q_src: tuple[int, ...]
+    kv_src: tuple[int, ...]
+
+    @property
+    def num_heads(self) -> int:
+        return len(self.q_src)
+
+    @property
+    def num_kv_heads(self) -> int:
+        return len(self.kv_src)
+
+    @property
+    def is_identity(self) -> bool:
+        return self.q_src == tuple(range(len(self.q_src))) and \
+            self.kv_src == tuple(range(len(self.kv_src)))
+
+
+def head_layout(num_heads: int, num_kv_heads: int, n: int) -> HeadLayout:
+    """Pads and replicates heads so that N divides both head counts.
+
+    With K KV heads, G = H / K query heads per KV head:
+    1. K' = the smallest K' >= K that N divides or that divides N; KV heads K..K'-1 are zero
+       heads (their query heads too), which changes nothing: their o_proj rows are zero.
+    2. If K' < N, each KV head is replicated r = N / K' times, and its G query heads are dealt
+       to the copies in order, G' = ceil(G / r) per copy; slots past G are zero query heads.
+    Zero query heads add 0 to the output exactly (zero o_proj rows), so the sharded model
+    computes the same function; only summation order differs.
+    Examples: K divisible by N (most Llamas): unchanged. SmolLM2 (H=9, K=3): N=2 -> K'=4, H'=12
+    (2 KV heads per device); N=4 -> K'=4, H'=12 (1 per device); N=8 -> K'=4 replicated twice,
+    G'=2, H'=16 (1 KV head and 2 query heads per device).
+    """
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads "
+                         f"{num_kv_heads}")
+    k, g = num_kv_heads, num_heads // num_kv_heads
+    kp = k
+    while kp % n and n % kp:
+        kp += 1
+    r = max(1, n // kp)
+    gp = -(-g // r)
+    q_src, kv_src = [], []
+    for j in range(kp):
+        for c in range(r):
+            kv_src.append(j if j < k else -1)
+            for s in range(gp):
+                q = c * gp + s
+                q_src.append(j * g + q if j < k and q < g else -1)
+    return HeadLayout(tuple(q_src), tuple(kv_src))
+
+
+def _take_heads(w, src: tuple[int, ...], head_dim: int, axis: int):
+    """Reorders the heads of `w` along `axis` (size heads * head_dim); src -1 gives zeros."""
+    axis = axis % w.ndim
+    shape = w.shape
+    heads = w.reshape(shape[:axis] + (shape[axis] // head_dim, head_dim) + shape[axis + 1:])
+    idx = np.asarray(src)
+    out = jnp.take(heads, np.maximum(idx, 0), axis=axis)
+    keep = (idx >= 0).reshape((-1,) + (1,) * (heads.ndim - axis - 1))
+    out = jnp.where(keep, out, jnp.zeros((), w.dtype))
+    return out.reshape(shape[:axis] + (len(src) * head_dim,) + shape[axis + 1:])
+
+
+def pad_heads(model: Model, n: int) -> Model:
+    """The model with heads padded/replicated for `n` devices (`head_layout`); float weights."""
+    c = model.config
+    layout = head_layout(c.num_heads, c.num_kv_heads, n)
+    if layout.is_identity:
+        return model
+    attn = model.params["layers"]["attn"]
+    if any(isinstance(attn[name]["kernel"], dict) for name in attn):
+        raise ValueError("heads must be padded before quantization: quantize after "
+                         "pad_heads (the engine does)")
+    dh = c.head_dim
+    new = {}
+    for name, src, axis in (("q_proj", layout.q_src, -1), ("k_proj", layout.kv_src, -1),
+                            ("v_proj", layout.kv_src, -1), ("o_proj", layout.q_src, -2)):
+        new[name] = {key: _take_heads(value, src, dh, -1 if key == "bias" else axis)
+                     for key, value in attn[name].items()}
+    params = dict(model.params, layers=dict(model.params["layers"], attn=new))
+    config = dataclasses.replace(c, num_heads=layout.num_heads, num_kv_heads=layout.num_kv_heads)
+    log.info("tensor parallel %d: heads %d/%d (q/kv) -> %d/%d (zero-padded and replicated)", n,
+             c.num_heads, c.num_kv_heads, layout.num_heads, layout.num_kv_heads)
+    return dataclasses.replace(model, config=config, params=params)
+
+
+# ---- partition specs ----------------------------------------------------------------------
+
+def _weight_spec(path: tuple[str, ...], vocab_parallel: bool) -> P:
+    names = [p for p in path if isinstance(p, str)]
+    if names[0] == "embedding":
+        return P(AXIS, None) if vocab_parallel else P()
+    if names[0] == "lm_head":
+        return P(None, AXIS) if vocab_parallel else P()
+    module = next((m for m in names if m in COLUMN_PARALLEL + ROW_PARALLEL), None)
+    if module is None:  # norms
+        return P()
+    if names[-1] == "bias":  # [L, N] of a column-parallel layer
+        return P(None, AXIS)
+    # Float kernels [L, K, N] and every quantized leaf ([L, K/2 | K | K/g, N]) split alike.
+    return P(None, None, AXIS) if module in COLUMN_PARALLEL else P(None, AXIS, None)
+
+
+def _check_divisible(path, leaf, spec: P, n: int) -> None:
+    for dim, axis in zip(leaf.shape, spec):
+        if axis == AXIS and dim % n:
+            name = "/".join(str(getattr(k, "key", k)) for k in path)
+            raise ValueError(f"{name} {tuple(leaf.shape)} does not split over "
+                             f"tensor_parallel_size={n} (dimension {dim})")
+
+
+def _check_groups(params, n: int) -> None:
+    """Row-parallel quantized kernels split K: a quantization group must not straddle devices."""
+    for block in ("attn", "mlp"):
+        for name in ROW_PARALLEL:
+            w = params["layers"].get(block, {}).get(name, {}).get("kernel")
+            if not isinstance(w, dict):
+                continue
+            k = 2 * w["packed"].shape[-2] if "packed" in w else w["q8"].shape[-2]
+            g = k // w["scales"].shape[-2]
+            if k % n or (k // n) % g:
+                raise ValueError(
+                    f"{name}: input dimension {k} split over tensor_parallel_size={n} gives "
+                    f"{k / n:g} rows per device, not a multiple of the quantization group size "
+                    f"{g}; quantize with a group size dividing {k // n if k % n == 0 else k}"
+                    " or pick another tensor_parallel_size")
+
+
+def vocab_parallel(config: ModelConfig, n: int) -> bool:
+    return n > 1 and config.vocab_size % n == 0
+
+
+def param_specs(params, config: ModelConfig, n: int):
+    """PartitionSpecs for a params tree (float or quantized), validated for `n` devices."""
+    vp = vocab_parallel(config, n)
+
+    def spec(path, leaf):
+        s = _weight_spec(tuple(getattr(k, "key", k) for k in path), vp)
+        _check_divisible(path, leaf, s, n)
+        return s
+
+    _check_groups(params, n)  # first: its message says what to change
+    return jax.tree_util.tree_map_with_path(spec, params)
+
+
+# ---- placement and the step's shardings ---------------------------------------------------
+
+class TensorParallel:
+    """Shardings of one mesh; the runner asks it to place params and cache and to wrap kernels."""
+
+    def __init__(self, mesh: Mesh):
+        self.mesh = mesh
+        self.size = mesh.devices.size
+
+    def sharding(self, spec: P) -> NamedSharding:
+        return NamedSharding(self.mesh, spec)
+
+    @property
+    def replicated(self) -> NamedSharding:
+        return self.sharding(P())
+
+    @property
+    def cache_shardings(self) -> KVCache:
+        return KVCache(k=self.sharding(CACHE), v=self.sharding(CACHE))
+
+    def param_shardings(self, params, config: ModelConfig):
+        return jax.tree.map(self.sharding, param_specs(params, config, self.size),
+                            is_leaf=lambda x: isinstance(x, P))
+
+    def place(self, tree, shardings):
+        if jax.process_count() == 1:
+            return jax.device_put(tree, shardings)
+        # Every process holds the same full values; each contributes its devices' shards.
+        return jax.tree.map(
+            lambda x, s: jax.make_array_from_callback(
+                x.shape, s, lambda idx, x=np.asarray(x): x[idx]), tree, shardings)
+
+    def step_jit_kwargs(self, param_shardings) -> dict:
+        """jit shardings of the runner's step(params, cache, inputs, sampling) -> (cache, out).
+
+        Inputs and outputs other than params and cache are replicated; the cache keeps its
+        sharding across the donation.
+        """
+        rep = self.replicated
+        return dict(in_shardings=(param_shardings, self.cache_shardings, rep, rep),
+                    out_shardings=(self.cache_shardings, rep))
+
+    def new_cache(self, shape: tuple[int, ...], dtype) -> KVCache:
+        """Zeros allocated shard by shard: no device ever holds the whole cache."""
+        if shape[3] % self.size:
+            raise ValueError(f"{shape[3]} KV heads do not split over {self.size} devices: "
+                             "pad_heads the model first")
+        zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=self.sharding(CACHE))
+        return KVCache(k=zeros(), v=zeros())
+
+    def attention(self, fn, per_shard: bool):
+        """Wraps an attention backend: shard_map (kernels) or sharding annotations (XLA)."""
+        if per_shard:
+            # A pallas_call is opaque to the SPMD partitioner: run it on each device's heads.
+            return jax.shard_map(fn, mesh=self.mesh,
+                                 in_specs=(HEADS, HEADS, HEADS, CACHE, P(), P()),
+                                 out_specs=(HEADS, CACHE), check_vma=False)
+
+        def annotated(q, k, v, cache, layer, meta):
+            c = functools.partial(jax.lax.with_sharding_constraint, shardings=self.sharding(HEADS))
+            out, cache = fn(c(q), c(k), c(v), cache, layer, meta)
+            cache = jax.lax.with_sharding_constraint(cache, self.cache_shardings)
+            return c(out), cache
+        return annotated
+
+    def linear(self, fn):
+        """Wraps a linear backend whose quantized path is a kernel: shard_map per layer role.
+
+        Column parallel: x replicated, weight columns split, output features split. Row
+        parallel: x features and weight rows split, partial products psum'd: the layer's one
+        all-reduce. Float weights go through `fn` under the annotations, as on the XLA path.
+        """
+        def sharded(x, w):
+            if not isinstance(w, dict):
+                return fn(x, w)
+            name, lead = _calling_layer(), (None,) * (x.ndim - 1)
+            if name in COLUMN_PARALLEL:
+                specs = (P(), P(None, AXIS), P(*lead, AXIS))
+            elif name in ROW_PARALLEL:
+                specs = (P(*lead, AXIS), P(AXIS, None), P())
+            else:
+                raise ValueError(f"no tensor-parallel layout for quantized layer {name!r}")
+
+            def local(x, w):  # x [..., K(/N)], w leaves [K(/N) / 2 | K(/N) / g, N(/N)]
+                y = fn(x, w)
+                return jax.lax.psum(y, AXIS) if name in ROW_PARALLEL else y
+
+            return jax.shard_map(local, mesh=self.mesh,
+                                 in_specs=(specs[0], {key: specs[1] for key in w}),
+                                 out_specs=specs[2], check_vma=False)(x, w)
+        return sharded
+
+
+def _calling_layer() -> str | None:
+    """Name of the flax module whose method is running: the Linear that called the backend.
+
+    A linear backend is `(x, w)`; whether its layer is column or row parallel is in the layer's
+    name, which flax keeps on its module stack while the method runs.
+    """
+    from flax.linen.module import _context
+    stack = _context.module_stack
+    return getattr(stack[-1], "name", None) if stack else None
+
+
+def per_device_config(config: ModelConfig, n: int) -> ModelConfig:
+    """The config one device sees for KV planning: its share of the (padded) KV heads."""
+    return dataclasses.replace(config, num_kv_heads=config.num_kv_heads // n,
+                               num_heads=config.num_heads // n)
+
+
+def bytes_per_device(tree) -> dict:
+    """{device: bytes} of the shards of every array in `tree` (from their shardings)."""
+    out: dict = {}
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            out[shard.device] = out.get(shard.device, 0) + shard.data.nbytes
+    return out

@@ -1,0 +1,38 @@
+"""One of two processes of a multi-host run on loopback (tests/test_tensor_parallel.py).
+
+`python tests/mh_worker.py PROCESS_ID PORT`: each process has one CPU device; the two form a
+tensor-parallel mesh of 2 through jax.distributed (gloo collectives). Process 0 schedules and
+prints the greedy tokens; process 1 follows its broadcast steps and prints how many it ran.
+"""
+
+import json
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import tp_worker as w  # noqa: E402  (after XLA_FLAGS: one device per process)
+
+from jaxserve import multihost  # noqa: E402
+from models.random_init import random_model  # noqa: E402
+
+
+def main(process_id: int, port: int) -> int:
+    multihost.initialize(f"127.0.0.1:{port}", 2, process_id)
+    eng = w.engine(random_model(w.GQA, seed=3), 2)
+    if multihost.is_leader():
+        try:
+            result = {"tokens": w.greedy(eng, w.prompts(w.GQA.vocab_size))}
+        finally:
+            eng.channel.stop()
+    else:
+        result = {"steps": eng.channel.follow()}
+    result["devices"] = [len(eng.runner.cache.k.addressable_shards),
+                         len(eng.runner.cache.k.sharding.device_set)]
+    print("RESULT " + json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(int(sys.argv[1]), int(sys.argv[2])))

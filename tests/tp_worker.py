@@ -1,0 +1,132 @@
+"""Tensor-parallel runs in a fresh process with 8 host devices (tests/test_tensor_parallel.py).
+
+XLA's device count is fixed when JAX starts, and the rest of the suite runs with one device, so
+the tests start this script, which runs the cases it is given and prints one JSON line.
+"""
+
+import json
+import os
+import sys
+
+import numpy as np
+
+from hlo_collectives import collectives_in_layer_loop
+from jaxserve import EngineConfig, LLMEngine, SamplingParams
+from jaxserve.sampler import SamplingTensors
+from jaxserve.sharding import bytes_per_device
+from models.config import ModelConfig
+from models.model import enable_compilation_cache
+from models.random_init import random_model
+
+# GQA (2 query heads per KV head); both head counts divide by 8; head_dim 64 is the kernel's.
+GQA = ModelConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=2,
+                  num_heads=16, num_kv_heads=8, head_dim=64, max_position_embeddings=256)
+# SmolLM2's head counts (9 query, 3 KV): padded/replicated for every N > 1.
+SMOL_HEADS = ModelConfig(vocab_size=256, hidden_size=96, intermediate_size=256, num_layers=2,
+                         num_heads=9, num_kv_heads=3, head_dim=32, max_position_embeddings=256,
+                         tie_word_embeddings=True)
+KV_BYTES = 4 << 20  # per device
+
+
+def engine(model, n, **kw):
+    kw = dict(dict(block_size=16, max_num_seqs=2, max_model_len=64, max_num_batched_tokens=32,
+                   warmup=False, kv_cache_memory=KV_BYTES), **kw)
+    return LLMEngine(EngineConfig(model="tiny", tensor_parallel_size=n, **kw), model=model)
+
+
+def greedy(eng, prompts, max_tokens=5):
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        eng.add_request(str(i), p, params)
+    done = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    return [list(done[str(i)]) for i in range(len(prompts))]
+
+
+def prompts(vocab, lengths=(5, 20)):
+    rng = np.random.default_rng(0)
+    return [rng.integers(1, vocab, n).tolist() for n in lengths]
+
+
+def memory(eng):
+    """Per-device bytes of weights and KV cache, read from the arrays' shards."""
+    r = eng.runner
+    return {"weights": sorted(bytes_per_device(eng.model.params).values()),
+            "kv": sorted(bytes_per_device(r.cache).values()),
+            "num_blocks": int(r.cache.k.shape[1]),
+            "heads": [r.model.config.num_heads, r.model.config.num_kv_heads]}
+
+
+def case_tokens(config_name, sizes, **kw):
+    config = {"gqa": GQA, "smol_heads": SMOL_HEADS}[config_name]
+    model = random_model(config, seed=3)
+    ps = prompts(config.vocab_size)
+    out = {}
+    for n in sizes:
+        eng = engine(model, n, **kw)
+        out[n] = {"tokens": greedy(eng, ps), **memory(eng)}
+    return out
+
+
+def case_warmup(n):
+    """Sharded inputs must not retrace: nothing compiles after warm-up."""
+    eng = engine(random_model(GQA, seed=3), n, warmup=True)
+    tokens = greedy(eng, prompts(GQA.vocab_size))
+    return {"tokens": tokens, "compiled": eng.runner.num_compiled,
+            "after_warmup": eng.stats()["num_compiles_after_warmup"]}
+
+
+def case_hlo(n, **kw):
+    model = random_model(GQA, seed=3)
+    r = engine(model, n, **kw).runner
+    out = {}
+    for rows, tokens, nb in [(2, 1, 4), (1, 32, 4)]:  # a decode and a prefill shape
+        st = SamplingTensors.from_params([], [], [], size=rows)
+        hlo = r._step.lower(r.model.params, r.cache, r._idle_inputs(rows, tokens, nb),
+                            st).compile().as_text()
+        out["decode" if tokens == 1 else "prefill"] = collectives_in_layer_loop(hlo)
+    return out
+
+
+def case_int4(sizes, linear_backend="xla"):
+    model = random_model(GQA, seed=3)
+    ps = prompts(GQA.vocab_size)
+    return {n: {"tokens": greedy(engine(model, n, quantization="int4",
+                                        linear_backend=linear_backend), ps)} for n in sizes}
+
+
+def case_smollm2(sizes):
+    from models import load_model
+    model = load_model("smollm2-135m", "float32")  # real weights, with the compilation cache
+    tok = model.tokenizer
+    texts = ["The capital of France is", "def fibonacci(n):", "List three colors:"]
+    ps = [[tok.bos_token_id] * bool(tok.add_bos and tok.bos_token_id is not None)
+          + tok.encode(t) for t in texts]
+    out = {}
+    for n in sizes:
+        eng = engine(model, n, max_model_len=256, max_num_seqs=4, kv_cache_memory=64 << 20)
+        out[n] = {"tokens": greedy(eng, ps, max_tokens=16), **memory(eng)}
+    return out
+
+
+CASES = {"tokens": case_tokens, "hlo": case_hlo, "int4": case_int4, "smollm2": case_smollm2,
+         "warmup": case_warmup}
+
+
+def main(argv):
+    """argv[0]: JSON {label: [case, kwargs]}; prints RESULT {label: result} (one JAX start)."""
+    enable_compilation_cache()
+    jobs = json.loads(argv[0])
+    results = {label: CASES[case](**kwargs) for label, (case, kwargs) in jobs.items()}
+    print("RESULT " + json.dumps(results), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    # Read when JAX first touches a device (not at import), so importers keep their own.
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    sys.exit(main(sys.argv[1:]))
