@@ -115,3 +115,47 @@ def test_output_error_below_rtn(spec, act_order):
     rtn = np.linalg.norm(x @ w - x @ np.asarray(dequantize_codes(q, s, z)))
     gptq = np.linalg.norm(x @ w - x @ gptq_dequant(w, hessian(x), spec, act_order=act_order))
     assert gptq < 0.9 * rtn, (gptq, rtn)
+
+
+# ---- the whole model, layer by layer --------------------------------------------------------
+
+TINY = None
+
+
+def _tiny():
+    from models.config import ModelConfig
+    from models.random_init import random_model
+    return random_model(ModelConfig(vocab_size=256, hidden_size=128, intermediate_size=256,
+                                    num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
+                                    max_position_embeddings=256), seed=11)
+
+
+def test_model_gptq_beats_rtn_on_calibration_logits():
+    import dataclasses
+
+    import jax
+
+    from jaxserve.quantization import dequantize_weight
+    from jaxserve.quantization.calibration import random_calibration
+    from jaxserve.quantization.gptq import gptq_quantize
+    from jaxserve.quantization.layerwise import LINEARS, rtn_params
+
+    model = _tiny()
+    spec = QuantSpec(4, "group", 32)
+    calib = random_calibration(256, num_seqs=16, seq_len=64)
+
+    def dequantized(params):
+        layers = dict(params["layers"])
+        for block, name in LINEARS:
+            w = params["layers"][block][name]["kernel"]
+            layers[block] = dict(layers[block])
+            layers[block][name] = {"kernel": jax.vmap(dequantize_weight)(w)}
+        return dataclasses.replace(model, params=dict(params, layers=layers))
+
+    gptq = gptq_quantize(model, spec, calib, progress=False)
+    assert gptq["layers"]["attn"]["q_proj"]["kernel"]["packed"].shape == (2, 64, 128)
+    ids = calib.tokens[0]
+    want = model.forward_logits(ids)
+    err = {name: np.linalg.norm(dequantized(p).forward_logits(ids) - want)
+           for name, p in (("gptq", gptq), ("rtn", rtn_params(model.params, spec)))}
+    assert err["gptq"] < err["rtn"], err

@@ -47,14 +47,15 @@ def scales_for(x_mean, alpha):
 
 
 @functools.partial(jax.jit, static_argnames="specs")
-def _stage_loss(x, x_mean, kernels, alpha, specs):
-    """Mean squared output error of the linears `kernels` [K, N_i] after scaling by alpha."""
+def _stage_loss(x, x_mean, kernels, refs, alpha, specs):
+    """Mean squared output error of the linears `kernels` [K, N_i] (float outputs `refs`
+    [M, N_i]) after scaling by alpha."""
     s = scales_for(x_mean, alpha)
     xs = x / s
     total = 0.0
-    for w, spec in zip(kernels, specs):
+    for w, ref, spec in zip(kernels, refs, specs):
         q, sc, z = quantize(w * s[:, None], spec)
-        diff = x @ w - xs @ dequantize_codes(q, sc, z)
+        diff = ref - xs @ dequantize_codes(q, sc, z)
         total = total + jnp.sum(diff * diff)
     return total / x.shape[0]
 
@@ -65,8 +66,9 @@ def search_scale(x, kernels: list, spec: QuantSpec, x_mean=None):
     if x_mean is None:
         x_mean = jnp.mean(jnp.abs(x), axis=0)
     specs = tuple(spec_for(w.shape[0], spec) for w in kernels)
-    losses = {float(a): float(_stage_loss(x, x_mean, tuple(kernels), jnp.float32(a), specs))
-              for a in GRID}
+    refs = tuple(x @ w for w in kernels)
+    losses = {float(a): float(_stage_loss(x, x_mean, tuple(kernels), refs, jnp.float32(a),
+                                          specs)) for a in GRID}
     best = min(losses, key=losses.get)
     return scales_for(x_mean, jnp.float32(best)), best, losses
 

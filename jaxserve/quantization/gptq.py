@@ -24,6 +24,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import scipy.linalg
 
 from jaxserve.quantization.core import (QuantSpec, compute_qparams, dequantize_codes,
                                         quantize_with, to_weight)
@@ -59,9 +60,11 @@ def inverse_cholesky(h: np.ndarray, damp: float) -> np.ndarray:
     diag = np.arange(h.shape[0])
     h[diag, diag] = np.where(np.diag(h) == 0, 1.0, np.diag(h))
     h[diag, diag] += damp * np.mean(np.diag(h))
-    lower = np.linalg.cholesky(h)
-    lower_inv = np.linalg.solve(lower, np.eye(h.shape[0]))
-    return np.linalg.cholesky(lower_inv.T @ lower_inv).T
+    # With J the row reversal, J H J = C C^T gives H = R R^T for the upper R = J C J, so
+    # U = R^-1: one Cholesky and one triangular inverse instead of a full inverse and a second
+    # Cholesky.
+    r = np.linalg.cholesky(h[::-1, ::-1])[::-1, ::-1]  # upper
+    return scipy.linalg.solve_triangular(r, np.eye(h.shape[0]), lower=False)
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "block_size", "dynamic_groups"))
