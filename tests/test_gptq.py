@@ -119,9 +119,6 @@ def test_output_error_below_rtn(spec, act_order):
 
 # ---- the whole model, layer by layer --------------------------------------------------------
 
-TINY = None
-
-
 def _tiny():
     from models.config import ModelConfig
     from models.random_init import random_model

@@ -110,7 +110,7 @@ def gptq_kernel(w, h, spec: QuantSpec, config: GPTQConfig = GPTQConfig()):
     """GPTQ of one kernel w [K, N] with Hessian h [K, K]: (codes [K, N], s, z [K/g, N])."""
     w = np.array(w, np.float32)
     k, n = w.shape
-    if config.block_size % spec.rows_per_group(k) and spec.granularity == "group":
+    if spec.granularity == "group" and config.block_size % spec.rows_per_group(k):
         raise ValueError(f"block_size {config.block_size} must be a multiple of the group size "
                          f"{spec.group_size}")
     dead = np.diag(h) == 0
