@@ -314,7 +314,7 @@ def plot(report: dict, path: pathlib.Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.5))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(15, 4.5))
     rows = [r for r in report["rows"] if r["variant"] != "float32"]
     ax1.bar(range(len(rows)), [max(r["kl"], 1e-8) for r in rows],
             color=["C0" if "int4" in r["variant"] else "C1" for r in rows])
@@ -330,7 +330,7 @@ def plot(report: dict, path: pathlib.Path) -> bool:
     ax2.set_xlabel("layer")
     ax2.set_ylabel("mean relative output error of the 7 linears")
     ax2.set_title("Per-layer error")
-    ax2.legend(fontsize=7)
+    ax2.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
