@@ -156,3 +156,22 @@ def test_model_gptq_beats_rtn_on_calibration_logits():
     err = {name: np.linalg.norm(dequantized(p).forward_logits(ids) - want)
            for name, p in (("gptq", gptq), ("rtn", rtn_params(model.params, spec)))}
     assert err["gptq"] < err["rtn"], err
+
+
+def test_bfloat16_model_keeps_its_dtype():
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    from jaxserve.quantization.calibration import random_calibration
+    from jaxserve.quantization.gptq import gptq_quantize
+
+    model = _tiny()
+    model = dataclasses.replace(model, dtype="bfloat16", params=jax.tree.map(
+        lambda a: a.astype(jnp.bfloat16), model.params))
+    params = gptq_quantize(model, QuantSpec(8, "channel", symmetric=True),
+                           random_calibration(256, 4, 16), progress=False)
+    assert params["layers"]["input_norm"]["scale"].dtype == jnp.bfloat16
+    w = params["layers"]["mlp"]["down_proj"]["kernel"]
+    assert w["q8"].dtype == jnp.int8 and w["scales"].dtype == jnp.float32

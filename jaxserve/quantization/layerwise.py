@@ -135,9 +135,22 @@ def relative_error(x, w, w_hat) -> float:
     return float(jnp.linalg.norm(ref - dense_linear(x, w_hat)) / jnp.linalg.norm(ref))
 
 
+_QUANTIZED_LEAVES = ("packed", "q8", "scales", "offsets")
+
+
 def replace_kernels(params: dict, layers: list[dict]) -> dict:
-    """params with params["layers"] rebuilt from per-layer trees (quantized or float)."""
-    return dict(params, layers=stack_layers(layers))
+    """params with params["layers"] rebuilt from per-layer trees (quantized or float).
+
+    The per-layer work runs in float32; float leaves go back to the model's dtype (a bfloat16
+    model stays bfloat16), quantized pytrees keep their own dtypes.
+    """
+    dtype = params["embedding"].dtype
+
+    def restore(path, leaf):
+        quantized = getattr(path[-1], "key", None) in _QUANTIZED_LEAVES
+        return leaf if quantized else leaf.astype(dtype)
+
+    return dict(params, layers=jax.tree_util.tree_map_with_path(restore, stack_layers(layers)))
 
 
 def rtn_layer(lp: dict, spec: QuantSpec) -> dict:
