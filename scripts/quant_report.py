@@ -41,7 +41,7 @@ import numpy as np  # noqa: E402
 from jaxserve.quantization import QuantSpec, dequantize_weight  # noqa: E402
 from jaxserve.quantization.awq import awq_scale  # noqa: E402
 from jaxserve.quantization.calibration import Calibration, from_text, load_calibration  # noqa
-from jaxserve.quantization.gptq import gptq_quantize  # noqa: E402
+from jaxserve.quantization.gptq import GPTQConfig, gptq_quantize  # noqa: E402
 from jaxserve.quantization.layerwise import (LINEARS, LayerForward, embed, layer_slice,  # noqa
                                              rtn_params, spec_for)
 from models.llama import Llama, dense_linear  # noqa: E402
@@ -68,9 +68,9 @@ class Variant:
 
 def build_variants(model, calibration: Calibration, progress: bool = True,
                    int8_methods: bool = True) -> list[Variant]:
-    """float32, then RTN/GPTQ/AWQ at int4 g128 and int8 per channel, then W8A8.
-
-    int8_methods=False (--quick) keeps RTN alone at int8: GPTQ and AWQ cost minutes per spec.
+    """float32, then RTN/GPTQ/AWQ at int4 g128 (and GPTQ with act-order) and int8 per channel,
+    then W8A8. int8_methods=False (--quick) keeps RTN alone at int8 and skips act-order: each
+    GPTQ or AWQ run costs minutes.
     """
     base = model.params
     out = [Variant("float32", "-", None, base, base)]
@@ -85,6 +85,12 @@ def build_variants(model, calibration: Calibration, progress: bool = True,
         params = gptq_quantize(model, spec, calibration, progress=progress)
         out.append(Variant(f"GPTQ {tag}", "gptq", spec, params, base, fmt=fmt,
                            seconds=time.perf_counter() - start))
+        if spec.granularity == "group" and int8_methods:  # act-order: static groups
+            start = time.perf_counter()
+            params = gptq_quantize(model, spec, calibration, GPTQConfig(act_order=True),
+                                   progress=progress)
+            out.append(Variant(f"GPTQ {tag} act-order", "gptq", spec, params, base, fmt=fmt,
+                               seconds=time.perf_counter() - start))
         start = time.perf_counter()
         folded, _ = awq_scale(model, spec, calibration, progress=progress)
         params = rtn_params(folded, spec)
@@ -365,7 +371,8 @@ def main(argv=None) -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--quick", action="store_true",
                     help="4 calibration and 2 held-out windows of 64 tokens, 8 decode tokens, "
-                    "GPTQ and AWQ at int4 only (about 10 minutes on a busy 2-core CPU)")
+                    "GPTQ and AWQ at int4 only, no act-order (about 10 minutes on a busy 2-core "
+                    "CPU)")
     ap.add_argument("--calibration", default=None, help="calibration text file (default: the "
                     "built-in text)")
     ap.add_argument("--heldout", default=str(HELDOUT), help="held-out text file")

@@ -155,7 +155,7 @@ def gptq_stage(spec: QuantSpec, config: GPTQConfig = GPTQConfig()):
 
 def gptq_quantize(model, spec: QuantSpec, calibration, config: GPTQConfig = GPTQConfig(),
                   progress: bool = True) -> dict:
-    """GPTQ of every decoder linear of `model` (float32) on `calibration` -> params with pytrees.
+    """GPTQ of every decoder linear of `model` on `calibration` -> params with pytrees.
 
     `calibration` is a calibration.Calibration, or None for the built-in text.
     """
