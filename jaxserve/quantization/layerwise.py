@@ -16,14 +16,13 @@ Layer params here are one layer's slice of params["layers"] with float32 kernels
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.quantization.core import QuantSpec, dequantize_codes, quantize, to_weight
+from jaxserve.quantization.core import QuantSpec, quantize, to_weight
 from jaxserve.quantization.rtn import pick_group_size
 from models.config import ModelConfig
 from models.llama import Attention, RMSNorm, dense_causal_attention, dense_linear
@@ -122,17 +121,7 @@ def embed(params: dict, tokens: np.ndarray):
     return jnp.take(jnp.asarray(params["embedding"], jnp.float32), tokens, axis=0), positions
 
 
-@functools.partial(jax.jit, static_argnames="spec")
-def rtn(w, spec: QuantSpec):
-    """Round-to-nearest of one kernel [K, N]: (codes, s, z, dequantized [K, N])."""
-    q, s, z = quantize(w, spec)
-    return q, s, z, dequantize_codes(q, s, z)
-
-
-def relative_error(x, w, w_hat) -> float:
-    """||x w - x w_hat|| / ||x w|| (Frobenius) for x [M, K]."""
-    ref = dense_linear(x, w)
-    return float(jnp.linalg.norm(ref - dense_linear(x, w_hat)) / jnp.linalg.norm(ref))
+_quantize = jax.jit(quantize, static_argnames="spec")
 
 
 _QUANTIZED_LEAVES = ("packed", "q8", "scales", "offsets")
@@ -159,7 +148,7 @@ def rtn_layer(lp: dict, spec: QuantSpec) -> dict:
     for block, name in LINEARS:
         w = kernel(lp, block, name)
         s_ = spec_for(w.shape[0], spec)
-        q, s, z, _ = rtn(w, s_)
+        q, s, z = _quantize(w, s_)
         out = with_kernels(out, block, {name: to_weight(q, s, z, s_)})
     return out
 
@@ -175,7 +164,7 @@ def sequential_quantize(model, tokens: np.ndarray, quantize_stage, desc: str,
                         progress: bool = True) -> dict:
     """Quantizes the decoder layer by layer, stage by stage, on the quantized model's own inputs.
 
-    `quantize_stage(spec_kernels, x) -> {name: (pytree, dequantized kernel)}` gets the float
+    `quantize_stage(kernels, x) -> {name: (pytree, dequantized kernel)}` gets the float
     kernels {name: [K, N]} of one stage and their input x [S*T, K]. Each stage's input comes from
     the already-quantized linears before it (earlier layers and earlier stages of this layer),
     as GPTQ does ("true sequential"): a linear then compensates the error of the ones before it.
