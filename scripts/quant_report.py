@@ -371,7 +371,7 @@ def main(argv=None) -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--quick", action="store_true",
                     help="4 calibration and 2 held-out windows of 64 tokens, 8 decode tokens, "
-                    "GPTQ and AWQ at int4 only, no act-order (about 10 minutes on a busy 2-core "
+                    "GPTQ and AWQ at int4 only, no act-order (about 4 minutes on a busy 2-core "
                     "CPU)")
     ap.add_argument("--calibration", default=None, help="calibration text file (default: the "
                     "built-in text)")
