@@ -7,7 +7,8 @@ import dataclasses
 from jaxserve.block_manager import validate_block_size
 
 BACKENDS = ("auto", "xla", "pallas", "pallas-interpret")
-QUANTIZATIONS = (None, "int4")
+# Inference paths (jaxserve/quantization/paths.py); "int4" is an alias of "w4a16".
+QUANTIZATIONS = (None, "w8a16", "w4a16", "w8a8", "gguf", "int4")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -30,7 +31,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     attention_backend: str = "auto"
     linear_backend: str = "auto"
-    quantization: str | None = None  # "int4": round-to-nearest W4A16, groups of 128 (or 64/32)
+    quantization: str | None = None  # one of QUANTIZATIONS; None: the weights as loaded
     seed: int = 0
     warmup: bool = True
 

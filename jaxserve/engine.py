@@ -7,7 +7,6 @@ manager; device work happens only inside the runner.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from typing import Sequence as Seq
@@ -19,6 +18,7 @@ from jaxserve import backends
 from jaxserve.config import EngineConfig
 from jaxserve.kv_cache import log_plan, plan_num_blocks
 from jaxserve.outputs import RequestOutput
+from jaxserve.quantization.paths import activation_bits, prepare_model
 from jaxserve.request_state import RequestState
 from jaxserve.runner import ModelRunner
 from jaxserve.sampling_params import SamplingParams
@@ -45,10 +45,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, model: Model | None = None):
         self.config = config
         self.model = model if model is not None else load_model(config.model, config.dtype)
-        if config.quantization == "int4":
-            from jaxserve.quantization import quantize_params_int4
-            self.model = dataclasses.replace(self.model,
-                                             params=quantize_params_int4(self.model.params))
+        self.model, self.quantization = prepare_model(self.model, config.quantization)
         mc, bs = self.model.config, config.block_size
         dtype_bytes = np.dtype(self.model.params["embedding"].dtype).itemsize
         num_blocks = plan_num_blocks(mc, bs, dtype_bytes, _kv_budget(config, self.model))
@@ -73,7 +70,8 @@ class LLMEngine:
             num_blocks=num_blocks, max_model_len=max_len, eos_ids=sorted(self.eos_ids),
             attention=backends.attention_backend(backends.resolve(config.attention_backend), mc,
                                                  bs, config.attention_backend),
-            linear=backends.linear_backend(backends.resolve(config.linear_backend)))
+            linear=backends.linear_backend(backends.resolve(config.linear_backend),
+                                           activation_bits(self.quantization)))
         self.requests: dict[str, RequestState] = {}
         self._rng = np.random.default_rng(config.seed)
         self._counter = 0
