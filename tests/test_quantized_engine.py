@@ -118,11 +118,14 @@ def fp32_tokens(smollm2_fp32, chat_prompts):
     return engine_greedy(smollm2_fp32, chat_prompts, None, **SMOL)
 
 
-# Bounds from measurements (README, "Quantized inference": 16 prompts x 8 greedy tokens):
-# gguf is the same weights (1.0); int8 weights lose ~1% per weight and agree on most short
-# generations; W8A8 adds per-token int8 activations (SmolLM2 has outlier channels) and W4A16
-# re-quantizes 4-bit g32 weights to g64/g128, both well below. Each bound sits under its
-# measured value with margin and above what a 5%-off scale gives (broken rows).
+# Bounds from measurements (16 prompts x 8 greedy tokens; README, "Quantized inference"):
+# measured prefix agreement gguf 1.0 (the same weights), w8a16 0.92 (12/16 identical, every
+# first token equal: int8 per-channel weights err ~0.9% rms), w8a8 0.56 (per-token int8
+# activations: SmolLM2 has outlier channels), w4a16 0.375 (re-quantizing the file's 4-bit g32
+# weights to g64/g128). Each bound sits below its measurement with margin, and above what the
+# same path with its decoder scales off by a few percent gives (the broken controls below:
+# w8a16 x1.05 measured 0.60, w4a16 x1.05 0.0; W8A8's loose bound needs x1.25 - x1.1 gave 0.47:
+# a uniform scale error is partly absorbed by the RMSNorms).
 BOUNDS = {"gguf": 1.0, "w8a16": 0.75, "w8a8": 0.4, "w4a16": 0.3}
 
 
@@ -134,7 +137,8 @@ def test_smollm2_greedy_agrees_with_fp32(smollm2_fp32, chat_prompts, fp32_tokens
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("path", ["w8a16", "w4a16"])
-def test_smollm2_broken_scales_fail_the_bound(smollm2_fp32, chat_prompts, fp32_tokens, path):
-    out = engine_greedy(scaled(smollm2_fp32, path, 1.05), chat_prompts, None, **SMOL)
+@pytest.mark.parametrize("path,factor", [("w8a16", 1.05), ("w8a8", 1.25), ("w4a16", 1.05)])
+def test_smollm2_broken_scales_fail_the_bound(smollm2_fp32, chat_prompts, fp32_tokens, path,
+                                              factor):
+    out = engine_greedy(scaled(smollm2_fp32, path, factor), chat_prompts, None, **SMOL)
     assert prefix_agreement(fp32_tokens, out) < BOUNDS[path]
