@@ -14,7 +14,6 @@ import jax
 # value to JAX's tracing context: every program compiled before it would then be retraced once
 # after warm-up. Importing it here keeps the context fixed from the start.
 import jax.experimental.pallas.fuser  # noqa: F401
-import jax.numpy as jnp
 
 from jaxserve.attention import paged_attention_xla, write_kv
 from jaxserve.config import BACKENDS

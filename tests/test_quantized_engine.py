@@ -63,7 +63,7 @@ def test_engine_equals_dense_oracle_on_quantized_params(path):
 
 
 def test_gguf_engine_equals_dense_oracle_on_native_blocks():
-    float_model, params, raw = tiny_gguf_model()
+    _, params, raw = tiny_gguf_model()
     model = Model(config=GGUF_TINY, params=params, tokenizer=None, dtype="float32",
                   source="tiny.gguf", raw=raw)
     qmodel, _ = prepare_model(model, "gguf")
@@ -74,7 +74,6 @@ def test_gguf_engine_equals_dense_oracle_on_native_blocks():
     assert got == want
     # ...and the native blocks are exactly the dequantized weights the float engine runs on.
     assert got == engine_greedy(model, [[t % 128 for t in p] for p in prompts], None)
-    del float_model
 
 
 # ---- the real model -----------------------------------------------------------------------

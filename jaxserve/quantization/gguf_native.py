@@ -19,6 +19,7 @@ import gguf
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.quantization.rtn import HF_LINEARS, LINEARS
 from models.gguf_loader import GGUFTensor
 
 log = logging.getLogger("jaxserve")
@@ -90,7 +91,6 @@ def gguf_native_params(params: dict, raw: dict[str, GGUFTensor], config) -> dict
     The rest (other block types, float tensors, norms, the embedding lookup) stay the float
     weights the loader dequantized; one log line names what was not served natively.
     """
-    from jaxserve.quantization.rtn import LINEARS, HF_LINEARS
     layers = {block: dict(params["layers"][block]) for block in params["layers"]}
     fallback = []
     for (block, name), hf in zip(LINEARS, HF_LINEARS):
