@@ -14,13 +14,12 @@ import jax
 # value to JAX's tracing context: every program compiled before it would then be retraced once
 # after warm-up. Importing it here keeps the context fixed from the start.
 import jax.experimental.pallas.fuser  # noqa: F401
-import jax.numpy as jnp
 
 from jaxserve.attention import paged_attention_xla, write_kv
 from jaxserve.config import BACKENDS
+from jaxserve.quantization.linear import ACTIVATION_BITS, quantized_linear
 from models.config import ModelConfig
 from models.llama import dense_linear
-from pallas_kernels.int4_matmul import int4_matmul, int4_matmul_reference
 from pallas_kernels.paged_attention import paged_attention
 
 log = logging.getLogger("jaxserve")
@@ -68,21 +67,21 @@ def attention_backend(kind: str, config: ModelConfig, block_size: int, requested
     return attention
 
 
-def linear_backend(kind: str):
-    """x @ w for float weights, or an int4 weight dict {packed, scales, offsets}."""
-    interpret = kind == "pallas-interpret"
+def linear_backend(kind: str, activation_bits: int = 16):
+    """x @ w for float weights, or a quantized weight pytree (jaxserve/quantization/core.py).
+
+    int4 pytrees run the Pallas kernel (pallas*) or the XLA reference; int8 pytrees run integer
+    dots in XLA, with int8 activations when `activation_bits` is 8 (W8A8).
+    """
+    if activation_bits not in ACTIVATION_BITS:
+        raise ValueError(f"activation_bits must be one of {ACTIVATION_BITS}, got "
+                         f"{activation_bits!r}")
 
     def linear(x, w):
         if not isinstance(w, dict):
             return dense_linear(x, w)
-        lead, k = x.shape[:-1], x.shape[-1]
-        x2 = x.reshape(-1, k)  # [M, K]
-        group = k // w["scales"].shape[0]
-        args = (x2, w["packed"], w["scales"], w.get("offsets"))
-        if kind == "xla":
-            y = int4_matmul_reference(*args, group_size=group)
-        else:
-            y = int4_matmul(*args, group_size=group, interpret=interpret)
-        return y.reshape(*lead, y.shape[-1]).astype(jnp.float32)
+        # W8A8 applies to int8 weights; int4 ones (none in a W8A8 model) keep float activations.
+        bits = activation_bits if "q8" in w else 16
+        return quantized_linear(x, w, kind, bits)
 
     return linear

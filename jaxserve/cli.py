@@ -20,7 +20,7 @@ def _engine_kwargs(args) -> dict:
     return dict(dtype=args.dtype, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
-                seed=args.seed if args.seed is not None else 0,
+                quantization=args.quantization, seed=args.seed if args.seed is not None else 0,
                 profile_dir=getattr(args, "profile_dir", None),
                 tensor_parallel_size=args.tensor_parallel_size)
 
@@ -245,6 +245,43 @@ def _add_kv_size_parser(sub) -> None:
     p.set_defaults(func=_cmd_kv_size)
 
 
+def _cmd_quantize(args) -> int:
+    from jaxserve.quantization.convert import quantize_model, spec_from_args
+    from models import load_model
+    from models.checkpoint import save
+    try:
+        spec = spec_from_args(args.bits, args.group_size, args.symmetric)
+        model = load_model(args.model, args.dtype)
+        start = time.perf_counter()
+        quantized = quantize_model(model, args.method, spec, args.activation_bits,
+                                   args.calibration)
+        out = save(quantized, args.out)
+    except (ValueError, FileNotFoundError, FileExistsError, KeyError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"{args.method} {quantized.quantization} ({spec}) in "
+          f"{time.perf_counter() - start:.1f}s -> {out}  (serve: jaxserve serve --model {out})")
+    return 0
+
+
+def _add_quantize_parser(sub) -> None:
+    p = sub.add_parser("quantize", help="quantize a model's weights into an orbax checkpoint")
+    p.add_argument("model", help="model name, .gguf file, HF directory or orbax checkpoint")
+    p.add_argument("--method", default="rtn", help="rtn, gptq or awq")
+    p.add_argument("--bits", type=int, default=4, choices=(4, 8))
+    p.add_argument("--group-size", type=int, default=None, choices=(0, 32, 64, 128),
+                   help="rows per group along the input dimension; 0 = per output channel "
+                        "(default: 128 for 4 bits, per channel for 8)")
+    p.add_argument("--symmetric", action="store_true", help="z = 0 (default: affine)")
+    p.add_argument("--activation-bits", type=int, default=16, choices=(16, 8),
+                   help="8: serve as W8A8 (int8 per-channel weights only)")
+    p.add_argument("--calibration", default=None,
+                   help="calibration text file for gptq/awq (default: the built-in text)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--out", required=True, help="new directory for the checkpoint")
+    p.set_defaults(func=_cmd_quantize)
+
+
 def _add_serve_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
     p.add_argument("model_name", nargs="?", metavar="MODEL", help="overrides --model")
@@ -278,6 +315,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--coordinator-address", default=None, help="HOST:PORT of process 0")
     g.add_argument("--num-processes", type=int, default=None)
     g.add_argument("--process-id", type=int, default=None, help="0 schedules and serves")
+    p.add_argument("--quantization", default=None,
+                   help="w8a16, w4a16, w8a8 or gguf: int8/int4 weights by round-to-nearest, "
+                        "int8 x int8 (w8a8), or a .gguf file's own blocks (gguf); default: the "
+                        "weights as loaded (a quantized checkpoint serves its own path)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -314,6 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve_parser(sub)
     _add_bench_parser(sub)
     _add_kv_size_parser(sub)
+    _add_quantize_parser(sub)
     return parser
 
 

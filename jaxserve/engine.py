@@ -7,7 +7,6 @@ manager; device work happens only inside the runner.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from typing import Sequence as Seq
@@ -20,6 +19,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.kv_cache import log_plan, plan_num_blocks
 from jaxserve.outputs import RequestOutput
 from jaxserve.profiling import Profiler
+from jaxserve.quantization.paths import activation_bits, prepare_model
 from jaxserve.request_state import RequestState
 from jaxserve.runner import ModelRunner
 from jaxserve.sampling_params import SamplingParams
@@ -49,10 +49,7 @@ class LLMEngine:
         self.model = model if model is not None else load_model(config.model, config.dtype)
         # Tensor parallel: a mesh, and heads padded for it (float weights: before quantization).
         tp, self.model = sharding.setup(config.tensor_parallel_size, self.model)
-        if config.quantization == "int4":
-            from jaxserve.quantization import quantize_params_int4
-            self.model = dataclasses.replace(self.model,
-                                             params=quantize_params_int4(self.model.params))
+        self.model, self.quantization = prepare_model(self.model, config.quantization)
         mc, bs = self.model.config, config.block_size
         # The budget is one device's memory, so plan with the KV heads one device holds.
         plan_mc = sharding.per_device_config(mc, tp.size) if tp else mc
@@ -76,7 +73,7 @@ class LLMEngine:
         tok = self.model.tokenizer
         self.eos_ids = set(tok.stop_token_ids) if tok is not None else set(mc.eos_token_ids)
         linear_kind = backends.resolve(config.linear_backend)
-        linear = backends.linear_backend(linear_kind)
+        linear = backends.linear_backend(linear_kind, activation_bits(self.quantization))
         if tp is not None and linear_kind != "xla":  # the int4 kernel runs per shard
             linear = tp.linear(linear)
         self.runner = ModelRunner(

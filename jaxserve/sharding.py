@@ -168,15 +168,22 @@ def _weight_spec(path: tuple[str, ...], vocab_parallel: bool) -> P:
     names = [p for p in path if isinstance(p, str)]
     if names[0] == "embedding":
         return P(AXIS, None) if vocab_parallel else P()
-    if names[0] == "lm_head":
-        return P(None, AXIS) if vocab_parallel else P()
+    # int8 codes are stored output-major ([.., N, K], quantization/core.py), every other leaf
+    # ([.., K | K/2 | K/g, N]) input-major: the split axis swaps with them.
+    output_major = names[-1] == "q8"
+    if names[0] == "lm_head":  # [D, V] float, or q8 [V, D] with scales [1, V]
+        if not vocab_parallel:
+            return P()
+        return P(AXIS, None) if output_major else P(None, AXIS)
     module = next((m for m in names if m in COLUMN_PARALLEL + ROW_PARALLEL), None)
     if module is None:  # norms
         return P()
     if names[-1] == "bias":  # [L, N] of a column-parallel layer
         return P(None, AXIS)
-    # Float kernels [L, K, N] and every quantized leaf ([L, K/2 | K | K/g, N]) split alike.
-    return P(None, None, AXIS) if module in COLUMN_PARALLEL else P(None, AXIS, None)
+    split_n = module in COLUMN_PARALLEL
+    if output_major:
+        return P(None, AXIS, None) if split_n else P(None, None, AXIS)
+    return P(None, None, AXIS) if split_n else P(None, AXIS, None)
 
 
 def _check_divisible(path, leaf, spec: P, n: int) -> None:
@@ -194,8 +201,10 @@ def _check_groups(params, n: int) -> None:
             w = params["layers"].get(block, {}).get(name, {}).get("kernel")
             if not isinstance(w, dict):
                 continue
-            k = 2 * w["packed"].shape[-2] if "packed" in w else w["q8"].shape[-2]
+            k = 2 * w["packed"].shape[-2] if "packed" in w else w["q8"].shape[-1]  # [L, N, K]
             g = k // w["scales"].shape[-2]
+            if g == k:  # per output channel: one scale over all of K, shared by every shard
+                continue
             if k % n or (k // n) % g:
                 raise ValueError(
                     f"{name}: input dimension {k} split over tensor_parallel_size={n} gives "
@@ -214,6 +223,8 @@ def param_specs(params, config: ModelConfig, n: int):
 
     def spec(path, leaf):
         s = _weight_spec(tuple(getattr(k, "key", k) for k in path), vp)
+        # A per-channel scale row ([L, 1, N]) of a row-parallel kernel: every K shard needs it.
+        s = P(*(None if axis == AXIS and dim == 1 else axis for dim, axis in zip(leaf.shape, s)))
         _check_divisible(path, leaf, s, n)
         return s
 

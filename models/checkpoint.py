@@ -15,8 +15,21 @@ CONFIG_FILE = "jaxserve_config.json"
 PARAMS_DIR = "params"
 
 
+# Quantized kernels (jaxserve/quantization/core.py) keep their codes' integer dtypes and float32
+# scales/offsets whatever the model dtype.
+QUANT_PARAM_KEYS = ("scales", "offsets")
+
+
 def is_orbax_dir(path: pathlib.Path) -> bool:
     return (path / CONFIG_FILE).exists()
+
+
+def leaf_dtype(path, x, dtype):
+    """The dtype a param leaf is held in for a model of `dtype`."""
+    if np.issubdtype(np.dtype(x.dtype), np.integer):
+        return x.dtype
+    keys = {getattr(k, "key", None) for k in path}
+    return np.float32 if keys & set(QUANT_PARAM_KEYS) else dtype
 
 
 def save(model, directory) -> pathlib.Path:
@@ -29,7 +42,8 @@ def save(model, directory) -> pathlib.Path:
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(directory / PARAMS_DIR, model.params)
         ckptr.wait_until_finished()
-    meta = {"config": model.config.to_dict(), "dtype": model.dtype, "source": model.source}
+    meta = {"config": model.config.to_dict(), "dtype": model.dtype, "source": model.source,
+            "quantization": getattr(model, "quantization", None)}
     (directory / CONFIG_FILE).write_text(json.dumps(meta, indent=2))
     if model.tokenizer is not None:
         model.tokenizer.save(directory)
@@ -37,7 +51,7 @@ def save(model, directory) -> pathlib.Path:
 
 
 def restore(directory, dtype):
-    """Returns (config, params as numpy in `dtype`, tokenizer or None)."""
+    """Returns (config, params as numpy in `dtype`, tokenizer or None, quantization path)."""
     import orbax.checkpoint as ocp
     from models.tokenizer import Tokenizer
     directory = pathlib.Path(directory).absolute()
@@ -51,7 +65,8 @@ def restore(directory, dtype):
                               f"{CONFIG_FILE}")
     with ocp.StandardCheckpointer() as ckptr:
         params = ckptr.restore(directory / PARAMS_DIR)
-    params = jax.tree.map(lambda x: np.asarray(x).astype(dtype), params)
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, x: np.asarray(x).astype(leaf_dtype(path, x, dtype)), params)
     tokenizer = (Tokenizer.from_hf_dir(directory)
                  if (directory / "tokenizer.json").exists() else None)
-    return config, params, tokenizer
+    return config, params, tokenizer, meta.get("quantization")

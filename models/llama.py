@@ -168,8 +168,10 @@ class Llama(nn.Module):
         if logits_index is not None:
             x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)[:, 0]  # [B, D]
         x = RMSNorm(c.rms_norm_eps, self.dtype, name="final_norm")(x)
-        if c.tie_word_embeddings:
+        # A quantized model may carry its own (quantized) copy of a tied head under lm_head.
+        if c.tie_word_embeddings and not self.has_variable("params", "lm_head"):
             logits = jnp.einsum("...D,VD->...V", x, embedding, preferred_element_type=jnp.float32)
         else:
-            logits = Linear(c.vocab_size, False, self.dtype, jnp.float32, name="lm_head")(x)
+            logits = Linear(c.vocab_size, False, self.dtype, jnp.float32, linear=self.linear,
+                            name="lm_head")(x)
         return logits.astype(jnp.float32), kv_cache

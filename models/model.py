@@ -48,6 +48,8 @@ class Model:
     dtype: str
     source: str
     raw: dict = dataclasses.field(default_factory=dict)  # GGUF quantized blocks, if any
+    # The inference path the params are prepared for (jaxserve/quantization/paths.py), if any.
+    quantization: str | None = None
 
     def module(self, **kwargs) -> Llama:
         return Llama(self.config, dtype=jnp.dtype(self.dtype), **kwargs)
@@ -90,7 +92,8 @@ class Model:
 
 
 def _to_device(params_np, dtype: str):
-    return jax.tree.map(lambda x: jnp.asarray(x, dtype=jnp.dtype(dtype)), params_np)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: jnp.asarray(x, dtype=checkpoint.leaf_dtype(path, x, dtype)), params_np)
 
 
 def load_model(name_or_path: str | pathlib.Path = registry.DEFAULT_MODEL, dtype: str = "float32",
@@ -106,6 +109,7 @@ def load_model(name_or_path: str | pathlib.Path = registry.DEFAULT_MODEL, dtype:
         raise FileNotFoundError(f"{spec!r} is neither a known model name "
                                 f"({sorted(registry.MODELS)}) nor an existing path")
     raw: dict = {}
+    quantization = None
     np_dtype = jnp.dtype(dtype)
     if path.is_file():
         from models.gguf_loader import read_gguf
@@ -113,14 +117,14 @@ def load_model(name_or_path: str | pathlib.Path = registry.DEFAULT_MODEL, dtype:
         config, tokenizer, raw = ckpt.config, Tokenizer.from_gguf(ckpt.reader), ckpt.raw
         params = params_from_hf(ckpt.tensors, config, np_dtype, source=str(path))
     elif checkpoint.is_orbax_dir(path):
-        config, params, tokenizer = checkpoint.restore(path, np_dtype)
+        config, params, tokenizer, quantization = checkpoint.restore(path, np_dtype)
     else:
         from models.hf_loader import read_hf_checkpoint
         config, tensors = read_hf_checkpoint(path)
         params = params_from_hf(tensors, config, np_dtype, source=str(path))
         tokenizer = Tokenizer.from_hf_dir(path) if (path / "tokenizer.json").exists() else None
     model = Model(config=config, params=_to_device(params, dtype), tokenizer=tokenizer,
-                  dtype=dtype, source=str(path), raw=raw)
+                  dtype=dtype, source=str(path), raw=raw, quantization=quantization)
     log.info("loaded %s (%s, %.1fM params) in %.2fs", path, dtype, config.num_params() / 1e6,
              time.perf_counter() - start)
     return model

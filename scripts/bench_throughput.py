@@ -53,6 +53,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="KV cache bytes (4 GiB holds 64 sequences of 1024 fp32 tokens)")
     ap.add_argument("--batch1-dtypes", default="float32,bfloat16",
                     help="jaxserve dtypes for the batch-1 decode row (comma separated, or '')")
+    ap.add_argument("--quantization", default="",
+                    help="comma-separated jaxserve weight paths (w8a8,w8a16,w4a16,gguf) also "
+                         "measured, each on the full workload and batch 1, in --dtype")
     ap.add_argument("--batch1-prompt-len", type=int, default=32)
     ap.add_argument("--batch1-new-tokens", type=int, default=128)
     ap.add_argument("--batch1-repeats", type=int, default=2, help="best of N batch-1 runs")
@@ -92,14 +95,16 @@ def environment(args) -> dict:
 
 # ---- jaxserve ----------------------------------------------------------------------------------
 
-def build_llm(args, dtype: str):
+def build_llm(args, dtype: str, quantization: str | None = None):
     from jaxserve import LLM
     t0 = time.perf_counter()
     llm = LLM(args.model, dtype=dtype, block_size=args.block_size,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory)
+              max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
+              quantization=quantization)
     build_s = time.perf_counter() - t0
-    print(f"  jaxserve {dtype}: constructed in {build_s:.1f}s "
+    label = dtype + (f" {quantization}" if quantization else "")
+    print(f"  jaxserve {label}: constructed in {build_s:.1f}s "
           f"(warm-up compile {llm.engine.warmup_seconds or 0:.1f}s)", flush=True)
     return llm, {"construct_seconds": build_s, "warmup_seconds": llm.engine.warmup_seconds}
 
@@ -165,6 +170,16 @@ def run_jaxserve(args, workload: list[dict], b1_prompt: list[int]) -> dict:
         print(f"  jaxserve {dtype}: batch 1 ...", flush=True)
         result["batch1"][dtype] = jaxserve_batch1(llm, b1_prompt, args.batch1_new_tokens,
                                                   args.batch1_repeats)
+    result["quantized"] = {}
+    for quant in [q for q in args.quantization.split(",") if q]:
+        del llm
+        llm, build = build_llm(args, args.dtype, quant)
+        print(f"  jaxserve {args.dtype} {quant}: {len(workload)} requests, batch 1 ...",
+              flush=True)
+        result["quantized"][quant] = {
+            "build": build, "throughput": jaxserve_throughput(llm, workload),
+            "batch1": jaxserve_batch1(llm, b1_prompt, args.batch1_new_tokens,
+                                      args.batch1_repeats)}
     return result
 
 
@@ -242,6 +257,9 @@ def table_rows(args, workload, js: dict, hf: dict | None, lc: dict) -> list[dict
         rows.append({"system": f"jaxserve {args.dtype}", "kind": "throughput",
                      "workload": f"HF subset: {sub}",
                      "tok_s": js["throughput_hf_subset"]["output_tok_s"]})
+    for quant, r in js.get("quantized", {}).items():
+        rows.append({"system": f"jaxserve {args.dtype} {quant}", "kind": "throughput",
+                     "workload": full, "tok_s": r["throughput"]["output_tok_s"]})
     for dtype, r in ((hf or {}).get("throughput") or {}).items():
         rows.append({"system": f"HF transformers {dtype}, static batches of "
                                f"{args.hf_batch_size}", "kind": "throughput",
@@ -249,6 +267,9 @@ def table_rows(args, workload, js: dict, hf: dict | None, lc: dict) -> list[dict
     for dtype, r in js["batch1"].items():
         rows.append({"system": f"jaxserve {dtype}", "kind": "batch1", "workload": b1,
                      "tok_s": r["tok_s"]})
+    for quant, r in js.get("quantized", {}).items():
+        rows.append({"system": f"jaxserve {args.dtype} {quant}", "kind": "batch1",
+                     "workload": b1, "tok_s": r["batch1"]["tok_s"]})
     for dtype, r in ((hf or {}).get("batch1") or {}).items():
         rows.append({"system": f"HF transformers {dtype}", "kind": "batch1", "workload": b1,
                      "tok_s": r["tok_s"]})

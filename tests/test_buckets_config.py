@@ -57,6 +57,7 @@ def test_kv_bytes_per_token_uses_kv_heads():
     (dict(attention_backend="cudnn"), "attention_backend must be one of"),
     (dict(linear_backend="triton"), "linear_backend must be one of"),
     (dict(quantization="int3"), "quantization must be one of"),
+    (dict(quantization="gguf", tensor_parallel_size=2), "gguf.* runs on one device"),
 ])
 def test_engine_config_rejects_bad_values(kwargs, message):
     with pytest.raises(ValueError, match=message):

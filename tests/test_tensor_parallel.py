@@ -44,6 +44,8 @@ def runs():
         "kernel": ["tokens", {"config_name": "gqa", "sizes": [4],
                               "attention_backend": "pallas-interpret"}],
         "int4": ["int4", {"sizes": [1, 2]}],
+        # int8 codes are stored output-major ([N, K]): their split axes swap (and the int8 head).
+        "w8a8": ["int4", {"sizes": [1, 2, 4], "quantization": "w8a8"}],
         # The int4 Pallas matmul per shard (interpreted) against the XLA int4 path on 1 device.
         "int4_kernel": ["int4", {"sizes": [2], "linear_backend": "pallas-interpret"}],
         "hlo": ["hlo", {"n": 4}],
@@ -128,7 +130,7 @@ def test_quantization_groups_must_not_straddle_devices():
 
 # ---- multi-device runs ----------------------------------------------------------------------
 
-@pytest.mark.parametrize("label", ["gqa", "smol_heads", "kernel", "int4", "int4_kernel"])
+@pytest.mark.parametrize("label", ["gqa", "smol_heads", "kernel", "int4", "int4_kernel", "w8a8"])
 def test_same_greedy_tokens_as_one_device(runs, label):
     one = runs[{"kernel": "gqa", "int4_kernel": "int4"}.get(label, label)]["1"]["tokens"]
     assert len(one) == 2 and all(len(t) == 5 for t in one)

@@ -91,10 +91,10 @@ def case_hlo(n, **kw):
     return out
 
 
-def case_int4(sizes, linear_backend="xla"):
+def case_int4(sizes, linear_backend="xla", quantization="int4"):
     model = random_model(GQA, seed=3)
     ps = prompts(GQA.vocab_size)
-    return {n: {"tokens": greedy(engine(model, n, quantization="int4",
+    return {n: {"tokens": greedy(engine(model, n, quantization=quantization,
                                         linear_backend=linear_backend), ps)} for n in sizes}
 
 

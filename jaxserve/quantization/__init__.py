@@ -1,8 +1,12 @@
-"""Weight quantization: the formulas and weight pytree (core), and ways to fill it (rtn, ...)."""
+"""Weight quantization: the formulas and weight pytree (core), ways to fill it (rtn, methods,
+gguf_native), the matmuls that consume it (linear) and the inference paths (paths)."""
 
 from jaxserve.quantization.core import (QuantSpec, compute_qparams, dequantize_codes,
                                         dequantize_weight, quantize, quantize_with, to_weight)
+from jaxserve.quantization.methods import METHODS, get_method
+from jaxserve.quantization.paths import PATHS, prepare_model
 from jaxserve.quantization.rtn import pick_group_size, quantize_params_int4
 
-__all__ = ["QuantSpec", "compute_qparams", "dequantize_codes", "dequantize_weight",
-           "pick_group_size", "quantize", "quantize_params_int4", "quantize_with", "to_weight"]
+__all__ = ["METHODS", "PATHS", "QuantSpec", "compute_qparams", "dequantize_codes",
+           "dequantize_weight", "get_method", "pick_group_size", "prepare_model", "quantize",
+           "quantize_params_int4", "quantize_with", "to_weight"]

@@ -1,0 +1,120 @@
+"""Matmuls on the quantized weight pytree (see core.py).
+
+    y[m, n] = sum_k x[m, k] w[k, n],  w[k, n] = s[G(k), n] c[k, n] + b[G(k), n]
+            = sum_G s[G, n] (x_G @ c_G)[m, n] + sum_G (sum_{k in G} x[m, k]) b[G, n]
+
+int8 per channel (G = 1) runs the codes through integer dots, never a float copy of the weight:
+XLA's CPU converts int8 -> f32 weights at ~0.3 G elements/s, slower than the matmul itself
+(SmolLM2's LM head: ~95 ms per step, against 4-40 ms for the f32 product), while its int8 x int8
+-> int32 dot on output-major codes ([N, K], contracting K on both sides) runs 2-7x faster than
+f32 here (AMX). Measured figures: README, "Quantized inference".
+
+- W8A8: activations quantized symmetric per token (row), x ~ sx[m] xq[m, k], sx = max|x[m]|/127:
+      y = sx[m] s[n] (xq @ c)[m, n] + (sum_k x[m, k]) b[n]
+- W8A16 (CPU): the float activations as two int8 limbs, u = x / sx = x1 + x2 / 254 + e with
+  |e| <= 1/508, i.e. 16-bit fixed point per token (|x - x_hat| <= max|x[m]| / 64516), both
+  limbs in one int8 dot. Elsewhere (GPU), and for per-group int8, the codes are converted to
+  the activation dtype inside the step: exact, and fused there.
+- A single row goes through XLA CPU's matrix-vector path, which is ~30x slower for int8 than
+  its matrix-matrix one: rows are padded to at least 2.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.int4_matmul import int4_matmul, int4_matmul_reference
+
+ACTIVATION_BITS = (16, 8)
+LIMB = 254  # second-limb scale: the residual in [-0.5, 0.5] -> [-127, 127]
+
+
+def _dot_nt(a, b, out_dtype):
+    """a [M, K] @ b[N, K].T -> out_dtype [M, N]: both operands contract their last axis."""
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=out_dtype)
+
+
+def quantize_activations(x):
+    """Per-row symmetric int8: x [M, K] float -> (xq [M, K] int8, sx [M, 1] float32)."""
+    x = x.astype(jnp.float32)
+    sx = jnp.max(jnp.abs(x), axis=-1, keepdims=True) / 127.0  # [M, 1]
+    sx = jnp.where(sx == 0, 1.0, sx)
+    return jnp.clip(jnp.round(x / sx), -127, 127).astype(jnp.int8), sx
+
+
+def activation_limbs(x):
+    """x [M, K] -> (x1, x2 [M, K] int8, sx [M, 1]) with x ~ sx (x1 + x2 / 254)."""
+    x1, sx = quantize_activations(x)
+    r = x.astype(jnp.float32) / sx - x1.astype(jnp.float32)  # [M, K] in [-0.5, 0.5]
+    return x1, jnp.clip(jnp.round(r * LIMB), -127, 127).astype(jnp.int8), sx
+
+
+def _int8_dot_rows(xq, q8):
+    """xq [M, K] int8 @ q8 [N, K].T -> [M, N] float32 (exact int32 sums), M padded to >= 2."""
+    m = xq.shape[0]
+    if m == 1:
+        xq = jnp.pad(xq, ((0, 1), (0, 0)))
+    return _dot_nt(xq, q8, jnp.int32)[:m].astype(jnp.float32)
+
+
+def int8_linear(x, w: dict, activation_bits: int = 16, limbs: bool = True):
+    """x [M, K] @ the int8 pytree {q8 [N, K], scales [K/g, N], offsets?} -> [M, N] float32.
+
+    `limbs`: W8A16 per channel via two int8 activation limbs (the fast CPU path, see above);
+    False converts the codes to the activation dtype instead (exact float activations).
+    """
+    q8, s = w["q8"], w["scales"].astype(jnp.float32)
+    groups = s.shape[0]
+    m, k = x.shape
+    if activation_bits == 8:
+        if groups != 1:
+            raise ValueError("W8A8 needs per-channel int8 weights (scales [1, N]); got "
+                             f"{groups} groups")
+        xq, sx = quantize_activations(x)
+        y = _int8_dot_rows(xq, q8) * sx * s  # [M, N]
+    elif groups == 1 and limbs:
+        x1, x2, sx = activation_limbs(x)
+        y2 = _int8_dot_rows(jnp.concatenate([x1, x2]), q8)  # [2M, N]
+        y = (y2[:m] + y2[m:] / LIMB) * sx * s
+    elif groups == 1:
+        y = _dot_nt(x, q8.astype(x.dtype), jnp.float32) * s  # [M, N]
+    else:
+        g = k // groups
+        c = q8.reshape(-1, groups, g).astype(jnp.float32)  # [N, G, g]
+        wt = (c * s.T[:, :, None]).reshape(-1, k)  # [N, K]: per-group scales need the float
+        y = _dot_nt(x.astype(jnp.float32), wt, jnp.float32)
+    if "offsets" in w:
+        xsum = x.astype(jnp.float32).reshape(m, groups, k // groups).sum(-1)  # [M, G]
+        y = y + xsum @ w["offsets"].astype(jnp.float32)
+    return y
+
+
+def int4_linear(x, w: dict, kind: str):
+    """x [M, K] @ the int4 pytree {packed [K/2, N], scales [K/g, N], offsets?} -> [M, N]."""
+    group = x.shape[-1] // w["scales"].shape[0]
+    args = (x, w["packed"], w["scales"], w.get("offsets"))
+    if kind == "xla":
+        return int4_matmul_reference(*args, group_size=group)
+    return int4_matmul(*args, group_size=group, interpret=kind == "pallas-interpret")
+
+
+def quantized_linear(x, w: dict, kind: str = "xla", activation_bits: int = 16,
+                     limbs: bool | None = None):
+    """x [..., K] @ a quantized weight pytree -> [..., N] float32, dispatching on its keys.
+
+    `limbs` (int8 W8A16 only): None picks the limb path on CPU, the exact convert elsewhere.
+    """
+    if limbs is None:
+        limbs = jax.default_backend() == "cpu"
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)  # [M, K]
+    if "packed" in w:
+        if activation_bits != 16:
+            raise ValueError("int4 weights run with 16/32-bit activations only (W4A16)")
+        y = int4_linear(x2, w, kind)
+    elif "q8" in w:
+        y = int8_linear(x2, w, activation_bits, limbs)
+    else:
+        raise ValueError(f"not a quantized weight pytree: keys {sorted(w)}")
+    return y.reshape(*lead, y.shape[-1]).astype(jnp.float32)

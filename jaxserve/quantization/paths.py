@@ -1,0 +1,71 @@
+"""Inference paths: which weights a `quantization=` name serves, and how activations run.
+
+    w8a16  int8 weights, symmetric per output channel; float activations
+    w4a16  int4 weights, affine per group of 128 (or 64/32 where 128 does not divide K);
+           the Pallas int4 kernel on GPU, the XLA reference on CPU. "int4" is an alias.
+    w8a8   w8a16's weights x int8 activations quantized per token at run time
+    gguf   the GGUF file's own Q4_0/Q4_1 (int4, g=32) and Q8_0 (int8, g=32) blocks, as is
+
+The LM head: w8a16 and w8a8 quantize it like the other linears (int8 per channel; it is about
+a fifth of SmolLM2's FLOPs and weight bytes, and W8A8's speed comes from its int8 dot); gguf uses
+the file's own head (the Q8_0 token embedding, tied); w4a16 keeps it float, as most W4A16
+deployments do. The embedding lookup always reads the float table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxserve.quantization.core import QuantSpec
+from jaxserve.quantization.gguf_native import gguf_native_params
+from jaxserve.quantization.rtn import quantize_head, quantize_kernels
+
+PATHS = ("w8a16", "w4a16", "w8a8", "gguf")
+ALIASES = {"int4": "w4a16"}
+INT8_CHANNEL = QuantSpec(bits=8, granularity="channel", symmetric=True)
+INT4_G128 = QuantSpec(bits=4, granularity="group", group_size=128)
+
+
+def canonical(path: str | None) -> str | None:
+    path = ALIASES.get(path, path)
+    if path is not None and path not in PATHS:
+        raise ValueError(f"quantization must be one of {PATHS} (or None), got {path!r}")
+    return path
+
+
+def activation_bits(path: str | None) -> int:
+    return 8 if canonical(path) == "w8a8" else 16
+
+
+def quantize_params(model, path: str) -> dict:
+    """The float model's params prepared for `path` (round-to-nearest, or the GGUF blocks)."""
+    path = canonical(path)
+    if path == "gguf":
+        if not model.raw:
+            raise ValueError("quantization='gguf' serves a .gguf file's own quantized blocks; "
+                             f"{model.source} has none (load a .gguf model, or pick one of "
+                             f"{[p for p in PATHS if p != 'gguf']})")
+        return gguf_native_params(model.params, model.raw, model.config)
+    if path == "w4a16":
+        return quantize_kernels(model.params, INT4_G128)
+    params = quantize_kernels(model.params, INT8_CHANNEL)
+    return quantize_head(params, INT8_CHANNEL)
+
+
+def prepare_model(model, requested: str | None):
+    """(model with params for the path, the path served).
+
+    A model that is already quantized (an orbax checkpoint from `jaxserve quantize`) is served
+    on the path it was saved for; asking for another is an error, not a silent re-quantization.
+    """
+    requested = canonical(requested)
+    saved = getattr(model, "quantization", None)
+    if saved is not None:
+        if requested not in (None, saved):
+            raise ValueError(f"{model.source} holds {saved} weights; it cannot be served as "
+                             f"{requested} (omit quantization, or quantize the float model)")
+        return model, saved
+    if requested is None:
+        return model, None
+    params = quantize_params(model, requested)
+    return dataclasses.replace(model, params=params, quantization=requested, raw={}), requested
