@@ -19,7 +19,8 @@ def _engine_kwargs(args) -> dict:
     return dict(dtype=args.dtype, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
-                seed=args.seed if args.seed is not None else 0)
+                seed=args.seed if args.seed is not None else 0,
+                enable_prefix_caching=not args.no_prefix_caching)
 
 
 def _sampling_params(args):
@@ -101,6 +102,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="recompute shared prompt prefixes instead of reusing cached KV blocks")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
