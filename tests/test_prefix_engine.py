@@ -206,3 +206,31 @@ def test_request_needing_more_slots_than_max_num_seqs_is_refused(model):
     with pytest.raises(ValueError, match="batch slots"):
         engine.add_request("a", [1, 2, 3], SamplingParams(n=3))
     assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.slow
+def test_real_model_greedy_equal_with_caching_on_and_off(smollm2_fp32):
+    """SmolLM2: chat prompts sharing a system prompt, a small cache (preemption and eviction)."""
+    from jaxserve import LLM
+    m = smollm2_fp32
+    system = {"role": "system", "content": "You are a concise assistant. Answer in one short "
+              "sentence, use plain words, and never repeat the question back to the user."}
+    questions = ["What is the capital of France?", "Name a primary colour.", "What is 2 + 2?",
+                 "Who wrote Hamlet?", "What do bees make?", "Which planet is the largest?"]
+    prompts = [m.tokenizer.apply_chat_template([system, {"role": "user", "content": q}], True)
+               for q in questions]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    per_token = m.config.kv_bytes_per_token(4)
+    results, stats = {}, {}
+    for cache in (False, True):
+        llm = LLM(m, block_size=16, max_num_seqs=4, max_model_len=128, warmup=False,
+                  kv_cache_memory=20 * 16 * per_token, enable_prefix_caching=cache)
+        results[cache] = [o.outputs[0].token_ids for o in
+                          llm.generate(prompts, params, use_tqdm=False)]
+        stats[cache] = llm.stats()
+    assert results[True] == results[False]
+    assert stats[True]["prefix_cache_hits_tokens"] > 0
+    assert stats[True]["prompt_tokens_computed"] < stats[False]["prompt_tokens_computed"]
+    ids = m.tokenizer.encode(prompts[0])
+    bos = [m.tokenizer.bos_token_id] if m.tokenizer.add_bos and m.tokenizer.bos_token_id is not None else []
+    assert results[True][0] == m.greedy_generate(bos + ids, 8, stop_token_ids=())
