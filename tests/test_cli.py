@@ -24,3 +24,11 @@ def test_generate_rejects_bad_sampling_value():
     proc = run_cli("generate", "hi", "--temperature", "-1")
     assert proc.returncode == 2
     assert "temperature must be >= 0.0" in proc.stderr
+
+
+def test_prefix_caching_flag_reaches_the_engine_config():
+    from jaxserve.cli import _engine_kwargs, build_parser
+    args = build_parser().parse_args(["serve", "--no-prefix-caching"])
+    assert _engine_kwargs(args)["enable_prefix_caching"] is False
+    args = build_parser().parse_args(["serve"])
+    assert _engine_kwargs(args)["enable_prefix_caching"] is True
