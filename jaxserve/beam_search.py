@@ -15,7 +15,9 @@ cumulative logprob plus the token's logprob and keeps the best beam_width:
 The search stops when beam_width hypotheses have ended and the best live beam's score can no
 longer beat the worst of them (HF's `early_stopping=False` test), or at max_tokens. The score is
 cumulative_logprob / len(output tokens) ** length_penalty. A held beam that is preempted loses
-its candidates and recomputes them when readmitted.
+nothing: its candidates stay valid (they depend only on its tokens), so the group can advance
+with it waiting; its children then wait too and recompute (mostly prefix-cache hits). A beam
+readmitted while still held recomputes and records the same candidates again.
 """
 
 from __future__ import annotations
@@ -85,16 +87,12 @@ class BeamRequestState:
         beam = self._beam(seq_id)
         beam.candidates = list((result.top or {}).items())[:2 * self.width]
 
-    def on_preempted(self, seq_id: str) -> None:
-        self._beam(seq_id).candidates = None
-
     def _beam(self, seq_id: str) -> Beam:
         return next(b for b in self.live if b.seq.request_id == seq_id)
 
     @property
     def ready(self) -> bool:
-        return all(b.candidates is not None and b.seq.status is SequenceStatus.RUNNING
-                   for b in self.live)
+        return all(b.candidates is not None for b in self.live)
 
     def advance(self, scheduler, new_id) -> list[Sequence]:
         """One beam step: fork, free and extend beams. Returns the sequences that left."""

@@ -165,10 +165,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedules, runs the model once, and returns outputs of requests that progressed."""
         out = self.scheduler.schedule()
-        for sid in out.preempted:
-            state = self._owner[sid]
-            if isinstance(state, BeamRequestState):
-                state.on_preempted(sid)
+        for sid in out.preempted:  # also when nothing runs this step
+            self.runner.release(sid)
         if out.is_empty:
             return []
         seeds = {i.request_id: self._owner[i.request_id].seed_of(i.request_id)

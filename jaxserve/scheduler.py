@@ -191,12 +191,19 @@ class Scheduler:
         just ran, before `update`). The child's first write into a shared block is a
         copy-on-write.
         """
-        if parent not in self.running:
-            raise ValueError(f"fork source {parent.request_id!r} is not running")
         if parent.num_reserved_slots < 2:
             raise ValueError(f"{parent.request_id!r} has no reserved slot left to fork into")
         if child.request_id in self._ids:
             raise ValueError(f"request id {child.request_id!r} is already in use")
+        if parent in self.waiting:  # preempted: the child waits too, to recompute everything
+            parent.num_reserved_slots -= 1
+            child.num_reserved_slots = 1
+            child.status = SequenceStatus.PREEMPTED
+            self.waiting.insert(self.waiting.index(parent) + 1, child)
+            self._ids.add(child.request_id)
+            return
+        if parent not in self.running:
+            raise ValueError(f"fork source {parent.request_id!r} is neither running nor waiting")
         covered = len(parent.block_table) * self.config.block_size
         if not 0 <= num_computed_tokens <= min(covered, child.num_tokens - 1):
             raise ValueError(f"fork of {parent.request_id!r}: {num_computed_tokens} computed "
@@ -273,11 +280,26 @@ class Scheduler:
             i += 1
         return budget
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def _preempt_held(self, out: SchedulerOutput) -> bool:
+        """Preempts the newest held sequence (nothing to compute: a beam waiting for its group).
+
+        Held sequences would otherwise keep their blocks while the sequence their group waits
+        for cannot be admitted. They go to the back of the queue, behind the one blocked.
+        """
+        for seq in reversed(self.running):
+            if seq.num_uncomputed_tokens == 0:
+                self._preempt(seq, out, front=False)
+                return True
+        return False
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput, front: bool = True) -> None:
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.reset_for_recompute()
-        self.waiting.appendleft(seq)
+        if front:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
         out.preempted.append(seq.request_id)
         self.num_preemptions += 1
 
@@ -289,6 +311,8 @@ class Scheduler:
                 break
             cached = bm.cached_prefix(seq)
             n = self._chunk_size(seq.num_tokens - len(cached) * self.config.block_size, budget)
+            if n and not bm.can_allocate(seq, n, cached) and self._preempt_held(out):
+                continue  # a held sequence gave its blocks back: look again
             if n == 0 or not bm.can_allocate(seq, n, cached):
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()

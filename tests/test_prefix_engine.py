@@ -234,3 +234,15 @@ def test_real_model_greedy_equal_with_caching_on_and_off(smollm2_fp32):
     ids = m.tokenizer.encode(prompts[0])
     bos = [m.tokenizer.bos_token_id] if m.tokenizer.add_bos and m.tokenizer.bos_token_id is not None else []
     assert results[True][0] == m.greedy_generate(bos + ids, 8, stop_token_ids=())
+
+
+def test_beam_search_under_preemption_equals_reference(model):
+    """A cache too small for all beams at once: held beams are preempted and recomputed."""
+    prompt = shared_prompts(3)[7]  # the 45-token system prompt plus a question
+    want = reference_beam_search(model, prompt, 4, 12, 1.0, set())
+    engine = make_engine(model, blocks=20)
+    params = SamplingParams(use_beam_search=True, beam_width=4, n=4, max_tokens=12,
+                            ignore_eos=True)
+    out = drain(engine, [(0, "b", prompt, params), (0, "g", shared_prompts(4)[7], GREEDY)])["b"]
+    assert engine.stats()["num_preemptions"] > 0
+    assert [c.token_ids for c in out.outputs] == [w[0] for w in want[:4]]
