@@ -8,12 +8,20 @@ copy the KV of `src` into `dst` on device before the step's writes.
 
 Block 0 is the null block when `reserve_null_block` is set: it is never handed
 out, so padded page-table entries can point at it without clobbering real KV.
+
+With `enable_caching`, full blocks whose KV is computed are registered by content hash
+(prefix_cache.py). `cached_prefix(seq)` finds the blocks a new sequence can reuse and
+`allocate(seq, n, cached=...)` attaches them (a shared cached block costs no new block). A
+block nobody references keeps its hash and stays reusable until `_take` runs out of uncached
+free blocks and evicts the least recently freed one. Cached blocks are immutable: a write into
+one (or into any shared block) is a copy-on-write.
 """
 
 from __future__ import annotations
 
 from collections import deque
 
+from jaxserve.prefix_cache import PrefixCache, block_hashes
 from jaxserve.sequence import Sequence
 
 NULL_BLOCK = 0
@@ -43,7 +51,8 @@ def slot_for_position(block_table: list[int], position: int, block_size: int) ->
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, reserve_null_block: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, reserve_null_block: bool = True,
+                 enable_caching: bool = False) -> None:
         validate_block_size(block_size)
         first = 1 if reserve_null_block else 0
         if not isinstance(num_blocks, int) or num_blocks <= first:
@@ -59,6 +68,12 @@ class BlockManager:
         # Sequences currently holding blocks, so invariants can be checked
         # against their tables without the caller listing them.
         self._holders: dict[str, Sequence] = {}
+        self.enable_caching = enable_caching
+        self.cache = PrefixCache()
+        # Counters for stats(): admissions looked up in the cache and what they found.
+        self.num_query_blocks = self.num_query_tokens = 0
+        self.num_hit_blocks = self.num_hit_tokens = 0
+        self.num_cow_copies = 0
 
     # ---- capacity -------------------------------------------------------
 
@@ -68,19 +83,44 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks nobody references: uncached ones plus cached ones that can be evicted."""
+        return len(self._free) + len(self.cache.evictable)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_usable_blocks - len(self._free)
+        return self.num_usable_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks registered in the prefix cache, referenced or not."""
+        return len(self.cache)
 
     def ref_count(self, block: int) -> int:
         return self._ref_counts[block]
 
     # ---- allocation -----------------------------------------------------
 
-    def _num_new_tokens(self, seq: Sequence, num_new_tokens: int | None) -> int:
-        uncomputed = seq.num_uncomputed_tokens
+    def cached_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks holding `seq`'s longest computed prefix (for a sequence with no blocks).
+
+        The last token is never taken from the cache: its logits are needed, so at least it is
+        computed (a fully cached, block-aligned prompt recomputes its last block, as vLLM does).
+        """
+        if not self.enable_caching or seq.block_table or seq.num_computed_tokens:
+            return []
+        limit = (seq.num_tokens - 1) // self.block_size
+        return self.cache.lookup(block_hashes(seq, self.block_size)[:limit])
+
+    def _start(self, seq: Sequence, cached) -> int:
+        if cached:
+            if seq.block_table or seq.num_computed_tokens:
+                raise ValueError(f"{seq.request_id!r}: cached blocks are only attached to a "
+                                 f"sequence with no blocks")
+            return len(cached) * self.block_size
+        return seq.num_computed_tokens
+
+    def _num_new_tokens(self, seq: Sequence, num_new_tokens: int | None, start: int) -> int:
+        uncomputed = seq.num_tokens - start
         n = uncomputed if num_new_tokens is None else num_new_tokens
         if not 1 <= n <= uncomputed:
             raise ValueError(
@@ -88,47 +128,94 @@ class BlockManager:
                 f"(its uncomputed tokens), got {n}")
         return n
 
-    def _shared_written_blocks(self, seq: Sequence, n: int) -> list[int]:
-        """Table indices of existing blocks the next `n` writes touch that are shared."""
+    def _written_blocks_to_copy(self, seq: Sequence, n: int) -> list[int]:
+        """Table indices of existing blocks the next `n` writes touch that are shared or cached."""
         first = seq.num_computed_tokens // self.block_size
         last = min((seq.num_computed_tokens + n - 1) // self.block_size, len(seq.block_table) - 1)
-        return [i for i in range(first, last + 1) if self._ref_counts[seq.block_table[i]] > 1]
+        return [i for i in range(first, last + 1)
+                if self._ref_counts[seq.block_table[i]] > 1
+                or seq.block_table[i] in self.cache.hash_of]
 
-    def blocks_needed(self, seq: Sequence, num_new_tokens: int | None = None) -> int:
-        """Fresh blocks needed so the next `num_new_tokens` tokens can be written."""
-        n = self._num_new_tokens(seq, num_new_tokens)
-        target = blocks_for_tokens(seq.num_computed_tokens + n, self.block_size)
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int | None = None,
+                      cached: list[int] = ()) -> int:
+        """Free blocks used up so the next `num_new_tokens` tokens can be written.
+
+        `cached` (from cached_prefix) are attached first: hits on blocks nobody references
+        leave the free pool, hits on blocks in use cost nothing.
+        """
+        start = self._start(seq, cached)
+        n = self._num_new_tokens(seq, num_new_tokens, start)
+        target = blocks_for_tokens(start + n, self.block_size)
+        if cached:
+            revived = sum(1 for b in cached if self._ref_counts[b] == 0)
+            return revived + target - len(cached)
         missing = max(0, target - len(seq.block_table))
-        return missing + len(self._shared_written_blocks(seq, n))
+        return missing + len(self._written_blocks_to_copy(seq, n))
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int | None = None) -> bool:
-        return self.blocks_needed(seq, num_new_tokens) <= len(self._free)
+    def can_allocate(self, seq: Sequence, num_new_tokens: int | None = None,
+                     cached: list[int] = ()) -> bool:
+        return self.blocks_needed(seq, num_new_tokens, cached) <= self.num_free_blocks
 
-    def allocate(self, seq: Sequence, num_new_tokens: int | None = None) -> list[tuple[int, int]]:
+    def allocate(self, seq: Sequence, num_new_tokens: int | None = None,
+                 cached: list[int] | None = None) -> list[tuple[int, int]]:
         """Make positions [computed, computed + n) writable; n defaults to all uncomputed.
 
-        Returns copy-on-write pairs (src, dst) the caller must copy on device
-        before writing this step's KV.
+        `cached` is an admission's cache lookup (cached_prefix, possibly empty): its blocks
+        become the start of the table, `num_computed_tokens` moves past them, and the lookup is
+        counted in the hit statistics; n then counts from there. Returns copy-on-write pairs
+        (src, dst) the caller must copy on device before writing this step's KV.
         """
-        n = self._num_new_tokens(seq, num_new_tokens)
-        needed = self.blocks_needed(seq, n)
-        if needed > len(self._free):
+        needed = self.blocks_needed(seq, num_new_tokens, cached or ())
+        if needed > self.num_free_blocks:
             raise RuntimeError(
-                f"{seq.request_id!r} needs {needed} blocks but only {len(self._free)} are "
-                f"free; call can_allocate first")
+                f"{seq.request_id!r} needs {needed} blocks but only {self.num_free_blocks} "
+                f"are free; call can_allocate first")
+        if cached is not None:
+            self._attach_cached(seq, cached)
+        n = self._num_new_tokens(seq, num_new_tokens, seq.num_computed_tokens)
         copies = []
-        for i in self._shared_written_blocks(seq, n):
+        for i in self._written_blocks_to_copy(seq, n):
             src = seq.block_table[i]
             dst = self._take()
-            self._ref_counts[src] -= 1
+            self._release(src)
             seq.block_table[i] = dst
             copies.append((src, dst))
+        self.num_cow_copies += len(copies)
         target = blocks_for_tokens(seq.num_computed_tokens + n, self.block_size)
         while len(seq.block_table) < target:
             seq.block_table.append(self._take())
         if seq.block_table:
             self._holders[seq.request_id] = seq
         return copies
+
+    def _attach_cached(self, seq: Sequence, cached: list[int]) -> None:
+        if seq.block_table or seq.num_computed_tokens:
+            raise ValueError(f"{seq.request_id!r}: a cache lookup is for a sequence being "
+                             f"admitted, with no blocks")
+        for block in cached:
+            if self._ref_counts[block] == 0:
+                self.cache.touch(block)
+            self._ref_counts[block] += 1
+        seq.block_table = list(cached)
+        seq.num_registered_blocks = len(cached)
+        seq.num_computed_tokens = len(cached) * self.block_size
+        if self.enable_caching:
+            self.num_query_blocks += seq.num_tokens // self.block_size
+            self.num_query_tokens += seq.num_tokens
+            self.num_hit_blocks += len(cached)
+            self.num_hit_tokens += len(cached) * self.block_size
+
+    def register_computed(self, seq: Sequence) -> None:
+        """Registers `seq`'s full blocks whose KV is now computed (call after each step)."""
+        if not self.enable_caching:
+            return
+        full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        if full <= seq.num_registered_blocks:
+            return
+        hashes = block_hashes(seq, self.block_size)
+        for i in range(seq.num_registered_blocks, full):
+            self.cache.register(seq.block_table[i], hashes[i])
+        seq.num_registered_blocks = full
 
     def can_append_slot(self, seq: Sequence) -> bool:
         self._require_decode(seq)
@@ -151,20 +238,35 @@ class BlockManager:
                 f"append_slot is for decode (exactly 1), use allocate for prefill")
 
     def _take(self) -> int:
-        block = self._free.popleft()
+        # Uncached free blocks first; a cached one is evicted only when none is left.
+        block = self._free.popleft() if self._free else self.cache.evict()
         self._ref_counts[block] = 1
         return block
+
+    def _release(self, block: int) -> None:
+        self._ref_counts[block] -= 1
+        if self._ref_counts[block] == 0:
+            if block in self.cache.hash_of:
+                self.cache.park(block)
+            else:
+                self._free.append(block)
+
+    def reset_prefix_cache(self) -> int:
+        """Forgets the cached blocks nobody references (benchmarks repeating a workload want
+        cold prefixes); blocks that running sequences hold stay cached. Returns how many."""
+        blocks = self.cache.drop_evictable()
+        self._free.extend(blocks)
+        return len(blocks)
 
     # ---- release and sharing ---------------------------------------------
 
     def free(self, seq: Sequence) -> None:
         """Drop `seq`'s references; blocks nobody references return to the free list."""
-        # Reversed so the tail (least likely shared) is reused last.
+        # Reversed so the tail (least likely shared) is reused, or evicted, first.
         for block in reversed(seq.block_table):
-            self._ref_counts[block] -= 1
-            if self._ref_counts[block] == 0:
-                self._free.append(block)
+            self._release(block)
         seq.block_table.clear()
+        seq.num_registered_blocks = 0
         self._holders.pop(seq.request_id, None)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
@@ -180,6 +282,7 @@ class BlockManager:
         for block in parent.block_table:
             self._ref_counts[block] += 1
         child.block_table = list(parent.block_table)
+        child.num_registered_blocks = 0
         if child.block_table:
             self._holders[child.request_id] = child
 
@@ -217,7 +320,32 @@ class BlockManager:
             if self._ref_counts[block] != 0:
                 raise InvariantError(f"block {block} is free but referenced")
         in_use = sum(1 for b in range(self._first_usable, self.num_blocks) if self._ref_counts[b])
-        if in_use + len(free) != self.num_usable_blocks:
+        if in_use + self.num_free_blocks != self.num_usable_blocks:
             raise InvariantError(
-                f"{in_use} used + {len(free)} free != {self.num_usable_blocks} usable blocks "
-                f"(a block leaked)")
+                f"{in_use} used + {self.num_free_blocks} free != {self.num_usable_blocks} "
+                f"usable blocks (a block leaked)")
+        self._check_cache(free)
+
+    def _check_cache(self, free: list[int]) -> None:
+        cache = self.cache
+        if not self.enable_caching and cache.hash_of:
+            raise InvariantError("blocks are cached with caching disabled")
+        if len(cache.block_of) != len(cache.hash_of) or any(
+                cache.block_of.get(h) != b for b, h in cache.hash_of.items()):
+            raise InvariantError("the hash -> block and block -> hash maps disagree")
+        for block in cache.evictable:
+            if block not in cache.hash_of or self._ref_counts[block] != 0:
+                raise InvariantError(f"evictable block {block} is uncached or referenced")
+        if set(free) & cache.hash_of.keys():
+            raise InvariantError("a cached block is on the uncached free list")
+        for block in cache.hash_of:
+            if self._ref_counts[block] == 0 and block not in cache.evictable:
+                raise InvariantError(f"cached block {block} is unreferenced but not evictable")
+        # A cached block holds exactly the prefix its hash names, for every holder of it.
+        for rid, seq in self._holders.items():
+            n = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+            hashes = block_hashes(seq, self.block_size) if self.enable_caching else []
+            for i in range(n):
+                h = cache.hash_of.get(seq.block_table[i])
+                if h is not None and h != hashes[i]:
+                    raise InvariantError(f"{rid!r} block {i} is cached under another prefix")

@@ -22,7 +22,8 @@ def _engine_kwargs(args) -> dict:
                 max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
                 quantization=args.quantization, seed=args.seed if args.seed is not None else 0,
                 profile_dir=getattr(args, "profile_dir", None),
-                tensor_parallel_size=args.tensor_parallel_size)
+                tensor_parallel_size=args.tensor_parallel_size,
+                enable_prefix_caching=not args.no_prefix_caching)
 
 
 def _start_profile(engine, args) -> None:
@@ -151,6 +152,7 @@ def _cmd_bench(args) -> int:
     if not args.warmup:  # an untimed pass of the same requests compiles the shapes they meet
         warm = run_workload(engine, workload)
         engine.reset_stats()
+        engine.reset_prefix_cache()  # the timed pass computes its prompts, as the first did
     _start_profile(engine, args)
     result = run_workload(engine, workload)
     _stop_profile(engine)
@@ -319,6 +321,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="w8a16, w4a16, w8a8 or gguf: int8/int4 weights by round-to-nearest, "
                         "int8 x int8 (w8a8), or a .gguf file's own blocks (gguf); default: the "
                         "weights as loaded (a quantized checkpoint serves its own path)")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="recompute shared prompt prefixes instead of reusing cached KV blocks")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -30,6 +30,9 @@ class EngineConfig:
     kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.85
     enable_chunked_prefill: bool = True
+    # Reuse the KV of full blocks whose prefix (token ids up to and including the block) was
+    # computed before; freed blocks stay cached until evicted, least recently used first.
+    enable_prefix_caching: bool = True
     attention_backend: str = "auto"
     linear_backend: str = "auto"
     quantization: str | None = None  # one of QUANTIZATIONS; None: the weights as loaded

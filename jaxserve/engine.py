@@ -15,6 +15,7 @@ import jax
 import numpy as np
 
 from jaxserve import backends, kv_accounting, multihost, sharding
+from jaxserve.beam_search import BeamRequestState, search_params
 from jaxserve.config import EngineConfig
 from jaxserve.kv_cache import log_plan, plan_num_blocks
 from jaxserve.outputs import RequestOutput
@@ -67,7 +68,8 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_len,
             block_size=bs, num_blocks=num_blocks,
-            enable_chunked_prefill=config.enable_chunked_prefill))
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            enable_prefix_caching=config.enable_prefix_caching))
         log_plan(plan_mc, bs, dtype_bytes, num_blocks)
         self.max_model_len = max_len
         tok = self.model.tokenizer
@@ -86,7 +88,9 @@ class LLMEngine:
         self.model = self.runner.model  # with TP, the placed shards: no unsharded copy is kept
         # Multi-host: process 0 schedules and broadcasts every step; the others follow().
         self.channel = multihost.attach(self.runner)
-        self.requests: dict[str, RequestState] = {}
+        self.requests: dict[str, RequestState | BeamRequestState] = {}
+        # Every live sequence id (a request's own id, its branches' and beams') -> its request.
+        self._owner: dict[str, RequestState | BeamRequestState] = {}
         self._rng = np.random.default_rng(config.seed)
         self._counter = 0
         self.warmup_seconds = None
@@ -119,25 +123,51 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | Seq[int],
                     params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> None:
-        """Queues a request; raises ValueError (nothing queued) when it cannot be served."""
+                    arrival_time: float | None = None, cache_salt: str | None = None) -> None:
+        """Queues a request; raises ValueError (nothing queued) when it cannot be served.
+
+        cache_salt: requests with different salts never share prefix-cache blocks.
+        """
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         if params.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs is not supported yet")
+        if request_id in self._owner or request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use by an unfinished "
+                             f"request")
         text, ids = self._prompt_ids(prompt)
-        seq = Sequence(request_id, ids, params, arrival_time=arrival_time or time.monotonic())
-        self.scheduler.add(seq)  # validates length against max_model_len, duplicates, emptiness
-        seed = params.seed if params.seed is not None else int(self._rng.integers(2 ** 63))
-        self.requests[request_id] = RequestState(seq, text, self.model.tokenizer, seed,
-                                                 seq.arrival_time)
+        arrival = arrival_time or time.monotonic()
+        beam = params.use_beam_search
+        seq = Sequence(request_id, ids, search_params(params) if beam else params,
+                       arrival_time=arrival, cache_salt=cache_salt)
+        if beam:
+            state = BeamRequestState(seq, text, self.model.tokenizer, params, arrival,
+                                     self.eos_ids)
+        else:
+            seed = params.seed if params.seed is not None else int(self._rng.integers(2 ** 63))
+            state = RequestState(seq, text, self.model.tokenizer, seed, arrival)
+            seq.num_reserved_slots = params.n
+        self.scheduler.add(seq)  # validates length, duplicates, emptiness, slots
+        self.requests[request_id] = self._owner[request_id] = state
 
     def abort(self, request_id: str) -> bool:
-        found = self.scheduler.abort(request_id)
-        self.runner.release(request_id)
-        self.requests.pop(request_id, None)
-        return found
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return False
+        for sid in [sid for sid, owner in self._owner.items() if owner is state]:
+            self.scheduler.abort(sid)
+            self.runner.release(sid)
+            del self._owner[sid]
+        return True
+
+    def _new_seq_id(self, request_id: str) -> str:
+        # Unique among live ids; a later user request that picks the same id is refused.
+        self._counter += 1
+        sid = f"{request_id}#{self._counter}"
+        while sid in self._owner or sid in self.requests:
+            sid += "#"
+        return sid
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -154,14 +184,18 @@ class LLMEngine:
             t0 = time.perf_counter()
             with jax.profiler.TraceAnnotation("schedule"):
                 out = self.scheduler.schedule()
+                for sid in out.preempted:  # also when nothing runs this step
+                    self.runner.release(sid)
             if out.is_empty:
                 return []
             t1 = time.perf_counter()
             with jax.profiler.TraceAnnotation("execute"):
-                seeds = {i.request_id: self.requests[i.request_id].seed for i in out.scheduled}
+                seeds = {i.request_id: self._owner[i.request_id].seed_of(i.request_id)
+                         for i in out.scheduled}
                 sampled = self.runner.execute(out, seeds)
             t2 = time.perf_counter()
             with jax.profiler.TraceAnnotation("postprocess"):
+                self._fork_branches(out)
                 outputs = self._postprocess(out, sampled)
             self._record_step(out, len(sampled), t1 - t0, t2 - t1, time.perf_counter() - t2)
         self.profiler.on_step()
@@ -169,18 +203,32 @@ class LLMEngine:
 
     def _postprocess(self, out, sampled) -> list[RequestOutput]:
         finished: dict[str, SequenceStatus] = {}
-        for rid, result in sampled.items():
-            reason = self.requests[rid].on_token(result, self.eos_ids)
+        hold, tokens, progressed = set(), {}, {}
+        for sid, result in sampled.items():
+            state = self._owner[sid]
+            progressed[state.request_id] = state
+            if isinstance(state, BeamRequestState):
+                state.record(sid, result)
+                hold.add(sid)
+                continue
+            tokens[sid] = result.token
+            reason = state.on_token(sid, result, self.eos_ids)
             if reason is not None:
-                finished[rid] = reason
-        done = self.scheduler.update(out, {r: s.token for r, s in sampled.items()}, finished)
-        done_ids = {seq.request_id for seq in done}
+                finished[sid] = reason
+        left = self.scheduler.update(out, tokens, finished, hold)
+        for seq in left:
+            self._owner[seq.request_id].mark_finished(seq.request_id)
+        for state in progressed.values():
+            if isinstance(state, BeamRequestState) and state.ready:
+                left += state.advance(self.scheduler, lambda: self._new_seq_id(state.request_id))
+                self._owner.update({sid: state for sid in state.seq_ids})
+        for seq in left:
+            self.runner.release(seq.request_id)
+            self._owner.pop(seq.request_id, None)
         outputs = []
-        for rid in sampled:
-            state = self.requests[rid]
-            outputs.append(state.output(finished=rid in done_ids))
-            if rid in done_ids:
-                self.runner.release(rid)
+        for rid, state in progressed.items():
+            outputs.append(state.output())
+            if state.finished:
                 del self.requests[rid]
         return outputs
 
@@ -197,6 +245,10 @@ class LLMEngine:
             postprocess_s=postprocess_s)
         self.step_totals.record(self.last_step)
         self.kv_tracker.observe(self.memory())
+
+    def reset_prefix_cache(self) -> int:
+        """Drops the cached KV blocks no request holds; returns how many were dropped."""
+        return self.scheduler.block_manager.reset_prefix_cache()
 
     def reset_stats(self) -> None:
         """Restarts the step and memory running totals (e.g. after a warm-up pass)."""
@@ -219,11 +271,38 @@ class LLMEngine:
         """Stops the capture; returns the run directory holding the trace files."""
         return self.profiler.stop()
 
+    def _fork_branches(self, out) -> None:
+        """n > 1: once a prompt's last chunk has run, fork its other branches off its blocks.
+
+        Each branch recomputes only the last prompt token (copy-on-write of the tail block) to
+        sample its own first token.
+        """
+        for item in out.prefills + out.decodes:
+            state = self._owner[item.request_id]
+            if (not item.is_last_chunk or not isinstance(state, RequestState)
+                    or state.num_pending_forks == 0 or item.seq is not state.seq):
+                continue
+            end = item.start_pos + item.num_new_tokens
+            for child in state.fork_sequences(lambda i: self._new_seq_id(state.request_id)):
+                self.scheduler.fork(item.seq, child, end - 1)
+                self._owner[child.request_id] = state
+
     def stats(self) -> dict:
         bm = self.scheduler.block_manager
         return {
             "kv_blocks_total": bm.num_usable_blocks,
             "kv_blocks_free": bm.num_free_blocks,
+            "kv_blocks_in_use": bm.num_used_blocks,
+            "prefix_caching": bm.enable_caching,
+            "prefix_cache_queries_blocks": bm.num_query_blocks,
+            "prefix_cache_queries_tokens": bm.num_query_tokens,
+            "prefix_cache_hits_blocks": bm.num_hit_blocks,
+            "prefix_cache_hits_tokens": bm.num_hit_tokens,
+            "prefix_cache_blocks": bm.num_cached_blocks,
+            "prefix_cache_evictions": bm.cache.num_evictions,
+            "cow_copies": bm.num_cow_copies,
+            "tokens_computed": self.scheduler.num_computed_tokens,
+            "prompt_tokens_computed": self.scheduler.num_computed_prompt_tokens,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_compiles_after_warmup": self.runner.num_compiles_after_warmup,
             "running": self.scheduler.num_running,

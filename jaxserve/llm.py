@@ -79,5 +79,9 @@ class LLM:
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
+    def reset_prefix_cache(self) -> int:
+        """Forgets cached prompt prefixes no request holds (e.g. between benchmark passes)."""
+        return self.engine.reset_prefix_cache()
+
     def stats(self) -> dict:
         return self.engine.stats()

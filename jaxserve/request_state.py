@@ -1,7 +1,15 @@
-"""Host-side state of one request: incremental detokenization and stop conditions."""
+"""Host-side state of one request: incremental detokenization and stop conditions.
+
+A request with `n` > 1 runs as n branch sequences: branch 0 is the request's own sequence;
+branches 1..n-1 are forked from it when its prompt's last chunk has run, so the prompt is
+prefilled once and its blocks are shared. Each branch samples with its own seed (derived from
+the request's seed and the branch index), keeps its own text and stop state, and becomes
+`outputs[i]` of the RequestOutput.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import time
 
 from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -15,10 +23,20 @@ FINISH_REASONS = {SequenceStatus.FINISHED_STOPPED: "stop",
                   SequenceStatus.FINISHED_ABORTED: "abort"}
 
 
-class RequestState:
-    def __init__(self, seq: Sequence, prompt: str | None, tokenizer: Tokenizer | None,
-                 seed: int, arrival_time: float):
-        self.seq, self.prompt, self.seed = seq, prompt, seed
+def branch_seed(seed: int, index: int) -> int:
+    """Branch 0 keeps the request's seed (n=1 is unchanged); others get a hash of (seed, i)."""
+    if index == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}/{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True)
+
+
+class BranchState:
+    """One sequence's output: detokenized text, logprobs, stop state."""
+
+    def __init__(self, index: int, seq: Sequence, tokenizer: Tokenizer | None, seed: int,
+                 metrics: RequestMetrics):
+        self.index, self.seq, self.seed = index, seq, seed
         self.params: SamplingParams = seq.sampling_params
         self.tokenizer = tokenizer
         self.detok = (IncrementalDetokenizer(tokenizer, seq.prompt_token_ids,
@@ -31,7 +49,8 @@ class RequestState:
             else None
         self.cumulative_logprob = 0.0
         self.stop_reason: int | str | None = None
-        self.metrics = RequestMetrics(arrival_time=arrival_time)
+        self.metrics = metrics
+        self.finished = False
         self._hold = max((len(s) for s in self.params.stop), default=1) - 1
         self._stop_ids = set(self.params.stop_token_ids)
 
@@ -77,10 +96,12 @@ class RequestState:
         self.stop_reason = best[1]
         return True
 
-    def output(self, finished: bool) -> RequestOutput:
-        """The request's output so far; delta fields hold what is new since the last call."""
+    def output(self) -> CompletionOutput:
+        """The branch's output so far; delta fields hold what is new since the last call."""
+        finished = self.finished
         if finished and self.detok is not None and self.stop_reason is None:
             self.text += self.detok.flush()
+            self.detok = None  # flushed once
         # While running, hold back a tail that could still grow into a stop string.
         visible = len(self.text) if finished else max(self.emitted_chars,
                                                       len(self.text) - self._hold)
@@ -89,14 +110,67 @@ class RequestState:
         delta_ids = token_ids[self.emitted_tokens:]
         self.emitted_chars, self.emitted_tokens = visible, len(token_ids)
         status = self.seq.status
-        completion = CompletionOutput(
-            index=0, text=self.text[:visible], token_ids=token_ids,
+        return CompletionOutput(
+            index=self.index, text=self.text[:visible], token_ids=token_ids,
             finish_reason=FINISH_REASONS.get(status) if finished else None,
             stop_reason=self.stop_reason, logprobs=self.logprobs,
             cumulative_logprob=self.cumulative_logprob, delta_text=delta_text,
             delta_token_ids=delta_ids)
+
+
+class RequestState:
+    """A request's branches (n of them once forked) and its metrics."""
+
+    def __init__(self, seq: Sequence, prompt: str | None, tokenizer: Tokenizer | None,
+                 seed: int, arrival_time: float):
+        self.request_id, self.prompt, self.seed = seq.request_id, prompt, seed
+        self.params: SamplingParams = seq.sampling_params
+        self.prompt_token_ids = list(seq.prompt_token_ids)
+        self.tokenizer = tokenizer
+        self.metrics = RequestMetrics(arrival_time=arrival_time)
+        self.branches = [BranchState(0, seq, tokenizer, seed, self.metrics)]
+        self.by_seq: dict[str, BranchState] = {seq.request_id: self.branches[0]}
+
+    @property
+    def seq(self) -> Sequence:
+        return self.branches[0].seq
+
+    @property
+    def num_pending_forks(self) -> int:
+        return self.params.n - len(self.branches)
+
+    def fork_sequences(self, new_id) -> list[Sequence]:
+        """Sequences for branches 1..n-1: copies of the prompt; `new_id(i)` names branch i."""
+        parent = self.seq
+        children = []
+        for i in range(len(self.branches), self.params.n):
+            child = Sequence(new_id(i), parent.prompt_token_ids, parent.sampling_params,
+                             arrival_time=parent.arrival_time, cache_salt=parent.cache_salt)
+            branch = BranchState(i, child, self.tokenizer, branch_seed(self.seed, i),
+                                 self.metrics)
+            self.branches.append(branch)
+            self.by_seq[child.request_id] = branch
+            children.append(child)
+        return children
+
+    def seed_of(self, seq_id: str) -> int:
+        return self.by_seq[seq_id].seed
+
+    def on_token(self, seq_id: str, result: SampleResult, eos_ids: set[int]):
+        return self.by_seq[seq_id].on_token(result, eos_ids)
+
+    def mark_finished(self, seq_id: str) -> None:
+        self.by_seq[seq_id].finished = True
+
+    @property
+    def finished(self) -> bool:
+        return len(self.branches) == self.params.n and all(b.finished for b in self.branches)
+
+    def output(self) -> RequestOutput:
+        finished = self.finished
         if finished:
             self.metrics.finished_time = time.monotonic()
-        return RequestOutput(request_id=self.seq.request_id, prompt=self.prompt,
-                             prompt_token_ids=list(self.seq.prompt_token_ids),
-                             outputs=[completion], finished=finished, metrics=self.metrics)
+        return RequestOutput(request_id=self.request_id, prompt=self.prompt,
+                             prompt_token_ids=list(self.prompt_token_ids),
+                             outputs=[b.output() for b in self.branches], finished=finished,
+                             metrics=self.metrics)

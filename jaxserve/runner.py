@@ -49,6 +49,13 @@ class StepInputs:
     want_logprobs: jax.Array  # [] bool
 
 
+def _copy_blocks(cache: KVCache, pairs: jax.Array) -> KVCache:
+    """pairs [C, 2] int32 (src, dst). A dst is never another pair's src: dst blocks are fresh."""
+    src, dst = pairs[:, 0], pairs[:, 1]
+    return KVCache(k=cache.k.at[:, dst].set(cache.k[:, src]),
+                   v=cache.v.at[:, dst].set(cache.v[:, src]))
+
+
 class ModelRunner:
     def __init__(self, model: Model, *, max_num_seqs: int, max_num_batched_tokens: int,
                  block_size: int, num_blocks: int, max_model_len: int, eos_ids=(),
@@ -83,6 +90,10 @@ class ModelRunner:
             attention = tp.attention(attention, per_shard=not self.ragged)
         self._module = model.module(attention=attention, **({"linear": linear} if linear else {}))
         self._step = jax.jit(self._step_impl, donate_argnums=(1,), **jit_kwargs)
+        # Copy-on-write copies run in fixed batches of (src, dst) pairs, padded with (0, 0)
+        # (the null block onto itself), so one compiled program serves every step.
+        self.copy_batch = max_num_seqs
+        self._copy = jax.jit(_copy_blocks, donate_argnums=(0,))
         self._compiles_at_warmup: int | None = None
 
     # ---- the jitted step ------------------------------------------------------------------
@@ -104,7 +115,7 @@ class ModelRunner:
 
     @property
     def num_compiled(self) -> int:
-        return self._step._cache_size()
+        return self._step._cache_size() + self._copy._cache_size()
 
     @property
     def num_compiles_after_warmup(self) -> int:
@@ -127,6 +138,7 @@ class ModelRunner:
             inp = self._idle_inputs(rows, tokens, nb)
             st = SamplingTensors.from_params([], [], [], size=rows)
             self.cache, out = self._step(self.model.params, self.cache, inp, st)
+        self.copy_blocks([])
         jax.block_until_ready(self.cache)
         self._compiles_at_warmup = self.num_compiled
         return time.perf_counter() - start
@@ -169,6 +181,15 @@ class ModelRunner:
         self.page_table[slot, :len(table)] = table
         return slot
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copies each src block's K and V (all layers) onto its dst block, in place."""
+        for i in range(0, max(len(pairs), 1), self.copy_batch):
+            chunk = np.zeros((self.copy_batch, 2), np.int32)  # [C, 2] (src, dst); pads 0 -> 0
+            part = pairs[i:i + self.copy_batch]
+            if part:
+                chunk[:len(part)] = part
+            self.cache = self._copy(self.cache, chunk)
+
     def _flat_slots(self, slot: int, positions: np.ndarray) -> np.ndarray:
         blocks = self.page_table[slot, positions // self.block_size]
         return blocks * self.block_size + positions % self.block_size
@@ -178,7 +199,7 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput, seeds: dict[str, int]) -> dict[str, SampleResult]:
         """Runs the scheduled work; returns the sampled token of every item that samples."""
         if out.blocks_to_copy:
-            raise NotImplementedError("copy-on-write block copies arrive with prefix sharing")
+            self.copy_blocks(out.blocks_to_copy)
         for rid in out.preempted:
             self.release(rid)
         # (items a call samples for, their rows in its output, its SamplerOutput): all calls are

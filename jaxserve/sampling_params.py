@@ -8,6 +8,9 @@ import math
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
+MAX_N = 64
+# Beam search ranks each beam's top 2 * beam_width tokens, read as top logprobs.
+MAX_BEAM_WIDTH = MAX_LOGPROBS // 2
 
 
 class SamplingParamError(ValueError):
@@ -47,6 +50,11 @@ class SamplingParams:
     of tokens seen in prompt or output; presence/frequency penalties subtract from logits of
     tokens in the output (once / per occurrence). A request with a seed is reproducible and does
     not depend on which requests share its batch.
+
+    n > 1 returns n completions of one prompt (prefilled once; each branch has its own random
+    stream, reproducible with a seed). use_beam_search keeps the beam_width most likely
+    continuations (sum of token logprobs; temperature and filters do not apply) and returns the
+    n best finished ones, ranked by cumulative_logprob / len(output) ** length_penalty.
     """
 
     n: int = 1
@@ -66,9 +74,12 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    use_beam_search: bool = False
+    beam_width: int = 1
+    length_penalty: float = 1.0
 
     def __post_init__(self):
-        _int("n", self.n, 1, 1)  # n > 1 arrives with prefix sharing (fork)
+        _int("n", self.n, 1, MAX_N)
         _finite("temperature", self.temperature, 0.0)
         _finite("top_p", self.top_p, 0.0, 1.0, low_open=True)
         _int("top_k", self.top_k, -1)
@@ -94,6 +105,22 @@ class SamplingParams:
         for t in ids:
             _int("stop_token_ids entries", t, 0, param="stop_token_ids")
         object.__setattr__(self, "stop_token_ids", ids)
+        _int("beam_width", self.beam_width, 1, MAX_BEAM_WIDTH)
+        _finite("length_penalty", self.length_penalty)
+        if self.use_beam_search:
+            self._check_beam_search()
+
+    def _check_beam_search(self):
+        if self.n > self.beam_width:
+            raise SamplingParamError("n", f"beam search returns at most beam_width "
+                                     f"({self.beam_width}) completions, got n={self.n}")
+        unsupported = {"top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0,
+                       "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_tokens": 0,
+                       "stop": (), "logprobs": None}
+        for name, off in unsupported.items():
+            if getattr(self, name) != off:
+                raise SamplingParamError(name, f"{name} is not supported with beam search "
+                                         f"(leave it at {off!r})")
 
     @property
     def greedy(self) -> bool:

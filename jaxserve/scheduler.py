@@ -11,7 +11,14 @@ Each `schedule()` builds one step's batch (FCFS):
 2. If nobody was preempted, waiting sequences are admitted in order while a
    running slot, token budget and blocks allow. A prompt longer than the budget
    left is chunked. Admission stops at the first that does not fit, so the
-   oldest waiting sequence is never overtaken.
+   oldest waiting sequence is never overtaken. With prefix caching, an admitted
+   sequence first takes the cached blocks of its longest cached prefix and
+   starts computing after them (a preempted sequence may hit its own blocks).
+
+Slots: a sequence holds `num_reserved_slots` of the `max_num_seqs` batch slots,
+so a request that will fork into k branches (`fork`) reserves them up front.
+A sequence with nothing uncomputed (a beam waiting for its group, see `update`'s
+`hold`) stays running but is not scheduled.
 
 `update()` applies the step's results: advances `num_computed_tokens`, appends
 sampled tokens, and frees finished sequences (whose slots the next
@@ -36,6 +43,7 @@ class SchedulerConfig:
     block_size: int
     num_blocks: int
     enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -116,11 +124,15 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
-        self.block_manager = BlockManager(config.num_blocks, config.block_size)
+        self.block_manager = BlockManager(config.num_blocks, config.block_size,
+                                          enable_caching=config.enable_prefix_caching)
         self.waiting: deque[Sequence] = deque()
         # Admission order: index 0 is the oldest, the end is the first preempted.
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # Tokens run through the model, and those of them that are prompt positions.
+        self.num_computed_tokens = 0
+        self.num_computed_prompt_tokens = 0
         self._ids: set[str] = set()
 
     @property
@@ -133,6 +145,10 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    @property
+    def num_reserved_slots(self) -> int:
+        return sum(seq.num_reserved_slots for seq in self.running)
 
     def add(self, seq: Sequence) -> None:
         rid, limit = seq.request_id, self.config.max_model_len
@@ -152,6 +168,9 @@ class Scheduler:
                 f"<= {max(0, limit - seq.num_tokens)}")
         if seq.block_table or seq.num_computed_tokens:
             raise ValueError(f"request {rid!r} already holds cache state; add a fresh Sequence")
+        if not 1 <= seq.num_reserved_slots <= self.config.max_num_seqs:
+            raise ValueError(f"request {rid!r} needs {seq.num_reserved_slots} batch slots "
+                             f"(one per branch) but max_num_seqs is {self.config.max_num_seqs}")
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
         self._ids.add(rid)
@@ -163,6 +182,47 @@ class Scheduler:
                 self._finish(seq, SequenceStatus.FINISHED_ABORTED)
                 return True
         return False
+
+    def fork(self, parent: Sequence, child: Sequence, num_computed_tokens: int) -> None:
+        """Runs `child` (a fresh Sequence holding a copy of `parent`'s tokens) on `parent`'s blocks.
+
+        The child takes one of the parent's reserved slots and `num_computed_tokens`: the caller
+        vouches that the parent's KV of those positions is written (possibly by the step that
+        just ran, before `update`). The child's first write into a shared block is a
+        copy-on-write.
+        """
+        if parent.num_reserved_slots < 2:
+            raise ValueError(f"{parent.request_id!r} has no reserved slot left to fork into")
+        if child.request_id in self._ids:
+            raise ValueError(f"request id {child.request_id!r} is already in use")
+        if parent in self.waiting:  # preempted: the child waits too, to recompute everything
+            parent.num_reserved_slots -= 1
+            child.num_reserved_slots = 1
+            child.status = SequenceStatus.PREEMPTED
+            self.waiting.insert(self.waiting.index(parent) + 1, child)
+            self._ids.add(child.request_id)
+            return
+        if parent not in self.running:
+            raise ValueError(f"fork source {parent.request_id!r} is neither running nor waiting")
+        covered = len(parent.block_table) * self.config.block_size
+        if not 0 <= num_computed_tokens <= min(covered, child.num_tokens - 1):
+            raise ValueError(f"fork of {parent.request_id!r}: {num_computed_tokens} computed "
+                             f"tokens is out of range")
+        self.block_manager.fork(parent, child)
+        parent.num_reserved_slots -= 1
+        child.num_reserved_slots = 1
+        child.num_computed_tokens = num_computed_tokens
+        child.status = SequenceStatus.RUNNING
+        # Right after its parent, which has finished its prefill: only the newest running
+        # sequence may be mid-prefill (see _schedule_running).
+        self.running.insert(self.running.index(parent) + 1, child)
+        self._ids.add(child.request_id)
+
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """Ends `seq` (running or waiting) with a FINISHED_* status, freeing its blocks."""
+        if not status.is_finished:
+            raise ValueError(f"finish status must be FINISHED_*, got {status}")
+        self._finish(seq, status)
 
     def _all(self) -> Iterator[Sequence]:
         yield from self.running
@@ -186,9 +246,8 @@ class Scheduler:
             self._schedule_waiting(out, budget)
         return out
 
-    def _chunk_size(self, seq: Sequence, budget: int) -> int:
-        """Tokens to run for `seq` given `budget`; 0 means it cannot run this step."""
-        n = seq.num_uncomputed_tokens
+    def _chunk_size(self, n: int, budget: int) -> int:
+        """Tokens to run of `n` uncomputed given `budget`; 0 means it cannot run this step."""
         if n <= budget:
             return n
         return budget if self.config.enable_chunked_prefill else 0
@@ -201,7 +260,7 @@ class Scheduler:
         i = 0
         while i < len(self.running):
             seq = self.running[i]
-            n = self._chunk_size(seq, budget)
+            n = self._chunk_size(seq.num_uncomputed_tokens, budget)
             if n == 0:
                 i += 1
                 continue
@@ -221,29 +280,53 @@ class Scheduler:
             i += 1
         return budget
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def _preempt_held(self, out: SchedulerOutput) -> bool:
+        """Preempts the newest held sequence (nothing to compute: a beam waiting for its group).
+
+        Held sequences would otherwise keep their blocks while the sequence their group waits
+        for cannot be admitted. They go to the back of the queue, behind the one blocked.
+        """
+        for seq in reversed(self.running):
+            if seq.num_uncomputed_tokens == 0:
+                self._preempt(seq, out, front=False)
+                return True
+        return False
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput, front: bool = True) -> None:
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.reset_for_recompute()
-        self.waiting.appendleft(seq)
+        if front:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
         out.preempted.append(seq.request_id)
         self.num_preemptions += 1
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
+        bm, slots = self.block_manager, self.num_reserved_slots
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
-            n = self._chunk_size(seq, budget)
-            if n == 0 or not self.block_manager.can_allocate(seq, n):
+            if slots + seq.num_reserved_slots > self.config.max_num_seqs:
+                break
+            cached = bm.cached_prefix(seq)
+            n = self._chunk_size(seq.num_tokens - len(cached) * self.config.block_size, budget)
+            if n and not bm.can_allocate(seq, n, cached) and self._preempt_held(out):
+                continue  # a held sequence gave its blocks back: look again
+            if n == 0 or not bm.can_allocate(seq, n, cached):
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
-            out.blocks_to_copy.extend(self.block_manager.allocate(seq, n))
+            out.blocks_to_copy.extend(bm.allocate(seq, n, cached))
+            slots += seq.num_reserved_slots
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self._emit(out, seq, n)
             budget -= n
 
-    @staticmethod
-    def _emit(out: SchedulerOutput, seq: Sequence, n: int) -> None:
+    def _emit(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
+        self.num_computed_tokens += n
+        start = seq.num_computed_tokens
+        self.num_computed_prompt_tokens += max(0, min(start + n, seq.num_prompt_tokens) - start)
         is_prefill = seq.is_prefill
         item = ScheduledSeq(seq, n, seq.num_computed_tokens, is_prefill,
                             n == seq.num_uncomputed_tokens)
@@ -256,13 +339,16 @@ class Scheduler:
         output: SchedulerOutput,
         sampled: Mapping[str, int],
         finished: Mapping[str, SequenceStatus] | None = None,
+        hold: frozenset[str] | set[str] = frozenset(),
     ) -> list[Sequence]:
         """Apply a step's results; returns the sequences that finished.
 
         `sampled` maps request id -> token for every item with `is_last_chunk`.
         `finished` lets the caller stop a sequence (EOS, stop string) with a
         finished status; hitting `max_tokens` finishes with FINISHED_LENGTH.
-        Items aborted since `schedule()` are skipped.
+        Items aborted since `schedule()` are skipped. Sequences in `hold` (beams)
+        get no token: they stay running with nothing to compute, unscheduled,
+        until the caller appends one (or forks or finishes them).
         """
         finished = finished or {}
         done = []
@@ -271,6 +357,9 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue
             seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.register_computed(seq)
+            if seq.request_id in hold:
+                continue
             if not item.is_last_chunk:
                 if seq.request_id in sampled:
                     raise ValueError(f"{seq.request_id!r} sampled before its last prefill chunk")

@@ -52,6 +52,7 @@ class Sequence:
         sampling_params: Any,
         *,
         arrival_time: float = 0.0,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids: list[int] = list(prompt_token_ids)
@@ -61,6 +62,16 @@ class Sequence:
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
         self.status = SequenceStatus.WAITING
+        # Prefix caching: an extra key mixed into every block hash (requests with different
+        # salts never share blocks), the hashes of full blocks so far (see prefix_cache.py), and
+        # how many leading blocks of block_table the block manager has registered in the cache.
+        self.cache_salt = cache_salt
+        self.block_hashes: list[bytes] = []
+        self.num_registered_blocks = 0
+        # Batch slots this sequence holds in the scheduler: a request that will fork into k
+        # branches (n > 1, beam search) reserves k from admission, and each fork moves one to
+        # the child, so forking never overflows max_num_seqs.
+        self.num_reserved_slots = 1
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id!r}, status={self.status.name}, "

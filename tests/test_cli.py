@@ -71,3 +71,11 @@ def test_generate_on_two_processes_answers_like_hf(smollm2_path):
     text = [ln for ln in outs[0][0].splitlines() if not ln.startswith("[Gloo]")]
     assert text == ["The capital of France is Paris."]
     assert "followed" in outs[1][1]
+
+
+def test_prefix_caching_flag_reaches_the_engine_config():
+    from jaxserve.cli import _engine_kwargs, build_parser
+    args = build_parser().parse_args(["serve", "--no-prefix-caching"])
+    assert _engine_kwargs(args)["enable_prefix_caching"] is False
+    args = build_parser().parse_args(["serve"])
+    assert _engine_kwargs(args)["enable_prefix_caching"] is True

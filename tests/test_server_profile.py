@@ -94,10 +94,13 @@ def test_metrics_expose_step_and_kv_stats(model):
     assert metric(text, 'jaxserve_step_duration_seconds_bucket{le="+Inf"}') == steps
     assert metric(text, "jaxserve_step_batch_size_sum") == pytest.approx(
         stats["histograms"]["batch_size"]["sum"])
-    # Two requests of 5-token prompts: 5 prompt tokens each, one decode per token but the last.
+    # Two requests of 5-token prompts: 5 prompt tokens each, less what the second found in
+    # the prefix cache (the same prompt), and one decode per token but the last.
+    hits = loop.stats()["prefix_cache_hits_tokens"]
+    assert 0 < hits < 5
     prefill = metric(text, 'jaxserve_step_tokens_total{kind="prefill"}')
     decode = metric(text, 'jaxserve_step_tokens_total{kind="decode"}')
-    assert prefill + decode == 2 * 5 + (6 - 1) + (3 - 1)
+    assert prefill + decode == 2 * 5 - hits + (6 - 1) + (3 - 1)
     phases = sum(metric(text, f'jaxserve_step_phase_seconds_total{{phase="{p}"}}')
                  for p in ("schedule", "device", "postprocess"))
     assert phases == pytest.approx(metric(text, "jaxserve_step_duration_seconds_sum"))

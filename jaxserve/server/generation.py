@@ -1,4 +1,5 @@
-"""One HTTP request's generation: n x prompts sub-requests in the engine, merged into choices.
+"""One HTTP request's generation: one engine request per prompt (its n branches share the
+prompt's KV blocks), its completions spread over the response's choices.
 
 Runs in the handler thread. It submits the sub-requests to the engine loop, turns the engine's
 events into per-choice deltas, records latency metrics, and aborts whatever is unfinished when
@@ -19,8 +20,6 @@ from jaxserve.server.formatting import Choice
 from jaxserve.server.metrics import ServerMetrics
 from jaxserve.server.protocol import GenerationRequest
 
-INT64 = 2 ** 64
-
 
 class ClientGone(Exception):
     """The client disconnected while we waited for tokens."""
@@ -35,19 +34,11 @@ class Delta:
     finish_reason: str | None
 
 
-def _sub_seed(seed: int | None, i: int) -> int | None:
-    if seed is None or i == 0:
-        return seed
-    return (seed + i + 2 ** 63) % INT64 - 2 ** 63  # stays a valid int64 seed
-
-
 def _sub_requests(req: GenerationRequest, base: str) -> list[SubRequest]:
-    subs = []
-    for p, ids in enumerate(req.prompts):
-        for i in range(req.n):
-            params = dataclasses.replace(req.params, seed=_sub_seed(req.params.seed, i))
-            subs.append(SubRequest(f"{base}-{p}-{i}", ids, params, p * req.n + i))
-    return subs
+    """One per prompt, with n branches: choice p * n + i is branch i of prompt p."""
+    params = dataclasses.replace(req.params, n=req.n)
+    return [SubRequest(f"{base}-{p}", ids, params, p * req.n)
+            for p, ids in enumerate(req.prompts)]
 
 
 class Generation:
@@ -58,9 +49,9 @@ class Generation:
         self._poll_s, self._disconnected = poll_s, disconnected
         self.id = uuid.uuid4().hex
         self._subs = _sub_requests(req, self.id)
-        self.choices = [Choice(s.index) for s in self._subs]
+        self.choices = [Choice(i) for i in range(len(req.prompts) * req.n)]
         self._last_token_time: dict[int, float] = {}
-        self._open = {s.index for s in self._subs}
+        self._open = set(range(len(self.choices)))
         self._queue = loop.submit(self._subs, capacity)  # raises 503 before anything queued
 
     @property
@@ -97,16 +88,19 @@ class Generation:
             if event.error is not None:
                 self._open.clear()  # the engine loop dropped them all
                 raise event.error
-            yield self._apply(event)
+            yield from self._apply(event)
 
     def collect(self) -> list[Choice]:
         for _ in self.deltas():
             pass
         return self.choices
 
-    def _apply(self, event: Event) -> Delta:
-        out = event.output.outputs[0]
-        choice = self.choices[event.index]
+    def _apply(self, event: Event) -> list[Delta]:
+        return [self._apply_one(event, event.index + out.index, out)
+                for out in event.output.outputs if event.index + out.index in self._open]
+
+    def _apply_one(self, event: Event, index: int, out) -> Delta:
+        choice = self.choices[index]
         start = len(choice.token_ids)
         new_ids = out.token_ids[start:]
         new_lps = list(out.logprobs[start:len(out.token_ids)]) if out.logprobs is not None \
@@ -115,12 +109,12 @@ class Generation:
         choice.logprobs.extend(new_lps)
         choice.text += out.delta_text
         if new_ids:
-            self._observe_token(event.index, event.time, len(new_ids))
-        if event.output.finished:
+            self._observe_token(index, event.time, len(new_ids))
+        if out.finish_reason is not None:
             choice.finish_reason = out.finish_reason
-            self._open.discard(event.index)
+            self._open.discard(index)
             self._observe_finish(event, choice)
-        return Delta(event.index, out.delta_text, new_ids, new_lps, choice.finish_reason)
+        return Delta(index, out.delta_text, new_ids, new_lps, choice.finish_reason)
 
     def _observe_token(self, index: int, now: float, count: int) -> None:
         last = self._last_token_time.get(index)
@@ -141,7 +135,9 @@ class Generation:
     def close(self) -> None:
         """Aborts unfinished sub-requests (their KV blocks return to the pool)."""
         if self._open:
-            self._loop.abort([s.request_id for s in self._subs if s.index in self._open])
+            n = self.req.n
+            self._loop.abort([s.request_id for s in self._subs
+                              if self._open & set(range(s.index, s.index + n))])
             self._open.clear()
 
 

@@ -40,6 +40,19 @@ class _EngineCollector:
         yield CounterMetricFamily("jaxserve_compiles_after_warmup",
                                   "XLA programs compiled after warm-up (should stay 0)",
                                   s["num_compiles_after_warmup"])
+        for unit in ("tokens", "blocks"):
+            yield CounterMetricFamily(f"jaxserve_prefix_cache_queries_{unit}",
+                                      f"Prompt {unit} looked up in the prefix cache at admission",
+                                      s.get(f"prefix_cache_queries_{unit}", 0))
+            yield CounterMetricFamily(f"jaxserve_prefix_cache_hits_{unit}",
+                                      f"Prompt {unit} found in the prefix cache (not recomputed)",
+                                      s.get(f"prefix_cache_hits_{unit}", 0))
+        yield GaugeMetricFamily("jaxserve_prefix_cache_blocks",
+                                "KV blocks registered in the prefix cache (in use or evictable)",
+                                s.get("prefix_cache_blocks", 0))
+        yield CounterMetricFamily("jaxserve_kv_cow_copies",
+                                  "KV blocks copied on write (a write into a shared block)",
+                                  s.get("cow_copies", 0))
         yield GaugeMetricFamily("jaxserve_engine_alive", "1 while the engine loop runs",
                                 1.0 if self._loop.alive else 0.0)
         yield from _step_metrics(s)

@@ -27,7 +27,7 @@ class GenerationRequest:
     model: str
     prompts: list[list[int]]          # token ids, one list per prompt
     prompt_texts: list[str]           # the text of each prompt (for echo)
-    params: SamplingParams            # n=1: the server fans out n sub-requests
+    params: SamplingParams            # n=1; the engine request per prompt gets n
     n: int
     stream: bool
     include_usage: bool
@@ -93,7 +93,7 @@ def _stream_options(f: Fields, stream: bool) -> bool:
 
 def _sampling(f: Fields, max_tokens: int, top_logprobs: int | None,
               stop: tuple[str, ...]) -> SamplingParams:
-    """One sub-request's SamplingParams (n=1; the seed is offset per choice later).
+    """The SamplingParams of each prompt (n=1 here; each branch gets its own seed stream).
 
     Fields are type-checked here; their ranges are SamplingParams' own, reported as 400s.
     """
