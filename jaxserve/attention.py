@@ -35,22 +35,34 @@ def ragged_decode_attention(q, cache: KVCache, layer, meta: PagedMeta):
     Gathering `[B, n_blocks]` pages pads every row to the longest context in the batch, and on
     a CPU that gather's memory traffic is the decode step's largest cost. Here each block in use
     is gathered once; a softmax across each row's blocks is assembled with segment reductions.
+
+    Each block's `[BS, K, Dh]` tile is used as one `[BS * K, Dh]` matrix against all H query
+    heads of its row, and scores of a head against another KV head's tokens are masked. That
+    does K times the (tiny) dot work, but it is one dot per block with no transpose of the
+    gathered tile: XLA:CPU runs a batched dot as a loop over its batch, and P*K [G, Dh] x
+    [Dh, BS] products cost far more in loop overhead than they save (scripts/profile_step.py,
+    docs/perf_attention.md: 30 layers at P=2048, 1.3x faster in fp32).
     q `[B, 1, H, Dh]`; returns `[B, 1, H, Dh]`.
     """
     b, _, h, dh = q.shape
     blocks, rows, starts = meta.ragged[0], meta.ragged[1], meta.ragged[2]  # [P] each
-    keys, values = cache.k[layer, blocks], cache.v[layer, blocks]  # [P, BS, K, Dh]
-    bs, kh = keys.shape[1], keys.shape[2]
-    qp = q[:, 0].reshape(b, kh, h // kh, dh)[rows]  # [P, K, G, Dh]
-    scores = jnp.einsum("PKGD,PSKD->PKGS", qp, keys,
+    p = blocks.shape[0]
+    _, _, bs, kh, _ = cache.k.shape
+    keys = cache.k[layer, blocks].reshape(p, bs * kh, dh)  # [P, T = BS*K, Dh], t = s*K + k
+    values = cache.v[layer, blocks].reshape(p, bs * kh, dh)
+    qp = q[:, 0][rows].astype(keys.dtype)  # [P, H, Dh]
+    scores = jnp.einsum("PHD,PTD->PHT", qp, keys,
                         preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(dh))
-    pos = starts[:, None] + jnp.arange(bs, dtype=jnp.int32)  # [P, BS]
-    visible = pos < meta.context_lens[rows][:, None]  # [P, BS]
-    scores = jnp.where(visible[:, None, None], scores, MASK_VALUE)
-    row_max = jax.ops.segment_max(scores.max(-1), rows, num_segments=b)  # [B, K, G]
-    probs = jnp.exp(scores - row_max[rows][..., None])  # [P, K, G, BS]
-    denom = jax.ops.segment_sum(probs.sum(-1), rows, num_segments=b)  # [B, K, G]
-    out = jnp.einsum("PKGS,PSKD->PKGD", probs.astype(values.dtype), values,
+    t = jnp.arange(bs * kh, dtype=jnp.int32)  # [T]
+    own = (jnp.arange(h, dtype=jnp.int32) // (h // kh))[:, None] == (t % kh)[None]  # [H, T]
+    pos = starts[:, None] + t[None] // kh  # [P, T]
+    visible = (pos < meta.context_lens[rows][:, None])[:, None] & own[None]  # [P, H, T]
+    scores = jnp.where(visible, scores, MASK_VALUE)
+    row_max = jax.ops.segment_max(scores.max(-1), rows, num_segments=b)  # [B, H]
+    # Masked entries must be exactly 0: another head's tokens are summed over in the PV dot.
+    probs = jnp.where(visible, jnp.exp(scores - row_max[rows][..., None]), 0.0)  # [P, H, T]
+    denom = jax.ops.segment_sum(probs.sum(-1), rows, num_segments=b)  # [B, H]
+    out = jnp.einsum("PHT,PTD->PHD", probs.astype(values.dtype), values,
                      preferred_element_type=jnp.float32)
     # Idle batch rows own no blocks: keep them finite (0) rather than 0 / 0.
     out = jax.ops.segment_sum(out, rows, num_segments=b) / jnp.maximum(denom, 1e-30)[..., None]
