@@ -81,7 +81,9 @@ def paged_attention_xla(q, k, v, cache: KVCache, layer, meta: PagedMeta):
     keys, values = gather_context(cache, layer, meta.page_table)  # [B, S, K, Dh]
     b, t, h, dh = q.shape
     kh = keys.shape[2]
-    qg = q.reshape(b, t, kh, h // kh, dh)  # [B, T, K, G, Dh]
+    # In the cache's dtype: with a bf16 cache both dots run bf16 x bf16 -> f32 (AMX on CPU)
+    # instead of promoting the gathered K/V to f32.
+    qg = q.reshape(b, t, kh, h // kh, dh).astype(keys.dtype)  # [B, T, K, G, Dh]
     scores = jnp.einsum("BTKGD,BSKD->BKGTS", qg, keys,
                         preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(dh))
     key_pos = jnp.arange(keys.shape[1], dtype=jnp.int32)  # [S]

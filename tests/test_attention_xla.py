@@ -71,3 +71,36 @@ def test_decode_matches_numpy(block_size, ragged, cache_dtype):
     assert out.dtype == jnp.float32 and cache.k.dtype == jnp.dtype(cache_dtype)
     np.testing.assert_array_equal(np.asarray(cache.k, np.float32)[0],
                                   np.asarray(jnp.asarray(k[0], cache_dtype), np.float32))
+
+
+@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16"])
+def test_prefill_chunk_matches_numpy(cache_dtype):
+    """A later prefill chunk (T tokens after `start` cached ones, plus 3 padding tokens that
+    write into the null block) attends causally over the paged context."""
+    rng = np.random.default_rng(7)
+    layers, nblocks, bs, kh, g, dh = 2, 16, 4, 2, 3, 16
+    start, t, pad = 6, 7, 3
+    k = rng.standard_normal((layers, nblocks, bs, kh, dh)).astype(np.float32)
+    v = rng.standard_normal((layers, nblocks, bs, kh, dh)).astype(np.float32)
+    need = -(-(start + t) // bs)
+    table = rng.permutation(np.arange(1, nblocks))[:need].astype(np.int32)[None]  # [1, nb]
+    pos = np.arange(start, start + t)
+    positions = np.concatenate([pos, np.full(pad, pos[-1])]).astype(np.int32)[None]
+    slots = np.zeros((1, t + pad), np.int32)
+    slots[0, :t] = table[0, pos // bs] * bs + pos % bs
+    q = rng.standard_normal((1, t + pad, kh * g, dh)).astype(np.float32)
+    new_k = rng.standard_normal((1, t + pad, kh, dh)).astype(np.float32)
+    new_v = rng.standard_normal((1, t + pad, kh, dh)).astype(np.float32)
+    meta = PagedMeta(positions=positions, slots=slots, page_table=table,
+                     context_lens=np.array([start + t], np.int32))
+    cache = KVCache(k=jnp.asarray(k, cache_dtype), v=jnp.asarray(v, cache_dtype))
+    out, cache = jax.jit(paged_attention_xla)(q, new_k, new_v, cache, 1, meta)
+    ctx_k = np.asarray(cache.k, np.float64)[1, table[0]].reshape(-1, kh, dh)
+    ctx_v = np.asarray(cache.v, np.float64)[1, table[0]].reshape(-1, kh, dh)
+    stored = np.asarray(jnp.asarray(new_k[0, :t], cache_dtype), np.float64)
+    np.testing.assert_array_equal(ctx_k[start:start + t], stored)
+    tol = 1e-5 if cache_dtype == "float32" else 2e-2
+    for i, p in enumerate(pos):
+        np.testing.assert_allclose(np.asarray(out)[0, i],
+                                   numpy_attention(q[0, i], ctx_k[:p + 1], ctx_v[:p + 1]),
+                                   rtol=tol, atol=tol)
