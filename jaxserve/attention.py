@@ -29,7 +29,8 @@ def gather_context(cache: KVCache, layer, page_table):
     return keys, values
 
 
-def ragged_decode_attention(q, cache: KVCache, layer, meta: PagedMeta):
+def ragged_decode_attention(q, cache: KVCache, layer, meta: PagedMeta,
+                           merge_kv_heads: bool = True):
     """Decode attention over the flat list of blocks in use, `meta.ragged` `[3, P]`.
 
     Gathering `[B, n_blocks]` pages pads every row to the longest context in the batch, and on
@@ -42,8 +43,12 @@ def ragged_decode_attention(q, cache: KVCache, layer, meta: PagedMeta):
     gathered tile: XLA:CPU runs a batched dot as a loop over its batch, and P*K [G, Dh] x
     [Dh, BS] products cost far more in loop overhead than they save (scripts/profile_step.py,
     docs/perf_attention.md: 30 layers at P=2048, 1.3x faster in fp32).
+    Under tensor parallelism (K split over devices by sharding annotations) merging K into the
+    token axis would make XLA all-gather the cache: `merge_kv_heads=False` keeps K a batch axis.
     q `[B, 1, H, Dh]`; returns `[B, 1, H, Dh]`.
     """
+    if not merge_kv_heads:
+        return _ragged_decode_attention_per_kv_head(q, cache, layer, meta)
     b, _, h, dh = q.shape
     blocks, rows, starts = meta.ragged[0], meta.ragged[1], meta.ragged[2]  # [P] each
     p = blocks.shape[0]
@@ -69,7 +74,29 @@ def ragged_decode_attention(q, cache: KVCache, layer, meta: PagedMeta):
     return out.reshape(b, 1, h, dh).astype(q.dtype)
 
 
-def paged_attention_xla(q, k, v, cache: KVCache, layer, meta: PagedMeta):
+def _ragged_decode_attention_per_kv_head(q, cache: KVCache, layer, meta: PagedMeta):
+    """ragged_decode_attention with one `[G, Dh] x [Dh, BS]` dot per (block, KV head)."""
+    b, _, h, dh = q.shape
+    blocks, rows, starts = meta.ragged[0], meta.ragged[1], meta.ragged[2]  # [P] each
+    keys, values = cache.k[layer, blocks], cache.v[layer, blocks]  # [P, BS, K, Dh]
+    bs, kh = keys.shape[1], keys.shape[2]
+    qp = q[:, 0].reshape(b, kh, h // kh, dh)[rows].astype(keys.dtype)  # [P, K, G, Dh]
+    scores = jnp.einsum("PKGD,PSKD->PKGS", qp, keys,
+                        preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(dh))
+    pos = starts[:, None] + jnp.arange(bs, dtype=jnp.int32)  # [P, BS]
+    visible = pos < meta.context_lens[rows][:, None]  # [P, BS]
+    scores = jnp.where(visible[:, None, None], scores, MASK_VALUE)
+    row_max = jax.ops.segment_max(scores.max(-1), rows, num_segments=b)  # [B, K, G]
+    probs = jnp.exp(scores - row_max[rows][..., None])  # [P, K, G, BS]
+    denom = jax.ops.segment_sum(probs.sum(-1), rows, num_segments=b)  # [B, K, G]
+    out = jnp.einsum("PKGS,PSKD->PKGD", probs.astype(values.dtype), values,
+                     preferred_element_type=jnp.float32)
+    out = jax.ops.segment_sum(out, rows, num_segments=b) / jnp.maximum(denom, 1e-30)[..., None]
+    return out.reshape(b, 1, h, dh).astype(q.dtype)
+
+
+def paged_attention_xla(q, k, v, cache: KVCache, layer, meta: PagedMeta,
+                        merge_kv_heads: bool = True):
     """Writes this step's k/v into the cache, then attends over each row's paged context.
 
     q `[B, T, H, Dh]`, k/v `[B, T, K, Dh]`; returns `[B, T, H, Dh]` and the updated cache.
@@ -77,7 +104,7 @@ def paged_attention_xla(q, k, v, cache: KVCache, layer, meta: PagedMeta):
     """
     cache = write_kv(cache, layer, k, v, meta.slots)
     if meta.ragged is not None:
-        return ragged_decode_attention(q, cache, layer, meta), cache
+        return ragged_decode_attention(q, cache, layer, meta, merge_kv_heads), cache
     keys, values = gather_context(cache, layer, meta.page_table)  # [B, S, K, Dh]
     b, t, h, dh = q.shape
     kh = keys.shape[2]

@@ -81,6 +81,8 @@ class ModelRunner:
         # kernels take the page table.
         self.ragged = attention is paged_attention_xla
         if tp is not None:
+            if self.ragged:  # K is split over devices: keep it an axis of its own (attention.py)
+                attention = functools.partial(paged_attention_xla, merge_kv_heads=False)
             attention = tp.attention(attention, per_shard=not self.ragged)
         self._module = model.module(attention=attention, **({"linear": linear} if linear else {}))
         self._step = jax.jit(self._step_impl, donate_argnums=(1,), **jit_kwargs)
