@@ -60,9 +60,11 @@ def attention_backend(kind: str, config: ModelConfig, block_size: int, requested
             # XLA's fused dot handles well; the kernel is for the bandwidth-bound decode step.
             return paged_attention_xla(q, k, v, cache, layer, meta)
         cache = write_kv(cache, layer, k, v, meta.slots)
-        out = paged_attention(q[:, 0], cache.k, cache.v, layer, meta.page_table,
-                              meta.context_lens, interpret=interpret)  # [B, H, Dh]
-        return out[:, None], cache
+        # The kernel takes q in the cache's dtype (kv_cache_dtype may differ from the model's).
+        out = paged_attention(q[:, 0].astype(cache.k.dtype), cache.k, cache.v, layer,
+                              meta.page_table, meta.context_lens,
+                              interpret=interpret)  # [B, H, Dh]
+        return out[:, None].astype(q.dtype), cache
 
     return attention
 

@@ -20,7 +20,8 @@ def _engine_kwargs(args) -> dict:
     return dict(dtype=args.dtype, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
-                quantization=args.quantization, seed=args.seed if args.seed is not None else 0,
+                quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+                seed=args.seed if args.seed is not None else 0,
                 profile_dir=getattr(args, "profile_dir", None),
                 tensor_parallel_size=args.tensor_parallel_size,
                 enable_prefix_caching=not args.no_prefix_caching)
@@ -311,6 +312,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--kv-cache-memory", type=int, default=None,
                    help="KV cache bytes (per device with --tensor-parallel-size)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="K/V storage; auto: the model's dtype (bfloat16 halves decode's KV reads)")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="devices to split every layer over (at most jax.device_count())")
     g = p.add_argument_group("multi-host (jax.distributed.initialize; run on every host)")

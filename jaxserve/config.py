@@ -9,6 +9,7 @@ from jaxserve.block_manager import validate_block_size
 BACKENDS = ("auto", "xla", "pallas", "pallas-interpret")
 # Inference paths (jaxserve/quantization/paths.py); "int4" is an alias of "w4a16".
 QUANTIZATIONS = (None, "w8a16", "w4a16", "w8a8", "gguf", "int4")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -39,6 +40,9 @@ class EngineConfig:
     seed: int = 0
     warmup: bool = True
     profile_dir: str | None = None  # where jax.profiler captures go (jaxserve/profiling.py)
+    # K/V storage: "auto" = the model's dtype; "bfloat16" halves the bytes each decode step
+    # reads (and doubles the tokens a budget holds) at bf16 rounding of K/V.
+    kv_cache_dtype: str = "auto"
     # Devices to split each layer over (jaxserve/sharding.py); must not exceed jax.device_count().
     tensor_parallel_size: int = 1
 
@@ -72,6 +76,9 @@ class EngineConfig:
                 not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be a positive integer, got "
                              f"{self.tensor_parallel_size!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got "
+                             f"{self.kv_cache_dtype!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got "
                              f"{self.quantization!r}")

@@ -12,6 +12,7 @@ import time
 from typing import Sequence as Seq
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxserve import backends, kv_accounting, multihost, sharding
@@ -54,7 +55,9 @@ class LLMEngine:
         mc, bs = self.model.config, config.block_size
         # The budget is one device's memory, so plan with the KV heads one device holds.
         plan_mc = sharding.per_device_config(mc, tp.size) if tp else mc
-        dtype_bytes = np.dtype(self.model.params["embedding"].dtype).itemsize
+        kv_dtype = np.dtype(self.model.params["embedding"].dtype if config.kv_cache_dtype == "auto"
+                            else jnp.dtype(config.kv_cache_dtype))
+        dtype_bytes = kv_dtype.itemsize
         num_blocks = plan_num_blocks(plan_mc, bs, dtype_bytes, _kv_budget(config, self.model))
         if jax.process_count() > 1:  # one cache shape on every host: process 0's plan
             num_blocks = multihost.agree(num_blocks)
@@ -84,7 +87,7 @@ class LLMEngine:
             num_blocks=num_blocks, max_model_len=max_len, eos_ids=sorted(self.eos_ids),
             attention=backends.attention_backend(backends.resolve(config.attention_backend), mc,
                                                  bs, config.attention_backend),
-            linear=linear, tp=tp)
+            linear=linear, tp=tp, kv_cache_dtype=kv_dtype)
         self.model = self.runner.model  # with TP, the placed shards: no unsharded copy is kept
         # Multi-host: process 0 schedules and broadcasts every step; the others follow().
         self.channel = multihost.attach(self.runner)

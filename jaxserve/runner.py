@@ -59,7 +59,8 @@ def _copy_blocks(cache: KVCache, pairs: jax.Array) -> KVCache:
 class ModelRunner:
     def __init__(self, model: Model, *, max_num_seqs: int, max_num_batched_tokens: int,
                  block_size: int, num_blocks: int, max_model_len: int, eos_ids=(),
-                 attention=paged_attention_xla, linear=None, tp: TensorParallel | None = None):
+                 attention=paged_attention_xla, linear=None, tp: TensorParallel | None = None,
+                 kv_cache_dtype=None):
         c = model.config
         jit_kwargs = {}
         if tp is not None:  # tensor parallel: params and cache sharded over tp's mesh
@@ -73,7 +74,7 @@ class ModelRunner:
         self.max_blocks = -(-max_model_len // block_size)
         self.eos_ids = tuple(eos_ids)
         shape = (c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim)
-        dtype = jnp.dtype(model.dtype)
+        dtype = jnp.dtype(kv_cache_dtype or model.dtype)  # None: the model's dtype
         self.cache = (tp.new_cache(shape, dtype) if tp is not None else
                       KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype)))
         self.page_table = np.zeros((self.num_slots, self.max_blocks), np.int32)  # [S, nb]
@@ -87,6 +88,8 @@ class ModelRunner:
         # kernels take the page table.
         self.ragged = attention is paged_attention_xla
         if tp is not None:
+            if self.ragged:  # K is split over devices: keep it an axis of its own (attention.py)
+                attention = functools.partial(paged_attention_xla, merge_kv_heads=False)
             attention = tp.attention(attention, per_shard=not self.ragged)
         self._module = model.module(attention=attention, **({"linear": linear} if linear else {}))
         self._step = jax.jit(self._step_impl, donate_argnums=(1,), **jit_kwargs)

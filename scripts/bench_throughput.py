@@ -51,6 +51,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--kv-cache-memory", type=int, default=4 << 30,
                     help="KV cache bytes (4 GiB holds 64 sequences of 1024 fp32 tokens)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                    help="jaxserve K/V storage (auto: the model's dtype)")
     ap.add_argument("--batch1-dtypes", default="float32,bfloat16",
                     help="jaxserve dtypes for the batch-1 decode row (comma separated, or '')")
     ap.add_argument("--quantization", default="",
@@ -90,7 +92,7 @@ def environment(args) -> dict:
             "dtype": args.dtype, "block_size": args.block_size,
             "max_num_seqs": args.max_num_seqs,
             "max_num_batched_tokens": args.max_num_batched_tokens,
-            "max_model_len": args.max_model_len}
+            "max_model_len": args.max_model_len, "kv_cache_dtype": args.kv_cache_dtype}
 
 
 # ---- jaxserve ----------------------------------------------------------------------------------
@@ -101,7 +103,7 @@ def build_llm(args, dtype: str, quantization: str | None = None):
     llm = LLM(args.model, dtype=dtype, block_size=args.block_size,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
-              quantization=quantization)
+              quantization=quantization, kv_cache_dtype=args.kv_cache_dtype)
     build_s = time.perf_counter() - t0
     label = dtype + (f" {quantization}" if quantization else "")
     print(f"  jaxserve {label}: constructed in {build_s:.1f}s "

@@ -11,6 +11,18 @@ SMOLLM2 = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
                       num_heads=9, num_kv_heads=3, head_dim=64, max_position_embeddings=8192)
 
 
+def test_ragged_buckets_add_midpoints_and_cover_the_limit():
+    assert buckets.ragged_block_buckets(64, 64) == [64, 96, 128, 192, 256, 384, 512, 768, 1024,
+                                                    1536, 2048, 3072, 4096]
+    assert buckets.ragged_block_buckets(1, 5) == [1, 2, 3, 4, 5]
+    assert buckets.ragged_block_buckets(1, 1) == [1]
+    for rows, nb in [(1, 64), (4, 33), (16, 7)]:
+        b = buckets.ragged_block_buckets(rows, nb)
+        assert b == sorted(set(b)) and b[0] == rows and b[-1] == rows * nb
+        for n in range(rows, rows * nb + 1):  # every size fits with at most 50% padding
+            assert buckets.pick(b, n) <= max(rows, 1.5 * n)
+
+
 def test_powers_of_two_end_at_the_limit():
     assert buckets.powers_of_two_up_to(100, 16) == [16, 32, 64, 100]
     assert buckets.powers_of_two_up_to(64, 16) == [16, 32, 64]

@@ -192,3 +192,26 @@ def test_abort_frees_blocks(llm):
     assert not engine.abort("never-added")
     stats = engine.stats()
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"] and not stats["running"]
+
+
+def test_bf16_kv_cache_logprobs_close_to_dense_fp32(model):
+    """kv_cache_dtype="bfloat16" under an fp32 model: half the bytes per token (so twice the
+    blocks in the same budget), and logprobs within bf16 rounding of the fp32 dense forward."""
+    budget = 40 * 16 * model.config.kv_bytes_per_token(4)  # 40 fp32 blocks
+    engines = {d: LLM(model, max_num_seqs=4, max_model_len=256, warmup=False,
+                      kv_cache_memory=budget, kv_cache_dtype=d) for d in ("auto", "bfloat16")}
+    blocks = {d: e.engine.stats()["kv_blocks_total"] for d, e in engines.items()}
+    assert blocks["bfloat16"] in (2 * blocks["auto"], 2 * blocks["auto"] - 1, 2 * blocks["auto"] + 1)
+    prompts = [model.tokenizer.encode(p) for p in PROMPTS[:3]]
+    outs = engines["bfloat16"].generate(prompts, SamplingParams(temperature=0, max_tokens=6,
+                                                                logprobs=3, ignore_eos=True),
+                                        use_tqdm=False)
+    for ids, o in zip(prompts, outs):
+        out = o.outputs[0]
+        for i, tok in enumerate(out.token_ids):
+            logits = model.forward_logits(ids + out.token_ids[:i])[-1].astype(np.float64)
+            logp = logits - logits.max() - np.log(np.exp(logits - logits.max()).sum())
+            # bf16 K/V moves logits by a few hundredths on this model; greedy picks a token
+            # within that of the fp32 argmax.
+            assert out.logprobs[i][tok] == pytest.approx(logp[tok], abs=0.05)
+            assert logp[tok] >= logp.max() - 0.1
