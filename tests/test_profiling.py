@@ -16,11 +16,10 @@ from jax.profiler import ProfileData
 
 from jaxserve import EngineConfig, LLMEngine, SamplingParams
 from jaxserve.profiling import Profiler, ProfilerError, scope_device_seconds
-from models.config import ModelConfig
+from tiny_models import TINY_GQA
 from models.random_init import random_model
 
-TINY = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
-                   num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256)
+TINY = TINY_GQA
 BLOCK = 4
 
 

@@ -7,12 +7,10 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.cli import main
 from models import load_model
 from models.checkpoint import save
-from models.config import ModelConfig
+from tiny_models import TINY_TIED
 from models.random_init import random_model
 
-TINY = ModelConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=2,
-                   num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=128,
-                   tie_word_embeddings=True)
+TINY = TINY_TIED
 ENGINE = dict(block_size=16, max_num_seqs=4, max_model_len=64, max_num_batched_tokens=32,
               warmup=False)
 

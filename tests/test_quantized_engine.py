@@ -15,15 +15,13 @@ import pytest
 
 from jaxserve import LLM, SamplingParams, backends
 from jaxserve.quantization.paths import activation_bits, prepare_model
-from models.config import ModelConfig
+from tiny_models import TINY_TIED
 from models.model import Model
 from models.random_init import random_model
 from test_gguf_native import TINY as GGUF_TINY
 from test_gguf_native import tiny_gguf_model
 
-TINY = ModelConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=2,
-                   num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=128,
-                   tie_word_embeddings=True)
+TINY = TINY_TIED
 ENGINE = dict(block_size=16, max_num_seqs=4, max_model_len=64, max_num_batched_tokens=32,
               warmup=False)
 NEW = 8

@@ -11,12 +11,11 @@ import sys
 
 from jaxserve.workload import make_workload
 from models import checkpoint
-from models.config import ModelConfig
+from tiny_models import TINY_GQA
 from models.random_init import random_model
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-TINY = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
-                   num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256)
+TINY = TINY_GQA
 
 
 def test_bench_prints_throughput_and_writes_a_profile(tmp_path):
