@@ -1,11 +1,49 @@
-"""jaxserve: an LLM inference and serving engine on JAX/XLA."""
+"""jaxserve: an LLM inference and serving engine on JAX/XLA.
 
-from jaxserve.config import EngineConfig
-from jaxserve.engine import LLMEngine
-from jaxserve.llm import LLM
-from jaxserve.outputs import CompletionOutput, RequestOutput
-from jaxserve.sampling_params import SamplingParams
+The public API is chosen here and imported lazily (PEP 562): `import jaxserve.core.scheduler`
+must not start jax, and `from jaxserve import LLM` should pay for jax only when asked.
 
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput",
-           "CompletionOutput"]
+Layers (who may import whom):
+    jaxserve/server   -> LLMEngine                  (HTTP front end)
+    engine.py, llm.py -> core/ and runtime/         (the step loop and the user API)
+    core/             -> numpy only, never jax      (scheduler, block manager, request states)
+    runtime/          -> models/, pallas_kernels/   (the only code that builds device arrays)
+    tools/            -> research and accounting helpers (kv sizes, profiling, workloads)
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+_EXPORTS = {
+    "LLM": "jaxserve.llm",
+    "LLMEngine": "jaxserve.engine",
+    "EngineConfig": "jaxserve.config",
+    "SamplingParams": "jaxserve.core.sampling_params",
+    "RequestOutput": "jaxserve.core.outputs",
+    "CompletionOutput": "jaxserve.core.outputs",
+}
+
+__all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from jaxserve.config import EngineConfig
+    from jaxserve.core.outputs import CompletionOutput, RequestOutput
+    from jaxserve.core.sampling_params import SamplingParams
+    from jaxserve.engine import LLMEngine
+    from jaxserve.llm import LLM
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'jaxserve' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -49,13 +49,13 @@ def _init_distributed(args) -> None:
     if any(v is None for v in given):
         raise ValueError("multi-host needs all of --coordinator-address, --num-processes and "
                          "--process-id")
-    from jaxserve import multihost
+    from jaxserve.runtime import multihost
     multihost.initialize(args.coordinator_address, args.num_processes, args.process_id)
 
 
 def _follow(engine) -> bool:
     """On processes other than 0 of a multi-host run: run process 0's steps; True if so."""
-    from jaxserve import multihost
+    from jaxserve.runtime import multihost
     if engine.channel is None or multihost.is_leader():
         return False
     print(f"[followed {engine.channel.follow()} steps of process 0]", file=sys.stderr)
@@ -139,7 +139,7 @@ def _cmd_serve(args) -> int:
 
 def _cmd_bench(args) -> int:
     from jaxserve import EngineConfig, LLMEngine
-    from jaxserve.workload import make_workload, run_workload
+    from jaxserve.tools.workload import make_workload, run_workload
     try:
         engine = LLMEngine(EngineConfig(model=args.model, warmup=args.warmup,
                                         **_engine_kwargs(args)))
@@ -189,7 +189,7 @@ def _parse_bytes(text: str) -> int:
 
 
 def _cmd_kv_size(args) -> int:
-    from jaxserve.kv_size import kv_size
+    from jaxserve.tools.kv_size import kv_size
     from models.config_io import load_config
     try:
         config = load_config(args.model)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxserve.block_manager import validate_block_size
+from jaxserve.core.block_manager import validate_block_size
 
 BACKENDS = ("auto", "xla", "pallas", "pallas-interpret")
 # Inference paths (jaxserve/quantization/paths.py); "int4" is an alias of "w4a16".
@@ -39,11 +39,11 @@ class EngineConfig:
     quantization: str | None = None  # one of QUANTIZATIONS; None: the weights as loaded
     seed: int = 0
     warmup: bool = True
-    profile_dir: str | None = None  # where jax.profiler captures go (jaxserve/profiling.py)
+    profile_dir: str | None = None  # where jax.profiler captures go (jaxserve/tools/profiling.py)
     # K/V storage: "auto" = the model's dtype; "bfloat16" halves the bytes each decode step
     # reads (and doubles the tokens a budget holds) at bf16 rounding of K/V.
     kv_cache_dtype: str = "auto"
-    # Devices to split each layer over (jaxserve/sharding.py); must not exceed jax.device_count().
+    # Devices to split each layer over (jaxserve/runtime/sharding.py); must not exceed jax.device_count().
     tensor_parallel_size: int = 1
 
     def __post_init__(self):

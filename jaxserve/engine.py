@@ -15,19 +15,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve import backends, kv_accounting, multihost, sharding
-from jaxserve.beam_search import BeamRequestState, search_params
+from jaxserve.runtime import backends, multihost, sharding
+from jaxserve.tools import kv_accounting
+from jaxserve.core.beam_search import BeamRequestState, search_params
 from jaxserve.config import EngineConfig
-from jaxserve.kv_cache import log_plan, plan_num_blocks
-from jaxserve.outputs import RequestOutput
-from jaxserve.profiling import Profiler
+from jaxserve.runtime.kv_cache import log_plan, plan_num_blocks
+from jaxserve.core.outputs import RequestOutput
+from jaxserve.tools.profiling import Profiler
 from jaxserve.quantization.paths import activation_bits, prepare_model
-from jaxserve.request_state import RequestState
-from jaxserve.runner import ModelRunner
-from jaxserve.sampling_params import SamplingParams
-from jaxserve.scheduler import Scheduler, SchedulerConfig
-from jaxserve.sequence import Sequence, SequenceStatus
-from jaxserve.step_stats import StepStats, StepTotals
+from jaxserve.core.request_state import RequestState
+from jaxserve.runtime.runner import ModelRunner
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.core.scheduler import Scheduler, SchedulerConfig
+from jaxserve.core.sequence import Sequence, SequenceStatus
+from jaxserve.tools.step_stats import StepStats, StepTotals
 from models import Model, load_model
 
 log = logging.getLogger("jaxserve")
@@ -267,7 +268,7 @@ class LLMEngine:
             num_used_blocks=bm.num_used_blocks)
 
     def start_profile(self, directory=None, num_steps: int | None = None):
-        """Starts a jax.profiler capture (see jaxserve/profiling.py); returns its directory."""
+        """Starts a jax.profiler capture (see jaxserve/tools/profiling.py); returns its directory."""
         return self.profiler.start(directory, num_steps)
 
     def stop_profile(self):

@@ -9,8 +9,8 @@ from tqdm import tqdm
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine
-from jaxserve.outputs import RequestOutput
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.core.outputs import RequestOutput
+from jaxserve.core.sampling_params import SamplingParams
 from models import Model
 
 

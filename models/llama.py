@@ -25,7 +25,7 @@ LinearFn = Callable[[jnp.ndarray, Any], jnp.ndarray]
 def dense_linear(x, w):
     """`x [..., K] @ w [K, N]` accumulated in float32: the default linear backend.
 
-    Backends for quantized weights (jaxserve/backends.py) accept a weight pytree in place of w.
+    Backends for quantized weights (jaxserve/runtime/backends.py) accept a weight pytree in place of w.
     """
     return jnp.einsum("...i,io->...o", x, w, preferred_element_type=jnp.float32)
 
@@ -138,7 +138,7 @@ class Block(nn.Module):
         x = x + h
         h = RMSNorm(c.rms_norm_eps, self.dtype, name="post_norm")(x)
         # Flax puts module names on jax's name stack, so profiles already read ".../attn/...",
-        # ".../mlp/..." (jaxserve/profiling.py); Attention adds "attention" around the kernel.
+        # ".../mlp/..." (jaxserve/tools/profiling.py); Attention adds "attention" around the kernel.
         return (x + MLP(c, self.dtype, self.linear, name="mlp")(h), cache, layer + 1), None
 
 

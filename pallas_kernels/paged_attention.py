@@ -14,7 +14,7 @@ sum) per split, and a jnp combine merges the splits, so a few long sequences sti
 GPU (Triton) support: head_dim 64 or 128 (any power of 2 lowers), block sizes 8..256 (powers of
 2; 8 compiles to a dot with a K/N of 8, which Triton accepts but is unverified on a GPU here), bf16
 and f32 (f32 dots at IEEE precision, not TF32). Other block sizes (1, 2, 4, non-powers of 2) are
-the XLA path's job (jaxserve/attention.py).
+the XLA path's job (jaxserve/runtime/attention.py).
 """
 
 from __future__ import annotations

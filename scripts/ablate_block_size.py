@@ -32,7 +32,7 @@ import time
 import jax
 
 from jaxserve import EngineConfig, LLMEngine
-from jaxserve.workload import make_workload, run_workload
+from jaxserve.tools.workload import make_workload, run_workload
 
 NAME = "ablate_block_size"
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -85,7 +85,7 @@ def load(args):
                            num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256)
         return random_model(tiny, args.dtype), (1, 256)
     from models import load_model
-    from jaxserve.workload import TOKEN_RANGE
+    from jaxserve.tools.workload import TOKEN_RANGE
     return load_model(args.model, args.dtype), TOKEN_RANGE
 
 
@@ -93,7 +93,7 @@ def attention_device_seconds(engine, workload) -> float | None:
     """Device seconds under the `attention` scope over one profiled pass (GPU only)."""
     if jax.default_backend() != "gpu":
         return None
-    from jaxserve.profiling import scope_device_seconds
+    from jaxserve.tools.profiling import scope_device_seconds
     with tempfile.TemporaryDirectory() as tmp:
         engine.start_profile(tmp)
         run_workload(engine, workload)

@@ -28,7 +28,7 @@ import time
 
 import numpy as np
 
-from jaxserve.workload import TOKEN_RANGE, make_workload  # shared with `jaxserve bench`
+from jaxserve.tools.workload import TOKEN_RANGE, make_workload  # shared with `jaxserve bench`
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 LLAMA_CPP_PAPER_FIGURE = 71.3  # PERFORMANCE.md, llama-cpp-python 0.3.36, batch 1

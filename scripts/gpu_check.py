@@ -443,7 +443,7 @@ def section_kernel_correctness(ctx: Ctx) -> dict:
 # ---- section: kernel timings -------------------------------------------------------------------
 
 def xla_decode_attention(q, k_cache, v_cache, layer, page_table, context_lens):
-    """The engine's XLA decode attention: jaxserve/attention.py's gather_context and
+    """The engine's XLA decode attention: jaxserve/runtime/attention.py's gather_context and
     paged_attention_xla math for one query token, without the KV write. Self-contained so the
     kernel sections need nothing of jaxserve (whose package imports tqdm and jinja2)."""
     import jax

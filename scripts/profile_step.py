@@ -22,12 +22,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve import buckets
-from jaxserve.attention import paged_attention_xla, ragged_decode_attention, write_kv
-from jaxserve.kv_cache import PagedMeta
-from jaxserve.runner import ModelRunner, StepInputs
-from jaxserve.sampler import SamplingTensors, sample
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.runtime import buckets
+from jaxserve.runtime.attention import paged_attention_xla, ragged_decode_attention, write_kv
+from jaxserve.runtime.kv_cache import PagedMeta
+from jaxserve.runtime.runner import ModelRunner, StepInputs
+from jaxserve.runtime.sampler import SamplingTensors, sample
+from jaxserve.core.sampling_params import SamplingParams
 from models import load_model
 
 

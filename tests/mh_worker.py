@@ -14,7 +14,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import tp_worker as w  # noqa: E402  (after XLA_FLAGS: one device per process)
 
-from jaxserve import multihost  # noqa: E402
+from jaxserve.runtime import multihost  # noqa: E402
 from models.random_init import random_model  # noqa: E402
 
 

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.attention import paged_attention_xla
-from jaxserve.kv_cache import KVCache, PagedMeta
+from jaxserve.runtime.attention import paged_attention_xla
+from jaxserve.runtime.kv_cache import KVCache, PagedMeta
 
 
 def numpy_attention(q, keys, values):

@@ -5,9 +5,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from jaxserve.block_manager import (
+from jaxserve.core.block_manager import (
     NULL_BLOCK, BlockManager, InvariantError, blocks_for_tokens, slot_for_position)
-from jaxserve.sequence import Sequence
+from jaxserve.core.sequence import Sequence
 
 BLOCK_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 

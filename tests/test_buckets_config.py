@@ -2,9 +2,9 @@
 
 import pytest
 
-from jaxserve import buckets
+from jaxserve.runtime import buckets
 from jaxserve.config import EngineConfig
-from jaxserve.kv_cache import plan_num_blocks
+from jaxserve.runtime.kv_cache import plan_num_blocks
 from models.config import ModelConfig
 
 SMOLLM2 = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,

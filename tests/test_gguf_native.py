@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve import backends
+from jaxserve.runtime import backends
 from jaxserve.quantization import dequantize_weight
 from jaxserve.quantization.gguf_native import gguf_native_params, native_weight
 from jaxserve.quantization.linear import quantized_linear

@@ -1,4 +1,4 @@
-"""KV memory accounting (jaxserve/kv_accounting.py) on the plain-Python scheduler, no jax.
+"""KV memory accounting (jaxserve/tools/kv_accounting.py) on the plain-Python scheduler, no jax.
 
 The reference is a brute-force slot count: every slot a request's blocks give it, minus the
 flat slots (slot_for_position) its computed tokens occupy, over the union of all tables.
@@ -7,10 +7,10 @@ flat slots (slot_for_position) its computed tokens occupy, over the union of all
 import numpy as np
 import pytest
 
-from jaxserve import kv_accounting
-from jaxserve.block_manager import slot_for_position
-from jaxserve.scheduler import Scheduler, SchedulerConfig
-from jaxserve.sequence import Sequence, SequenceStatus
+from jaxserve.tools import kv_accounting
+from jaxserve.core.block_manager import slot_for_position
+from jaxserve.core.scheduler import Scheduler, SchedulerConfig
+from jaxserve.core.sequence import Sequence, SequenceStatus
 
 
 class Params:

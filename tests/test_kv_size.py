@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from jaxserve.kv_size import kv_size
+from jaxserve.tools.kv_size import kv_size
 from models.config import ModelConfig
 from models.config_io import load_config
 

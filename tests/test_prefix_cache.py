@@ -12,10 +12,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from jaxserve.block_manager import BlockManager, slot_for_position
-from jaxserve.prefix_cache import block_hashes, hash_block
-from jaxserve.scheduler import Scheduler, SchedulerConfig
-from jaxserve.sequence import Sequence, SequenceStatus
+from jaxserve.core.block_manager import BlockManager, slot_for_position
+from jaxserve.core.prefix_cache import block_hashes, hash_block
+from jaxserve.core.scheduler import Scheduler, SchedulerConfig
+from jaxserve.core.sequence import Sequence, SequenceStatus
 from test_scheduler import expected_output, next_token
 
 

@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve import LLM, SamplingParams, backends
+from jaxserve import LLM, SamplingParams
+from jaxserve.runtime import backends
 from jaxserve.quantization.paths import activation_bits, prepare_model
 from tiny_models import TINY_TIED
 from models.model import Model

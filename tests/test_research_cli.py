@@ -9,7 +9,7 @@ import re
 import subprocess
 import sys
 
-from jaxserve.workload import make_workload
+from jaxserve.tools.workload import make_workload
 from models import checkpoint
 from tiny_models import TINY_GQA
 from models.random_init import random_model

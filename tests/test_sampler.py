@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.sampler import (MAX_STOP_IDS, SamplingTensors, apply_penalties, sample,
+from jaxserve.runtime.sampler import (MAX_STOP_IDS, SamplingTensors, apply_penalties, sample,
                               seed_to_u32)
-from jaxserve.sampling_params import SamplingParams as SP
+from jaxserve.core.sampling_params import SamplingParams as SP
 
 _sample = jax.jit(sample, static_argnames=("max_logprobs", "top_candidates"))
 L = 16  # history length used by most tests

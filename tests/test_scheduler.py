@@ -15,9 +15,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from jaxserve.block_manager import blocks_for_tokens, slot_for_position
-from jaxserve.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from jaxserve.sequence import Sequence, SequenceStatus
+from jaxserve.core.block_manager import blocks_for_tokens, slot_for_position
+from jaxserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from jaxserve.core.sequence import Sequence, SequenceStatus
 
 STOPPED = SequenceStatus.FINISHED_STOPPED
 LENGTH = SequenceStatus.FINISHED_LENGTH

@@ -1,4 +1,4 @@
-"""Tensor parallelism (jaxserve/sharding.py): same greedy tokens on 1, 2, 4, 8 devices, memory
+"""Tensor parallelism (jaxserve/runtime/sharding.py): same greedy tokens on 1, 2, 4, 8 devices, memory
 per device from the arrays' shards, and the Megatron all-reduce count in the compiled program.
 
 Multi-device runs happen in tests/tp_worker.py under XLA_FLAGS=...device_count=8 (a fresh
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from jaxserve import EngineConfig
-from jaxserve.sharding import head_layout, make_mesh, pad_heads, param_specs
+from jaxserve.runtime.sharding import head_layout, make_mesh, pad_heads, param_specs
 from models.config import ModelConfig
 from models.random_init import random_model
 
@@ -232,12 +232,12 @@ def test_sharded_kernel_step_compiles_for_4_h200s():
     Deviceless (jax-cuda13-plugin): Triton lowering of the per-shard kernels, NCCL collectives,
     and the layer loop's all-reduce count in the GPU program.
     """
-    from jaxserve import backends
-    from jaxserve.kv_cache import KVCache
+    from jaxserve.runtime import backends
+    from jaxserve.runtime.kv_cache import KVCache
     from jaxserve.quantization import quantize_params_int4
-    from jaxserve.runner import ModelRunner
-    from jaxserve.sampler import SamplingTensors
-    from jaxserve.sharding import TensorParallel
+    from jaxserve.runtime.runner import ModelRunner
+    from jaxserve.runtime.sampler import SamplingTensors
+    from jaxserve.runtime.sharding import TensorParallel
     from hlo_collectives import collectives_in_layer_loop
     from jax.experimental import topologies
     from tests import cuda_lowering

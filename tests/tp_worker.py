@@ -12,8 +12,8 @@ import numpy as np
 
 from hlo_collectives import collectives_in_layer_loop
 from jaxserve import EngineConfig, LLMEngine, SamplingParams
-from jaxserve.sampler import SamplingTensors
-from jaxserve.sharding import bytes_per_device
+from jaxserve.runtime.sampler import SamplingTensors
+from jaxserve.runtime.sharding import bytes_per_device
 from models.config import ModelConfig
 from models.model import enable_compilation_cache
 from models.random_init import random_model

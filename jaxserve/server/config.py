@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxserve.sampling_params import MAX_LOGPROBS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
+from jaxserve.core.sampling_params import MAX_LOGPROBS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 
 
 def _positive_int(name: str, value) -> None:

@@ -14,8 +14,8 @@ import queue
 import threading
 import time
 
-from jaxserve.outputs import RequestOutput
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.core.outputs import RequestOutput
+from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.server.errors import invalid, unavailable
 
 log = logging.getLogger("jaxserve.server")

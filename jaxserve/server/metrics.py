@@ -67,7 +67,7 @@ STEP_HISTOGRAMS = {
 
 
 def _step_metrics(s: dict):
-    """From jaxserve/step_stats.py: running totals, histograms, and the last step."""
+    """From jaxserve/tools/step_stats.py: running totals, histograms, and the last step."""
     totals, last = s.get("step_totals"), s.get("last_step")
     if totals is None:
         return
@@ -100,7 +100,7 @@ def _step_metrics(s: dict):
 
 
 def _kv_memory_metrics(s: dict):
-    """From jaxserve/kv_accounting.py: what the paged cache holds and wastes right now."""
+    """From jaxserve/tools/kv_accounting.py: what the paged cache holds and wastes right now."""
     m = s.get("kv_memory")
     if m is None:
         return

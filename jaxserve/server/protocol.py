@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxserve.sampling_params import SamplingParamError, SamplingParams
+from jaxserve.core.sampling_params import SamplingParamError, SamplingParams
 from jaxserve.server.config import ServerConfig
 from jaxserve.server.errors import ApiError, invalid, shown
 from jaxserve.server.fields import Fields

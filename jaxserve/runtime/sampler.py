@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from jaxserve.core.sampling_params import MAX_LOGPROBS, SamplingParams
 
 # Width of the per-slot table of ids banned while num_generated < min_tokens (EOS ids plus the
 # request's stop_token_ids). Tiny next to [S, V]; from_params rejects requests needing more.

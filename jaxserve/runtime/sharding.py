@@ -29,7 +29,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxserve.kv_cache import KVCache
+from jaxserve.runtime.kv_cache import KVCache
 from models.config import ModelConfig
 from models.model import Model
 

@@ -31,8 +31,8 @@ import dataclasses
 from collections import deque
 from collections.abc import Iterator, Mapping
 
-from jaxserve.block_manager import BlockManager, blocks_for_tokens, validate_block_size
-from jaxserve.sequence import Sequence, SequenceStatus
+from jaxserve.core.block_manager import BlockManager, blocks_for_tokens, validate_block_size
+from jaxserve.core.sequence import Sequence, SequenceStatus
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

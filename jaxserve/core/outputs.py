@@ -1,4 +1,5 @@
-"""What the engine hands back: vLLM-shaped request and completion outputs."""
+"""What the engine hands back (vLLM-shaped request and completion outputs), and what one step
+samples for a sequence (`SampleResult`, the runner's answer to the engine)."""
 
 from __future__ import annotations
 
@@ -50,3 +51,12 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleResult:
+    """One sequence's sampled token from one step, as the runner hands it to the host."""
+
+    token: int
+    logprob: float
+    top: dict[int, float] | None  # top-k logprobs when the request asked for them

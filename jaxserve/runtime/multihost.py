@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jaxserve.sampler import SamplingTensors
+from jaxserve.runtime.sampler import SamplingTensors
 
 log = logging.getLogger("jaxserve")
 

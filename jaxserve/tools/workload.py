@@ -29,7 +29,7 @@ def run_workload(engine, requests: list[dict]) -> dict:
     Returns wall seconds, token counts and throughput; preemptions and compiles are deltas
     over this run.
     """
-    from jaxserve.sampling_params import SamplingParams
+    from jaxserve.core.sampling_params import SamplingParams
     before = engine.stats()
     compiled = engine.runner.num_compiled
     t0 = time.perf_counter()

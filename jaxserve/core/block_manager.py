@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from collections import deque
 
-from jaxserve.prefix_cache import PrefixCache, block_hashes
-from jaxserve.sequence import Sequence
+from jaxserve.core.prefix_cache import PrefixCache, block_hashes
+from jaxserve.core.sequence import Sequence
 
 NULL_BLOCK = 0
 MAX_BLOCK_SIZE = 256

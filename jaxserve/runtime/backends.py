@@ -15,7 +15,7 @@ import jax
 # after warm-up. Importing it here keeps the context fixed from the start.
 import jax.experimental.pallas.fuser  # noqa: F401
 
-from jaxserve.attention import paged_attention_xla, write_kv
+from jaxserve.runtime.attention import paged_attention_xla, write_kv
 from jaxserve.config import BACKENDS
 from jaxserve.quantization.linear import ACTIVATION_BITS, quantized_linear
 from models.config import ModelConfig

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxserve.kv_cache import KVCache, PagedMeta
+from jaxserve.runtime.kv_cache import KVCache, PagedMeta
 
 # Finite so that a row with nothing to attend to (an empty batch slot) gives finite garbage
 # instead of NaN from softmax over all -inf.

@@ -16,7 +16,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from jaxserve.sequence import Sequence
+from jaxserve.core.sequence import Sequence
 
 
 def hash_block(parent: bytes, token_ids, extra: bytes = b"") -> bytes:

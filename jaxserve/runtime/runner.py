@@ -19,22 +19,16 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from jaxserve import buckets
-from jaxserve.attention import paged_attention_xla
-from jaxserve.kv_cache import KVCache, PagedMeta
-from jaxserve.sampler import SamplingTensors, sample
-from jaxserve.scheduler import ScheduledSeq, SchedulerOutput
-from jaxserve.sharding import TensorParallel
+from jaxserve.runtime import buckets
+from jaxserve.runtime.attention import paged_attention_xla
+from jaxserve.core.outputs import SampleResult
+from jaxserve.runtime.kv_cache import KVCache, PagedMeta
+from jaxserve.runtime.sampler import SamplingTensors, sample
+from jaxserve.core.scheduler import ScheduledSeq, SchedulerOutput
+from jaxserve.runtime.sharding import TensorParallel
 from models.model import Model
 
 log = logging.getLogger("jaxserve")
-
-
-@dataclasses.dataclass(frozen=True)
-class SampleResult:
-    token: int
-    logprob: float
-    top: dict[int, float] | None  # top-k logprobs when the request asked for them
 
 
 @jax.tree_util.register_dataclass

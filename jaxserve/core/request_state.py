@@ -12,10 +12,10 @@ from __future__ import annotations
 import hashlib
 import time
 
-from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from jaxserve.runner import SampleResult
-from jaxserve.sampling_params import SamplingParams
-from jaxserve.sequence import Sequence, SequenceStatus
+from jaxserve.core.outputs import (CompletionOutput, RequestMetrics, RequestOutput,
+                                   SampleResult)
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.core.sequence import Sequence, SequenceStatus
 from models.tokenizer import IncrementalDetokenizer, Tokenizer
 
 FINISH_REASONS = {SequenceStatus.FINISHED_STOPPED: "stop",
