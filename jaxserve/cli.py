@@ -12,6 +12,7 @@ import time
 
 from jaxserve.config import EngineConfig
 from jaxserve.config_fields import add_config_args, config_kwargs
+from models.config import DTYPES
 
 
 def _cmd_download(args) -> int:
@@ -276,7 +277,7 @@ def _add_quantize_parser(sub) -> None:
                    help="8: serve as W8A8 (int8 per-channel weights only)")
     p.add_argument("--calibration", default=None,
                    help="calibration text file for gptq/awq (default: the built-in text)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="float32", choices=DTYPES)
     p.add_argument("--out", required=True, help="new directory for the checkpoint")
     p.set_defaults(func=_cmd_quantize)
 
