@@ -27,7 +27,7 @@ def main(process_id: int, port: int) -> int:
         finally:
             eng.channel.stop()
     else:
-        result = {"steps": eng.channel.follow()}
+        result = eng.channel.follow()
     result["devices"] = [len(eng.runner.cache.k.addressable_shards),
                          len(eng.runner.cache.k.sharding.device_set)]
     print("RESULT " + json.dumps(result), flush=True)

@@ -235,8 +235,7 @@ def test_sharded_kernel_step_compiles_for_4_h200s():
     from jaxserve.runtime import backends
     from jaxserve.runtime.kv_cache import KVCache
     from jaxserve.quantization import quantize_params_int4
-    from jaxserve.runtime.runner import ModelRunner
-    from jaxserve.runtime.sampler import SamplingTensors
+    from jaxserve.runtime.runner import ModelRunner, step_modules
     from jaxserve.runtime.sharding import TensorParallel
     from hlo_collectives import collectives_in_layer_loop
     from jax.experimental import topologies
@@ -262,18 +261,18 @@ def test_sharded_kernel_step_compiles_for_4_h200s():
     # The runner's own step body, without a runner's device arrays.
     runner = ModelRunner.__new__(ModelRunner)
     runner.tp, runner.ragged, runner.max_model_len = tp, False, 64
-    runner._module = model.module(attention=tp.attention(attention, per_shard=True),
-                                  linear=tp.linear(backends.linear_backend("pallas")))
+    runner._modules = step_modules(model, tp.attention(attention),
+                                   tp.linear(backends.linear_backend("pallas")))
     cache_shape = jax.ShapeDtypeStruct((c.num_layers, 32, bs, c.num_kv_heads, c.head_dim),
                                        np.float32, sharding=tp.cache_shardings.k)
     rep = tp.replicated
+    idle = runner.step_template(4, 1, 4)
 
     def spec(x, sharding=rep):
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
     args = (jax.tree.map(spec, params, shardings), KVCache(k=cache_shape, v=cache_shape),
-            jax.tree.map(spec, runner._idle_inputs(4, 1, 4)),
-            jax.tree.map(spec, SamplingTensors.from_params([], [], [], size=4)))
+            jax.tree.map(spec, idle.inputs), jax.tree.map(spec, idle.sampling))
     enabled = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)  # compile-only client
     try:

@@ -12,7 +12,6 @@ import numpy as np
 
 from hlo_collectives import collectives_in_layer_loop
 from jaxserve import EngineConfig, LLMEngine, SamplingParams
-from jaxserve.runtime.sampler import SamplingTensors
 from jaxserve.runtime.sharding import bytes_per_device
 from models.config import ModelConfig
 from models.model import enable_compilation_cache
@@ -84,9 +83,9 @@ def case_hlo(n, **kw):
     r = engine(model, n, **kw).runner
     out = {}
     for rows, tokens, nb in [(2, 1, 4), (1, 32, 4)]:  # a decode and a prefill shape
-        st = SamplingTensors.from_params([], [], [], size=rows)
-        hlo = r._step.lower(r.model.params, r.cache, r._idle_inputs(rows, tokens, nb),
-                            st).compile().as_text()
+        idle = r.step_template(rows, tokens, nb)
+        hlo = r._step.lower(r.model.params, r.cache, idle.inputs,
+                            idle.sampling).compile().as_text()
         out["decode" if tokens == 1 else "prefill"] = collectives_in_layer_loop(hlo)
     return out
 
