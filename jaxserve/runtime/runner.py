@@ -1,8 +1,8 @@
 """The model runner: the one place that turns scheduler decisions into device arrays.
 
-Two kinds of device call, both the same jitted step function at different shapes:
-- decode: all decoding sequences at once, `[batch_bucket, 1]` tokens, page table cut to a
-  bucket of blocks;
+Two kinds of model step, both the same jitted step function at different shapes:
+- decode: all decoding sequences at once, `[batch_bucket, 1]` tokens, and the page table cut
+  to a bucket of blocks or the flat list of blocks in use, as the attention backend declares;
 - prefill: one sequence's chunk, `[1, token_bucket]` tokens, page table `[1, block_bucket]`.
 Sampling runs inside the step; only token ids (and logprobs when asked) come back.
 
@@ -87,7 +87,7 @@ class ModelRunner:
                  attention: AttentionBackend | None = None, linear=None,
                  tp: TensorParallel | None = None, kv_cache_dtype=None):
         c = model.config
-        attention = _checked(attention or XlaAttention(), c, block_size)
+        attention = _checked(XlaAttention() if attention is None else attention, c, block_size)
         jit_kwargs = {}
         if tp is not None:  # tensor parallel: params and cache sharded over tp's mesh
             shardings = tp.param_shardings(model.params, c)
@@ -132,8 +132,8 @@ class ModelRunner:
         kind = "decode" if inp.tokens.shape[1] == 1 else "prefill"
         with jax.named_scope(kind):
             logits, cache = self._modules[kind].apply({"params": params}, inp.tokens,
-                                               inp.meta.positions, cache, inp.meta,
-                                               logits_index=inp.logits_index)
+                                                      inp.meta.positions, cache, inp.meta,
+                                                      logits_index=inp.logits_index)
             if self.tp is not None:  # one gather of vocab-parallel logits; sampler replicated
                 logits = jax.lax.with_sharding_constraint(logits, self.tp.replicated)
             with jax.named_scope("sampling"):
@@ -272,7 +272,7 @@ class ModelRunner:
             results.update(self._collect(items, rows, sampled))
         return results
 
-    def _run(self, inp: StepInputs, params_per_row, seeds_per_row, generated, rows):
+    def _run_step(self, inp: StepInputs, params_per_row, seeds_per_row, generated, rows):
         st = SamplingTensors.from_params(params_per_row, seeds_per_row, generated,
                                          self.eos_ids, size=rows)
         return self.run(StepCall(inp, st))
@@ -297,7 +297,7 @@ class ModelRunner:
                          prompt_lens=np.array([seq.num_prompt_tokens], np.int32),
                          sample_pos=np.array([start + n], np.int32),
                          want_logprobs=np.bool_(p.logprobs is not None))
-        return self._run(inp, [p], [seeds[seq.request_id]], [seq.num_output_tokens], 1)
+        return self._run_step(inp, [p], [seeds[seq.request_id]], [seq.num_output_tokens], 1)
 
     def _decode(self, items: list[ScheduledSeq], seeds):
         """Row r of the call is items[r]; rows past len(items) are idle padding."""
@@ -321,7 +321,7 @@ class ModelRunner:
         inp = StepInputs(tokens=tokens, meta=meta, logits_index=np.zeros((s,), np.int32),
                          history=self.history[rows_slot], prompt_lens=prompt_lens,
                          sample_pos=ctx.copy(), want_logprobs=np.bool_(want))
-        return self._run(inp, params, row_seeds, generated, s)
+        return self._run_step(inp, params, row_seeds, generated, s)
 
     def _decode_pages(self, rows_slot: np.ndarray, ctx: np.ndarray, n: int) -> dict:
         """The page table cut to a bucket, or (XLA path) the flat list of blocks in use."""
