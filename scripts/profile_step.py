@@ -23,9 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.runtime import buckets
-from jaxserve.runtime.attention import paged_attention_xla, ragged_decode_attention, write_kv
+from jaxserve.runtime.attention import ragged_decode_attention, write_kv
+from jaxserve.runtime.attention_backends import XlaAttention
 from jaxserve.runtime.kv_cache import PagedMeta
-from jaxserve.runtime.runner import ModelRunner, StepInputs
+from jaxserve.runtime.runner import ModelRunner, StepCall, StepInputs
 from jaxserve.runtime.sampler import SamplingTensors, sample
 from jaxserve.core.sampling_params import SamplingParams
 from models import load_model
@@ -90,8 +91,7 @@ def main():
 
     def step_ms(runner, inp, st):
         def call():
-            runner.cache, out = runner._step(runner.model.params, runner.cache, inp, st)
-            return out.tokens
+            return runner.run(StepCall(inp, st)).tokens
         return timed(call, args.iters)
 
     def prefill_inputs(runner):
@@ -112,7 +112,7 @@ def main():
         return inp, st
 
     rows_out = []
-    runner = ModelRunner(model, attention=paged_attention_xla, **kw)
+    runner = ModelRunner(model, attention=XlaAttention(), **kw)
     inp, st, p = decode_inputs(runner)
     if "step" not in skip:
         rows_out.append((f"decode step, {rows} rows, P={p} blocks", step_ms(runner, inp, st)))

@@ -2,7 +2,9 @@
 
 `python tests/mh_worker.py PROCESS_ID PORT`: each process has one CPU device; the two form a
 tensor-parallel mesh of 2 through jax.distributed (gloo collectives). Process 0 schedules and
-prints the greedy tokens; process 1 follows its broadcast steps and prints how many it ran.
+prints the greedy tokens of two workloads (plain prompts, then shared prefixes with n > 1, which
+hit the prefix cache and copy blocks on write) and its counters; process 1 follows its broadcast
+calls and prints how many steps and copies it ran.
 """
 
 import json
@@ -23,11 +25,14 @@ def main(process_id: int, port: int) -> int:
     eng = w.engine(random_model(w.GQA, seed=3), 2)
     if multihost.is_leader():
         try:
-            result = {"tokens": w.greedy(eng, w.prompts(w.GQA.vocab_size))}
+            result = {"tokens": w.greedy(eng, w.prompts(w.GQA.vocab_size)),
+                      "waves": w.greedy_waves(eng, w.shared_prefix_waves(w.GQA.vocab_size))}
+            stats = eng.stats()
+            result["stats"] = {k: stats[k] for k in ("cow_copies", "prefix_cache_hits_blocks")}
         finally:
             eng.channel.stop()
     else:
-        result = {"steps": eng.channel.follow()}
+        result = eng.channel.follow()
     result["devices"] = [len(eng.runner.cache.k.addressable_shards),
                          len(eng.runner.cache.k.sharding.device_set)]
     print("RESULT " + json.dumps(result), flush=True)

@@ -200,8 +200,9 @@ def test_smollm2_same_greedy_tokens_on_1_2_4_devices():
         assert r["tokens"] == one, f"tensor_parallel_size={n}"
 
 
-def test_two_processes_on_loopback(runs):
-    """Multi-host on one machine: 2 processes x 1 CPU device, process 0 broadcasting steps."""
+@pytest.fixture(scope="module")
+def loopback():
+    """Multi-host on one machine: 2 processes x 1 CPU device, process 0 broadcasting calls."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -219,11 +220,28 @@ def test_two_processes_on_loopback(runs):
     finally:
         for p in procs:
             p.kill()
-    leader, follower = results
+    return results
+
+
+def test_two_processes_on_loopback(runs, loopback):
+    """Multi-host on one machine: 2 processes x 1 CPU device, process 0 broadcasting steps."""
+    leader, follower = loopback
     assert leader["tokens"] == runs["gqa"]["1"]["tokens"]
     assert follower["steps"] > 0
     # Each process holds one shard of a cache that spans both processes' devices.
     assert leader["devices"] == follower["devices"] == [1, 2]
+
+
+def test_two_processes_copy_on_write_like_one_process(loopback):
+    """Prefix-cache hits and n > 1 forks copy KV blocks: every process must copy its shard."""
+    from tp_worker import GQA, engine, greedy, greedy_waves, prompts, shared_prefix_waves
+    eng = engine(random_model(GQA, seed=3), 1)  # the same two workloads on one process
+    greedy(eng, prompts(GQA.vocab_size))
+    want = greedy_waves(eng, shared_prefix_waves(GQA.vocab_size))
+    leader, follower = loopback
+    assert leader["stats"]["cow_copies"] > 0 and leader["stats"]["prefix_cache_hits_blocks"] > 0
+    assert leader["waves"] == want
+    assert follower["copies"] > 0
 
 
 def test_sharded_kernel_step_compiles_for_4_h200s():
@@ -235,8 +253,7 @@ def test_sharded_kernel_step_compiles_for_4_h200s():
     from jaxserve.runtime import backends
     from jaxserve.runtime.kv_cache import KVCache
     from jaxserve.quantization import quantize_params_int4
-    from jaxserve.runtime.runner import ModelRunner
-    from jaxserve.runtime.sampler import SamplingTensors
+    from jaxserve.runtime.runner import ModelRunner, step_modules
     from jaxserve.runtime.sharding import TensorParallel
     from hlo_collectives import collectives_in_layer_loop
     from jax.experimental import topologies
@@ -262,18 +279,18 @@ def test_sharded_kernel_step_compiles_for_4_h200s():
     # The runner's own step body, without a runner's device arrays.
     runner = ModelRunner.__new__(ModelRunner)
     runner.tp, runner.ragged, runner.max_model_len = tp, False, 64
-    runner._module = model.module(attention=tp.attention(attention, per_shard=True),
-                                  linear=tp.linear(backends.linear_backend("pallas")))
+    runner._modules = step_modules(model, tp.attention(attention),
+                                   tp.linear(backends.linear_backend("pallas")))
     cache_shape = jax.ShapeDtypeStruct((c.num_layers, 32, bs, c.num_kv_heads, c.head_dim),
                                        np.float32, sharding=tp.cache_shardings.k)
     rep = tp.replicated
+    idle = runner.step_template(4, 1, 4)
 
     def spec(x, sharding=rep):
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
     args = (jax.tree.map(spec, params, shardings), KVCache(k=cache_shape, v=cache_shape),
-            jax.tree.map(spec, runner._idle_inputs(4, 1, 4)),
-            jax.tree.map(spec, SamplingTensors.from_params([], [], [], size=4)))
+            jax.tree.map(spec, idle.inputs), jax.tree.map(spec, idle.sampling))
     enabled = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)  # compile-only client
     try:

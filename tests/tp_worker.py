@@ -12,7 +12,6 @@ import numpy as np
 
 from hlo_collectives import collectives_in_layer_loop
 from jaxserve import EngineConfig, LLMEngine, SamplingParams
-from jaxserve.runtime.sampler import SamplingTensors
 from jaxserve.runtime.sharding import bytes_per_device
 from models.config import ModelConfig
 from models.model import enable_compilation_cache
@@ -51,6 +50,34 @@ def prompts(vocab, lengths=(5, 20)):
     return [rng.integers(1, vocab, n).tolist() for n in lengths]
 
 
+def shared_prefix_waves(vocab):
+    """Two waves of prompts on one 20-token prefix (a full block of 16 and a partial one).
+
+    The second wave hits the prefix cache, and every request forks into n branches that write
+    into their shared partial block: copy-on-write copies.
+    """
+    rng = np.random.default_rng(1)
+    prefix = rng.integers(1, vocab, 20).tolist()
+    return [[prefix + rng.integers(1, vocab, 3).tolist()],
+            [prefix + rng.integers(1, vocab, n).tolist() for n in (2, 7)]]
+
+
+def greedy_waves(eng, waves, n=2, max_tokens=5):
+    """Each wave's requests (n greedy branches each) run to the end before the next is added."""
+    params = SamplingParams(n=n, temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    out = []
+    for w, wave in enumerate(waves):
+        for i, p in enumerate(wave):
+            eng.add_request(f"{w}.{i}", p, params)
+        done = {}
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                if o.finished:
+                    done[o.request_id] = [list(c.token_ids) for c in o.outputs]
+        out += [done[f"{w}.{i}"] for i in range(len(wave))]
+    return out
+
+
 def memory(eng):
     """Per-device bytes of weights and KV cache, read from the arrays' shards."""
     r = eng.runner
@@ -84,9 +111,9 @@ def case_hlo(n, **kw):
     r = engine(model, n, **kw).runner
     out = {}
     for rows, tokens, nb in [(2, 1, 4), (1, 32, 4)]:  # a decode and a prefill shape
-        st = SamplingTensors.from_params([], [], [], size=rows)
-        hlo = r._step.lower(r.model.params, r.cache, r._idle_inputs(rows, tokens, nb),
-                            st).compile().as_text()
+        idle = r.step_template(rows, tokens, nb)
+        hlo = r._step.lower(r.model.params, r.cache, idle.inputs,
+                            idle.sampling).compile().as_text()
         out["decode" if tokens == 1 else "prefill"] = collectives_in_layer_loop(hlo)
     return out
 

@@ -15,18 +15,13 @@ import jax
 # after warm-up. Importing it here keeps the context fixed from the start.
 import jax.experimental.pallas.fuser  # noqa: F401
 
-from jaxserve.runtime.attention import paged_attention_xla, write_kv
+from jaxserve.runtime.attention_backends import AttentionBackend, PallasAttention, XlaAttention
 from jaxserve.config import BACKENDS
 from jaxserve.quantization.linear import ACTIVATION_BITS, quantized_linear
 from models.config import ModelConfig
 from models.llama import dense_linear
-from pallas_kernels.paged_attention import paged_attention
 
 log = logging.getLogger("jaxserve")
-
-# What the Triton paged-attention kernel is built for (power-of-2 tiles, see its module).
-KERNEL_HEAD_DIMS = (64, 128)
-KERNEL_BLOCK_SIZES = (8, 16, 32, 64, 128, 256)
 
 
 def resolve(kind: str) -> str:
@@ -37,36 +32,21 @@ def resolve(kind: str) -> str:
     return kind
 
 
-def attention_backend(kind: str, config: ModelConfig, block_size: int, requested: str):
-    """The attention function for the model; falls back to XLA where the kernel cannot run."""
+def attention_backend(kind: str, config: ModelConfig, block_size: int,
+                      requested: str) -> AttentionBackend:
+    """The attention backend for `kind` (resolved); falls back to XLA where the kernel cannot run."""
     if kind == "xla":
-        return paged_attention_xla
-    unsupported = []
-    if config.head_dim not in KERNEL_HEAD_DIMS:
-        unsupported.append(f"head_dim {config.head_dim} (kernel: {KERNEL_HEAD_DIMS})")
-    if block_size not in KERNEL_BLOCK_SIZES:
-        unsupported.append(f"block_size {block_size} (kernel: {KERNEL_BLOCK_SIZES})")
+        return XlaAttention()
+    backend = PallasAttention(interpret=kind == "pallas-interpret")
+    unsupported = backend.supports(config, block_size)
     if unsupported:
         if requested != "auto":
             raise ValueError(f"attention_backend={requested!r} cannot run {', '.join(unsupported)}"
                              "; use attention_backend='xla'")
-        log.info("paged-attention kernel unsupported for %s: using XLA attention", unsupported)
-        return paged_attention_xla
-    interpret = kind == "pallas-interpret"
-
-    def attention(q, k, v, cache, layer, meta):
-        if q.shape[1] != 1:
-            # Prefill chunks attend over gathered pages in XLA: a dense [T, S] problem that
-            # XLA's fused dot handles well; the kernel is for the bandwidth-bound decode step.
-            return paged_attention_xla(q, k, v, cache, layer, meta)
-        cache = write_kv(cache, layer, k, v, meta.slots)
-        # The kernel takes q in the cache's dtype (kv_cache_dtype may differ from the model's).
-        out = paged_attention(q[:, 0].astype(cache.k.dtype), cache.k, cache.v, layer,
-                              meta.page_table, meta.context_lens,
-                              interpret=interpret)  # [B, H, Dh]
-        return out[:, None].astype(q.dtype), cache
-
-    return attention
+        log.info("paged-attention kernel unsupported for %s: using XLA attention",
+                 list(unsupported))
+        return XlaAttention()
+    return backend
 
 
 def linear_backend(kind: str, activation_bits: int = 16):

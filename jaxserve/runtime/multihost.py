@@ -2,10 +2,12 @@
 
 JAX is multi-controller: each host runs this Python program and every jitted step must be
 launched by all of them with identical inputs. Only process 0 takes requests and runs the
-scheduler; before each model step it broadcasts what the step needs: a fixed-size header (command
-and the step's bucketed shape), then the step's input arrays, which the other processes receive
-into a template of exactly that shape (`ModelRunner._idle_inputs`) and run. They keep no
-scheduler, block manager or request state of their own, so there is nothing to drift out of sync.
+scheduler; before each device call (`ModelRunner.run`: a model step, or a batch of
+copy-on-write block copies) it broadcasts what the call needs: a fixed-size header (command and
+the call's bucketed shape), then the call's arrays, which the other processes receive into a
+template of exactly that shape (`ModelRunner.step_template` / `copy_template`) and pass to the
+same `ModelRunner.run`. They keep no scheduler, block manager or request state of their own, so
+there is nothing to drift out of sync.
 """
 
 from __future__ import annotations
@@ -16,11 +18,11 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jaxserve.runtime.sampler import SamplingTensors
+from jaxserve.runtime.runner import CopyCall, StepCall
 
 log = logging.getLogger("jaxserve")
 
-_STOP, _RUN = 0, 1
+_STOP, _STEP, _COPY = 0, 1, 2
 
 
 def initialize(coordinator_address: str, num_processes: int, process_id: int) -> None:
@@ -45,12 +47,12 @@ def agree(value: int) -> int:
 
 
 def attach(runner) -> StepChannel | None:
-    """A multi-process run's channel; on process 0 the runner broadcasts before each step."""
+    """A multi-process run's channel; on process 0 the runner broadcasts before each call."""
     if jax.process_count() == 1:
         return None
     channel = StepChannel(runner)
     if is_leader():
-        runner.before_step = channel.send
+        runner.before_call = channel.send
     return channel
 
 
@@ -61,31 +63,36 @@ def _broadcast_like(template):
 
 
 class StepChannel:
-    """Process 0 `send`s each step before running it; the others `follow` until `stop`."""
+    """Process 0 `send`s each device call before running it; the others `follow` until `stop`."""
 
     def __init__(self, runner):
         self.runner = runner
 
-    def send(self, inp, st) -> None:
-        rows, tokens = inp.tokens.shape
-        meta = inp.meta
-        width = meta.ragged.shape[1] if meta.ragged is not None else meta.page_table.shape[1]
-        _broadcast_like(np.array([_RUN, rows, tokens, width], np.int32))
-        _broadcast_like((inp, st))
+    def send(self, call: StepCall | CopyCall) -> None:
+        if isinstance(call, CopyCall):
+            header = [_COPY, *call.pairs.shape, 0]
+        else:
+            header = [_STEP, *call.shape]
+        _broadcast_like(np.array(header, np.int32))
+        _broadcast_like(call)
 
     def stop(self) -> None:
         if jax.process_count() > 1:
             _broadcast_like(np.array([_STOP, 0, 0, 0], np.int32))
 
-    def follow(self) -> int:
-        """Runs process 0's steps until it stops; returns how many ran."""
-        runner, steps = self.runner, 0
+    def follow(self) -> dict[str, int]:
+        """Runs process 0's calls until it stops; returns how many steps and copies ran."""
+        runner, ran = self.runner, {"steps": 0, "copies": 0}
         while True:
-            cmd, rows, tokens, width = _broadcast_like(np.zeros(4, np.int32)).tolist()
+            cmd, *shape = _broadcast_like(np.zeros(4, np.int32)).tolist()
             if cmd == _STOP:
-                return steps
-            template = (runner._idle_inputs(rows, tokens, width),
-                        SamplingTensors.from_params([], [], [], size=rows))
-            inp, st = _broadcast_like(template)
-            runner.cache, _ = runner._step(runner.model.params, runner.cache, inp, st)
-            steps += 1
+                return ran
+            if cmd == _COPY:
+                template, kind = runner.copy_template(), "copies"
+                if template.pairs.shape != tuple(shape[:2]):
+                    raise RuntimeError(f"process 0 copies {shape[0]} block pairs per call, this "
+                                       f"process {template.pairs.shape[0]}: configs differ")
+            else:
+                template, kind = runner.step_template(*shape), "steps"
+            runner.run(_broadcast_like(template))
+            ran[kind] += 1

@@ -1,16 +1,19 @@
 """The model runner: the one place that turns scheduler decisions into device arrays.
 
-Two kinds of device call, both the same jitted step function at different shapes:
-- decode: all decoding sequences at once, `[batch_bucket, 1]` tokens, page table cut to a
-  bucket of blocks;
+Two kinds of model step, both the same jitted step function at different shapes:
+- decode: all decoding sequences at once, `[batch_bucket, 1]` tokens, and the page table cut
+  to a bucket of blocks or the flat list of blocks in use, as the attention backend declares;
 - prefill: one sequence's chunk, `[1, token_bucket]` tokens, page table `[1, block_bucket]`.
 Sampling runs inside the step; only token ids (and logprobs when asked) come back.
+
+Every device call, a step or a batch of copy-on-write block copies, is a `StepCall` or a
+`CopyCall` run by `ModelRunner.run`: process 0 and multi-host followers (multihost.py) alike, so
+process 0's broadcast hook (`before_call`) sees each one.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import time
 
@@ -20,10 +23,10 @@ import numpy as np
 from tqdm import tqdm
 
 from jaxserve.runtime import buckets
-from jaxserve.runtime.attention import paged_attention_xla
+from jaxserve.runtime.attention_backends import AttentionBackend, XlaAttention
 from jaxserve.core.outputs import SampleResult
 from jaxserve.runtime.kv_cache import KVCache, PagedMeta
-from jaxserve.runtime.sampler import SamplingTensors, sample
+from jaxserve.runtime.sampler import SamplerOutput, SamplingTensors, sample
 from jaxserve.core.scheduler import ScheduledSeq, SchedulerOutput
 from jaxserve.runtime.sharding import TensorParallel
 from models.model import Model
@@ -43,6 +46,34 @@ class StepInputs:
     want_logprobs: jax.Array  # [] bool
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepCall:
+    """One model step: its inputs and sampling tensors, both padded to the step's buckets."""
+
+    inputs: StepInputs
+    sampling: SamplingTensors
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(rows, tokens, width): what `ModelRunner.step_template` rebuilds it from.
+
+        width counts the page table's columns, or the flat block list's entries (ragged decode).
+        """
+        rows, tokens = self.inputs.tokens.shape
+        meta = self.inputs.meta
+        width = meta.ragged.shape[1] if meta.ragged is not None else meta.page_table.shape[1]
+        return rows, tokens, width
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class CopyCall:
+    """A batch of block copies: pairs [C, 2] int32 (src, dst), padded with (0, 0)."""
+
+    pairs: jax.Array
+
+
 def _copy_blocks(cache: KVCache, pairs: jax.Array) -> KVCache:
     """pairs [C, 2] int32 (src, dst). A dst is never another pair's src: dst blocks are fresh."""
     src, dst = pairs[:, 0], pairs[:, 1]
@@ -53,9 +84,10 @@ def _copy_blocks(cache: KVCache, pairs: jax.Array) -> KVCache:
 class ModelRunner:
     def __init__(self, model: Model, *, max_num_seqs: int, max_num_batched_tokens: int,
                  block_size: int, num_blocks: int, max_model_len: int, eos_ids=(),
-                 attention=paged_attention_xla, linear=None, tp: TensorParallel | None = None,
-                 kv_cache_dtype=None):
+                 attention: AttentionBackend | None = None, linear=None,
+                 tp: TensorParallel | None = None, kv_cache_dtype=None):
         c = model.config
+        attention = _checked(XlaAttention() if attention is None else attention, c, block_size)
         jit_kwargs = {}
         if tp is not None:  # tensor parallel: params and cache sharded over tp's mesh
             shardings = tp.param_shardings(model.params, c)
@@ -63,7 +95,7 @@ class ModelRunner:
             jit_kwargs = tp.step_jit_kwargs(shardings)
         self.model, self.block_size, self.max_model_len = model, block_size, max_model_len
         self.tp = tp
-        self.before_step = None  # multi-host: process 0 broadcasts each step's inputs here
+        self.before_call = None  # multi-host: process 0 broadcasts each device call here
         self.num_slots = max_num_seqs
         self.max_blocks = -(-max_model_len // block_size)
         self.eos_ids = tuple(eos_ids)
@@ -78,14 +110,12 @@ class ModelRunner:
         self.decode_buckets = buckets.decode_block_buckets(self.max_blocks)
         self.batch_buckets = buckets.decode_batch_buckets(max_num_seqs)
         self.token_buckets = buckets.prefill_token_buckets(max_num_batched_tokens)
-        # The XLA attention decodes over a flat list of the blocks in use (see attention.py);
-        # kernels take the page table.
-        self.ragged = attention is paged_attention_xla
         if tp is not None:
-            if self.ragged:  # K is split over devices: keep it an axis of its own (attention.py)
-                attention = functools.partial(paged_attention_xla, merge_kv_heads=False)
-            attention = tp.attention(attention, per_shard=not self.ragged)
-        self._module = model.module(attention=attention, **({"linear": linear} if linear else {}))
+            attention = tp.attention(attention)
+        self.attention = attention
+        # Its decode reads the flat list of blocks in use, or the page table cut to a bucket.
+        self.ragged = attention.decode_layout == "ragged"
+        self._modules = step_modules(model, attention, linear)
         self._step = jax.jit(self._step_impl, donate_argnums=(1,), **jit_kwargs)
         # Copy-on-write copies run in fixed batches of (src, dst) pairs, padded with (0, 0)
         # (the null block onto itself), so one compiled program serves every step.
@@ -99,10 +129,11 @@ class ModelRunner:
         # Named scopes label the ops in a profile (prefill|decode / attention, mlp, sampling).
         # A decode call has one token per row; prefill buckets start at 16 tokens (only a
         # max_num_batched_tokens of 1 would make a 1-token prefill, which is a decode's math).
-        with jax.named_scope("decode" if inp.tokens.shape[1] == 1 else "prefill"):
-            logits, cache = self._module.apply({"params": params}, inp.tokens,
-                                               inp.meta.positions, cache, inp.meta,
-                                               logits_index=inp.logits_index)
+        kind = "decode" if inp.tokens.shape[1] == 1 else "prefill"
+        with jax.named_scope(kind):
+            logits, cache = self._modules[kind].apply({"params": params}, inp.tokens,
+                                                      inp.meta.positions, cache, inp.meta,
+                                                      logits_index=inp.logits_index)
             if self.tp is not None:  # one gather of vocab-parallel logits; sampler replicated
                 logits = jax.lax.with_sharding_constraint(logits, self.tp.replicated)
             with jax.named_scope("sampling"):
@@ -132,10 +163,9 @@ class ModelRunner:
         start = time.perf_counter()
         for rows, tokens, nb in tqdm(self.shapes(), desc="jaxserve: compiling", unit="shape",
                                      disable=not progress):
-            inp = self._idle_inputs(rows, tokens, nb)
-            st = SamplingTensors.from_params([], [], [], size=rows)
-            self.cache, out = self._step(self.model.params, self.cache, inp, st)
-        self.copy_blocks([])
+            self._launch(self.step_template(rows, tokens, nb))
+        # Every process warms up itself (same programs in the same order): nothing to broadcast.
+        self._launch(self.copy_template())
         jax.block_until_ready(self.cache)
         self._compiles_at_warmup = self.num_compiled
         return time.perf_counter() - start
@@ -144,6 +174,34 @@ class ModelRunner:
         if self.ragged:
             return buckets.ragged_block_buckets(rows, self.max_blocks)
         return self.decode_buckets
+
+    def step_template(self, rows: int, tokens: int, width: int) -> StepCall:
+        """An idle step of shape `StepCall.shape` (rows, tokens, width): empty rows, masked."""
+        return StepCall(self._idle_inputs(rows, tokens, width),
+                        SamplingTensors.from_params([], [], [], size=rows))
+
+    def copy_template(self) -> CopyCall:
+        """A batch of copies that copies nothing (the null block onto itself)."""
+        return CopyCall(np.zeros((self.copy_batch, 2), np.int32))  # [C, 2]
+
+    # ---- the one entry point for device work ----------------------------------------------
+
+    def run(self, call: StepCall | CopyCall) -> SamplerOutput | None:
+        """Runs one device call; a step returns its sampled tokens (on the device).
+
+        Process 0's calls and a multi-host follower's replay of them both come through here, so
+        `before_call` (process 0's broadcast) sees every call that changes the cache.
+        """
+        if self.before_call is not None:
+            self.before_call(call)
+        return self._launch(call)
+
+    def _launch(self, call: StepCall | CopyCall) -> SamplerOutput | None:
+        if isinstance(call, CopyCall):
+            self.cache = self._copy(self.cache, call.pairs)
+            return None
+        self.cache, sampled = self._step(self.model.params, self.cache, call.inputs, call.sampling)
+        return sampled
 
     def _idle_inputs(self, rows: int, tokens: int, nb: int) -> StepInputs:
         z = np.zeros((rows, tokens), np.int32)  # [B, T]
@@ -185,7 +243,7 @@ class ModelRunner:
             part = pairs[i:i + self.copy_batch]
             if part:
                 chunk[:len(part)] = part
-            self.cache = self._copy(self.cache, chunk)
+            self.run(CopyCall(chunk))
 
     def _flat_slots(self, slot: int, positions: np.ndarray) -> np.ndarray:
         blocks = self.page_table[slot, positions // self.block_size]
@@ -214,13 +272,10 @@ class ModelRunner:
             results.update(self._collect(items, rows, sampled))
         return results
 
-    def _run(self, inp: StepInputs, params_per_row, seeds_per_row, generated, rows):
+    def _run_step(self, inp: StepInputs, params_per_row, seeds_per_row, generated, rows):
         st = SamplingTensors.from_params(params_per_row, seeds_per_row, generated,
                                          self.eos_ids, size=rows)
-        if self.before_step is not None:
-            self.before_step(inp, st)
-        self.cache, sampled = self._step(self.model.params, self.cache, inp, st)
-        return sampled
+        return self.run(StepCall(inp, st))
 
     def _prefill(self, item: ScheduledSeq, seeds):
         seq, n, start = item.seq, item.num_new_tokens, item.start_pos
@@ -242,7 +297,7 @@ class ModelRunner:
                          prompt_lens=np.array([seq.num_prompt_tokens], np.int32),
                          sample_pos=np.array([start + n], np.int32),
                          want_logprobs=np.bool_(p.logprobs is not None))
-        return self._run(inp, [p], [seeds[seq.request_id]], [seq.num_output_tokens], 1)
+        return self._run_step(inp, [p], [seeds[seq.request_id]], [seq.num_output_tokens], 1)
 
     def _decode(self, items: list[ScheduledSeq], seeds):
         """Row r of the call is items[r]; rows past len(items) are idle padding."""
@@ -266,7 +321,7 @@ class ModelRunner:
         inp = StepInputs(tokens=tokens, meta=meta, logits_index=np.zeros((s,), np.int32),
                          history=self.history[rows_slot], prompt_lens=prompt_lens,
                          sample_pos=ctx.copy(), want_logprobs=np.bool_(want))
-        return self._run(inp, params, row_seeds, generated, s)
+        return self._run_step(inp, params, row_seeds, generated, s)
 
     def _decode_pages(self, rows_slot: np.ndarray, ctx: np.ndarray, n: int) -> dict:
         """The page table cut to a bucket, or (XLA path) the flat list of blocks in use."""
@@ -298,3 +353,21 @@ class ModelRunner:
                 top = {int(t): float(lp) for t, lp in zip(top_ids[row, :k], top_lps[row, :k])}
             results[item.request_id] = SampleResult(int(tokens[row]), float(logprob[row]), top)
         return results
+
+
+def _checked(attention, config, block_size: int) -> AttentionBackend:
+    if not isinstance(attention, AttentionBackend):
+        raise TypeError("attention must be an AttentionBackend (jaxserve/runtime/"
+                        f"attention_backends.py), got {attention!r}")
+    reasons = attention.supports(config, block_size)
+    if reasons:
+        raise ValueError(f"attention backend {attention.name!r} cannot run "
+                         f"{', '.join(reasons)}")
+    return attention
+
+
+def step_modules(model: Model, attention: AttentionBackend, linear=None) -> dict:
+    """The model with the backend's entry point for each step kind ("decode", "prefill")."""
+    kw = {"linear": linear} if linear else {}
+    return {"decode": model.module(attention=attention.decode, **kw),
+            "prefill": model.module(attention=attention.prefill, **kw)}

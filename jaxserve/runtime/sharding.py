@@ -29,6 +29,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxserve.runtime.attention_backends import AttentionBackend, WrappedAttention
 from jaxserve.runtime.kv_cache import KVCache
 from models.config import ModelConfig
 from models.model import Model
@@ -282,14 +283,19 @@ class TensorParallel:
         zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=self.sharding(CACHE))
         return KVCache(k=zeros(), v=zeros())
 
-    def attention(self, fn, per_shard: bool):
-        """Wraps an attention backend: shard_map (kernels) or sharding annotations (XLA)."""
-        if per_shard:
-            # A pallas_call is opaque to the SPMD partitioner: run it on each device's heads.
-            return jax.shard_map(fn, mesh=self.mesh,
-                                 in_specs=(HEADS, HEADS, HEADS, CACHE, P(), P()),
-                                 out_specs=(HEADS, CACHE), check_vma=False)
+    def attention(self, backend: AttentionBackend) -> AttentionBackend:
+        """The backend as it runs on this mesh, as it declares: per shard, or annotated."""
+        backend = backend.for_tensor_parallel()
+        wrap = self._per_shard if backend.per_shard else self._annotated
+        return WrappedAttention(inner=backend, decode_fn=wrap(backend.decode),
+                                prefill_fn=wrap(backend.prefill))
 
+    def _per_shard(self, fn):
+        # A pallas_call is opaque to the SPMD partitioner: run it on each device's heads.
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=(HEADS, HEADS, HEADS, CACHE, P(), P()),
+                             out_specs=(HEADS, CACHE), check_vma=False)
+
+    def _annotated(self, fn):
         def annotated(q, k, v, cache, layer, meta):
             c = functools.partial(jax.lax.with_sharding_constraint, shardings=self.sharding(HEADS))
             out, cache = fn(c(q), c(k), c(v), cache, layer, meta)

@@ -1,0 +1,114 @@
+"""Attention backends as objects (jaxserve/runtime/attention_backends.py): the runner follows
+what a backend declares (decode metadata layout, per-shard under tensor parallel, supported
+shapes), whatever object carries the declaration."""
+
+import dataclasses
+import functools
+
+import numpy as np
+import pytest
+
+from jaxserve import EngineConfig, LLMEngine, SamplingParams
+from jaxserve.runtime.attention import paged_attention_xla
+from jaxserve.runtime.attention_backends import PallasAttention, XlaAttention
+from jaxserve.runtime.backends import attention_backend
+from jaxserve.runtime.runner import ModelRunner, StepCall
+from jaxserve.runtime.sharding import TensorParallel, make_mesh
+from models.config import ModelConfig
+from models.random_init import random_model
+
+# head_dim 64: a shape the kernel supports, so both backends can run it.
+TINY = ModelConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=2,
+                   num_heads=6, num_kv_heads=2, head_dim=64, max_position_embeddings=256)
+KW = dict(max_num_seqs=4, max_num_batched_tokens=32, block_size=16, num_blocks=64,
+          max_model_len=64)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SubclassedXla(XlaAttention):
+    """Another object that declares the XLA backend's layout: not the XLA function itself."""
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model(TINY, seed=5)
+
+
+def decode_calls(model, attention):
+    """Greedy tokens of an engine whose runner uses `attention`, and its decode StepCalls."""
+    engine = LLMEngine(EngineConfig(model="tiny", warmup=False, max_num_seqs=4, block_size=16,
+                                    max_model_len=64, max_num_batched_tokens=32,
+                                    kv_cache_memory=64 * 16 * TINY.kv_bytes_per_token(4)),
+                       model=model)
+    engine.runner = ModelRunner(model, attention=attention, **KW)
+    calls = []
+    engine.runner.before_call = calls.append  # sees every device call (the broadcast hook)
+    rng = np.random.default_rng(1)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    for i, n in enumerate((5, 21)):
+        engine.add_request(str(i), rng.integers(1, 256, n).tolist(), params)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    decodes = [c for c in calls if isinstance(c, StepCall) and c.inputs.tokens.shape[1] == 1]
+    assert decodes
+    return [done["0"], done["1"]], decodes
+
+
+@pytest.mark.parametrize("attention", [XlaAttention(merge_kv_heads=False), SubclassedXla()],
+                         ids=["xla-no-merge", "subclass"])
+def test_decode_layout_follows_the_declaration(model, attention):
+    want, base = decode_calls(model, XlaAttention())
+    got, calls = decode_calls(model, attention)
+    assert got == want
+    for c in base + calls:  # the flat block list, not a page table cut to a bucket
+        assert c.inputs.meta.ragged is not None and c.inputs.meta.page_table.shape[1] == 1
+
+
+def test_kernel_backend_gets_the_page_table(model):
+    want, _ = decode_calls(model, XlaAttention())
+    got, calls = decode_calls(model, PallasAttention(interpret=True))
+    assert got == want
+    assert all(c.inputs.meta.ragged is None for c in calls)
+    assert {c.inputs.meta.page_table.shape[1] for c in calls} <= {1, 2, 4}  # block buckets
+
+
+def test_a_bare_function_is_refused_not_run_on_a_slow_path(model):
+    with pytest.raises(TypeError, match="must be an AttentionBackend"):
+        ModelRunner(model, attention=functools.partial(paged_attention_xla), **KW)
+
+
+def test_supports_reports_what_the_kernel_cannot_run():
+    odd = dataclasses.replace(TINY, head_dim=32)
+    kernel_reasons = ("head_dim 32 (kernel: (64, 128))",
+                      "block_size 4 (kernel: (8, 16, 32, 64, 128, 256))")
+    assert PallasAttention().supports(odd, 4) == kernel_reasons
+    assert PallasAttention().supports(TINY, 16) == ()
+    assert XlaAttention().supports(odd, 4) == ()
+    # auto falls back to XLA; an explicit choice is an error naming every reason.
+    assert attention_backend("pallas", odd, 4, "auto") == XlaAttention()
+    assert attention_backend("pallas-interpret", TINY, 16, "auto") == \
+        PallasAttention(interpret=True)
+    with pytest.raises(ValueError) as err:
+        attention_backend("pallas", odd, 4, "pallas")
+    assert str(err.value) == (f"attention_backend='pallas' cannot run {', '.join(kernel_reasons)}"
+                              "; use attention_backend='xla'")
+
+
+def test_runner_refuses_a_backend_that_cannot_run_the_model(model):
+    with pytest.raises(ValueError, match="'pallas' cannot run block_size 4"):
+        ModelRunner(model, attention=PallasAttention(), **dict(KW, block_size=4))
+
+
+def test_tensor_parallel_wraps_as_each_backend_declares():
+    tp = TensorParallel(make_mesh(1))
+    xla = tp.attention(SubclassedXla())
+    # Annotated, with K kept a batch axis (no all-gather of a K-split cache).
+    assert (xla.name, xla.decode_layout, xla.per_shard) == ("xla", "ragged", False)
+    assert xla.inner == SubclassedXla(merge_kv_heads=False)
+    kernel = tp.attention(PallasAttention(interpret=True))
+    assert (kernel.name, kernel.decode_layout, kernel.per_shard) == \
+        ("pallas-interpret", "page_table", True)
+    assert kernel.inner == PallasAttention(interpret=True)
