@@ -226,6 +226,8 @@ class LLMEngine:
         seeds, failed = {}, {}
         for item in out.scheduled:
             state = self._owner[item.request_id]
+            if state.request_id in failed:
+                continue
             try:
                 seeds[item.request_id] = self._prepare_row(state, item)
             except Exception as e:  # noqa: BLE001 - any failure here is this request's alone
