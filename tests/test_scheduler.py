@@ -517,6 +517,28 @@ def test_update_rejects_unfinished_reason():
         sched.update(out, {"a": 5}, {"a": SequenceStatus.RUNNING})
 
 
+def test_held_sequence_extend_reserve_and_error_abort():
+    """The scheduler side of a request state's Decision (decision.py)."""
+    sched = Scheduler(config())
+    seq = make_seq("a", [1, 2, 3], 5)
+    seq.num_reserved_slots = 2
+    sched.add(seq)
+    out = sched.schedule()
+    assert sched.update(out, {}, hold={"a"}) == [] and seq.num_uncomputed_tokens == 0
+    assert sched.schedule().is_empty  # held: nothing to compute
+    sched.set_reserved_slots(seq, 1)
+    sched.extend(seq, 7)
+    out = sched.schedule()
+    assert [(i.request_id, i.token_ids) for i in out.decodes] == [("a", [7])]
+    with pytest.raises(ValueError, match="num_slots"):
+        sched.set_reserved_slots(seq, 0)
+    assert sched.abort("a", SequenceStatus.FINISHED_ERROR)
+    assert seq.status is SequenceStatus.FINISHED_ERROR and not sched.has_unfinished()
+    assert sched.block_manager.num_free_blocks == sched.block_manager.num_usable_blocks
+    with pytest.raises(ValueError, match="not a live sequence"):
+        sched.extend(seq, 8)
+
+
 def test_empty_schedule_when_idle():
     out = Scheduler(config()).schedule()
     assert isinstance(out, SchedulerOutput) and out.is_empty and num_batched_tokens(out) == 0
