@@ -7,6 +7,8 @@ manager; device work happens only inside the runner.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import time
 from typing import Sequence as Seq
@@ -18,6 +20,7 @@ import numpy as np
 from jaxserve.runtime import backends, multihost, sharding
 from jaxserve.tools import kv_accounting
 from jaxserve.core.beam_search import BeamRequestState, search_params
+from jaxserve.core.decision import Decision, NewId, RequestStateProtocol
 from jaxserve.config import EngineConfig
 from jaxserve.runtime.kv_cache import log_plan, plan_num_blocks
 from jaxserve.core.outputs import RequestOutput
@@ -25,8 +28,8 @@ from jaxserve.tools.profiling import Profiler
 from jaxserve.quantization.paths import activation_bits, prepare_model
 from jaxserve.core.request_state import RequestState
 from jaxserve.runtime.runner import ModelRunner
-from jaxserve.core.sampling_params import SamplingParams
-from jaxserve.core.scheduler import Scheduler
+from jaxserve.core.sampling_params import SamplingParams, check_servable
+from jaxserve.core.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from jaxserve.core.sequence import Sequence, SequenceStatus
 from jaxserve.tools.step_stats import StepStats, StepTotals
 from models import Model, load_model
@@ -88,9 +91,9 @@ class LLMEngine:
         self.model = self.runner.model  # with TP, the placed shards: no unsharded copy is kept
         # Multi-host: process 0 schedules and broadcasts every step; the others follow().
         self.channel = multihost.attach(self.runner)
-        self.requests: dict[str, RequestState | BeamRequestState] = {}
+        self.requests: dict[str, RequestStateProtocol] = {}
         # Every live sequence id (a request's own id, its branches' and beams') -> its request.
-        self._owner: dict[str, RequestState | BeamRequestState] = {}
+        self._owner: dict[str, RequestStateProtocol] = {}
         self._rng = np.random.default_rng(config.seed)
         self._counter = 0
         self.warmup_seconds = None
@@ -126,13 +129,14 @@ class LLMEngine:
                     arrival_time: float | None = None, cache_salt: str | None = None) -> None:
         """Queues a request; raises ValueError (nothing queued) when it cannot be served.
 
+        Everything a step will need of the request is checked here (lengths, token ids, the
+        sampler's limits), so that a bad request is refused instead of failing inside a step.
         cache_salt: requests with different salts never share prefix-cache blocks.
         """
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        if params.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not supported yet")
+        check_servable(params, self.eos_ids)  # SamplingParamError (a ValueError) names the field
         if request_id in self._owner or request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use by an unfinished "
                              f"request")
@@ -146,8 +150,8 @@ class LLMEngine:
                                      self.eos_ids)
         else:
             seed = params.seed if params.seed is not None else int(self._rng.integers(2 ** 63))
-            state = RequestState(seq, text, self.model.tokenizer, seed, arrival)
-            seq.num_reserved_slots = params.n
+            state = RequestState(seq, text, self.model.tokenizer, seed, arrival, self.eos_ids)
+        seq.num_reserved_slots = state.num_slots  # forks take them: never over max_num_seqs
         self.scheduler.add(seq)  # validates length, duplicates, emptiness, slots
         self.requests[request_id] = self._owner[request_id] = state
 
@@ -155,11 +159,17 @@ class LLMEngine:
         state = self.requests.pop(request_id, None)
         if state is None:
             return False
+        self._end_sequences(state, SequenceStatus.FINISHED_ABORTED)
+        return True
+
+    def _end_sequences(self, state: RequestStateProtocol, status: SequenceStatus) -> None:
         for sid in [sid for sid, owner in self._owner.items() if owner is state]:
-            self.scheduler.abort(sid)
+            self.scheduler.abort(sid, status)
             self.runner.release(sid)
             del self._owner[sid]
-        return True
+
+    def _id_source(self, request_id: str) -> NewId:
+        return functools.partial(self._new_seq_id, request_id)
 
     def _new_seq_id(self, request_id: str) -> str:
         # Unique among live ids; a later user request that picks the same id is refused.
@@ -179,7 +189,11 @@ class LLMEngine:
     # ---- one step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedules, runs the model once, and returns outputs of requests that progressed."""
+        """Schedules, runs the model once, and returns outputs of requests that progressed.
+
+        A request that fails while its rows are prepared is finished with an error (its output
+        has finish_reason "error"); the others run on.
+        """
         with jax.profiler.StepTraceAnnotation("engine_step", step_num=self.step_totals.num_steps):
             t0 = time.perf_counter()
             with jax.profiler.TraceAnnotation("schedule"):
@@ -190,39 +204,70 @@ class LLMEngine:
                 return []
             t1 = time.perf_counter()
             with jax.profiler.TraceAnnotation("execute"):
-                seeds = {i.request_id: self._owner[i.request_id].seed_of(i.request_id)
-                         for i in out.scheduled}
+                seeds, failed = self._prepare_rows(out)
+                out, errors = self._drop_failed(out, failed)
                 sampled = self.runner.execute(out, seeds)
             t2 = time.perf_counter()
             with jax.profiler.TraceAnnotation("postprocess"):
-                self._fork_branches(out)
-                outputs = self._postprocess(out, sampled)
+                outputs = errors + self._postprocess(out, sampled)
             self._record_step(out, len(sampled), t1 - t0, t2 - t1, time.perf_counter() - t2)
         self.profiler.on_step()
         return outputs
 
-    def _postprocess(self, out, sampled) -> list[RequestOutput]:
-        finished: dict[str, SequenceStatus] = {}
-        hold, tokens, progressed = set(), {}, {}
+    def _prepare_rows(self, out: SchedulerOutput) -> tuple[dict[str, int], dict[str, str]]:
+        """Per-row host work done before any device call, so that a failure names its request.
+
+        Returns each row's seed, and request id -> error message for the requests that failed.
+        """
+        seeds, failed = {}, {}
+        for item in out.scheduled:
+            state = self._owner[item.request_id]
+            if state.request_id in failed:
+                continue
+            try:
+                seeds[item.request_id] = self._prepare_row(state, item)
+            except Exception as e:  # noqa: BLE001 - any failure here is this request's alone
+                log.exception("request %r failed preparing its step", state.request_id)
+                failed.setdefault(state.request_id, f"{type(e).__name__}: {e}")
+        return seeds, failed
+
+    def _prepare_row(self, state: RequestStateProtocol, item: ScheduledSeq) -> int:
+        # add_request checked these already; checked again so that a request the sampler would
+        # refuse fails alone here instead of failing the whole batch's device call.
+        check_servable(item.seq.sampling_params, self.eos_ids)
+        return state.seed_of(item.request_id)
+
+    def _drop_failed(self, out: SchedulerOutput, failed: dict[str, str]):
+        """Ends the failed requests (blocks and slots freed) and takes their rows out of `out`."""
+        if not failed:
+            return out, []
+        def kept(items: list[ScheduledSeq]) -> list[ScheduledSeq]:
+            return [i for i in items if self._owner[i.request_id].request_id not in failed]
+
+        out = dataclasses.replace(out, prefills=kept(out.prefills), decodes=kept(out.decodes))
+        errors = []
+        for rid, message in failed.items():
+            state = self.requests.pop(rid)
+            self._end_sequences(state, SequenceStatus.FINISHED_ERROR)
+            state.fail(message)
+            errors.append(state.output())
+        return out, errors
+
+    def _postprocess(self, out: SchedulerOutput, sampled) -> list[RequestOutput]:
+        items = {i.request_id: i for i in out.scheduled}
+        step, progressed = Decision(), {}
         for sid, result in sampled.items():
             state = self._owner[sid]
             progressed[state.request_id] = state
-            if isinstance(state, BeamRequestState):
-                state.record(sid, result)
-                hold.add(sid)
-                continue
-            tokens[sid] = result.token
-            reason = state.on_token(sid, result, self.eos_ids)
-            if reason is not None:
-                finished[sid] = reason
-        left = self.scheduler.update(out, tokens, finished, hold)
-        for seq in left:
-            self._owner[seq.request_id].mark_finished(seq.request_id)
-        for state in progressed.values():
-            if isinstance(state, BeamRequestState) and state.ready:
-                left += state.advance(self.scheduler, lambda: self._new_seq_id(state.request_id))
-                self._owner.update({sid: state for sid in state.seq_ids})
-        for seq in left:
+            step.merge(state.on_sampled(items[sid], result, self._id_source(state.request_id)))
+        left = self._apply(step)  # n > 1: forks off a prompt that just ran, before update
+        done = self.scheduler.update(out, step.tokens, step.finished, step.hold)
+        ended: dict[str, list[Sequence]] = {}
+        for seq in done:
+            ended.setdefault(self._owner[seq.request_id].request_id, []).append(seq)
+        for rid, state in progressed.items():
+            left += self._apply(state.on_updated(ended.get(rid, []), self._id_source(rid)))
+        for seq in done + left:
             self.runner.release(seq.request_id)
             self._owner.pop(seq.request_id, None)
         outputs = []
@@ -231,6 +276,20 @@ class LLMEngine:
             if state.finished:
                 del self.requests[rid]
         return outputs
+
+    def _apply(self, decision: Decision) -> list[Sequence]:
+        """Applies a decision's structural part (see Decision for the order) through the
+        scheduler; its tokens / finished / hold go to Scheduler.update. Returns the freed."""
+        for seq, num_slots in decision.reserve:
+            self.scheduler.set_reserved_slots(seq, num_slots)
+        for fork in decision.forks:
+            self.scheduler.fork(fork.parent, fork.child, fork.num_computed_tokens)
+            self._owner[fork.child.request_id] = self._owner[fork.parent.request_id]
+        for seq, token in decision.append:
+            self.scheduler.extend(seq, token)
+        for seq, status in decision.free:
+            self.scheduler.finish(seq, status)
+        return [seq for seq, _ in decision.free]
 
     def _record_step(self, out, num_sampled: int, schedule_s: float, device_s: float,
                      postprocess_s: float) -> None:
@@ -270,22 +329,6 @@ class LLMEngine:
     def stop_profile(self):
         """Stops the capture; returns the run directory holding the trace files."""
         return self.profiler.stop()
-
-    def _fork_branches(self, out) -> None:
-        """n > 1: once a prompt's last chunk has run, fork its other branches off its blocks.
-
-        Each branch recomputes only the last prompt token (copy-on-write of the tail block) to
-        sample its own first token.
-        """
-        for item in out.prefills + out.decodes:
-            state = self._owner[item.request_id]
-            if (not item.is_last_chunk or not isinstance(state, RequestState)
-                    or state.num_pending_forks == 0 or item.seq is not state.seq):
-                continue
-            end = item.start_pos + item.num_new_tokens
-            for child in state.fork_sequences(lambda i: self._new_seq_id(state.request_id)):
-                self.scheduler.fork(item.seq, child, end - 1)
-                self._owner[child.request_id] = state
 
     def stats(self) -> dict:
         bm = self.scheduler.block_manager

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from jaxserve.core.block_manager import (
-    NULL_BLOCK, BlockManager, InvariantError, blocks_for_tokens, slot_for_position)
+    NULL_BLOCK, BlockManager, InvariantError, blocks_for_tokens)
 from jaxserve.core.sequence import Sequence
 
 BLOCK_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
@@ -56,7 +56,7 @@ def test_chunked_allocation_grows_incrementally(block_size):
 
 
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
-def test_append_slot_allocates_only_at_boundaries(block_size):
+def test_decode_allocates_only_at_boundaries(block_size):
     bm = BlockManager(num_blocks=1 + 605, block_size=block_size)
     seq = make_seq(n_prompt=5)
     bm.allocate(seq)
@@ -65,8 +65,8 @@ def test_append_slot_allocates_only_at_boundaries(block_size):
     for step in range(600):
         seq.append_token(step)
         before = len(seq.block_table)
-        assert bm.can_append_slot(seq)
-        assert bm.append_slot(seq) is None
+        assert bm.can_allocate(seq, 1)
+        assert bm.allocate(seq, 1) == []
         if len(seq.block_table) != before:
             assert len(seq.block_table) == before + 1
             new_block_at.append(seq.num_tokens - 1)  # position being written
@@ -79,19 +79,11 @@ def test_append_slot_allocates_only_at_boundaries(block_size):
     bm.check_invariants()
 
 
-def test_append_slot_requires_decode_state():
+def test_allocate_refuses_more_than_uncomputed():
     bm = BlockManager(num_blocks=8, block_size=4)
     seq = make_seq(n_prompt=3)
-    with pytest.raises(ValueError, match="use allocate for prefill"):
-        bm.append_slot(seq)
     with pytest.raises(ValueError, match="uncomputed"):
         bm.allocate(seq, 4)
-
-
-def test_slot_for_position():
-    table = [7, 3, 9]
-    assert [slot_for_position(table, p, 4) for p in range(10)] == [
-        28, 29, 30, 31, 12, 13, 14, 15, 36, 37]
 
 
 def test_free_returns_everything():
@@ -174,7 +166,7 @@ def test_copy_on_write_partial_shared_tail():
 
     child.append_token(1)
     assert bm.blocks_needed(child, 1) == 1
-    src, dst = bm.append_slot(child)
+    [(src, dst)] = bm.allocate(child, 1)
     assert src == shared_tail and dst not in parent.block_table and dst != NULL_BLOCK
     assert child.block_table == parent.block_table[:2] + [dst]
     assert bm.ref_count(shared_tail) == 1 and bm.ref_count(dst) == 1
@@ -183,7 +175,7 @@ def test_copy_on_write_partial_shared_tail():
 
     # The parent is now the sole owner of its tail: no copy.
     parent.append_token(2)
-    assert bm.append_slot(parent) is None
+    assert bm.allocate(parent, 1) == []
     assert parent.block_table[2] == shared_tail
 
 
@@ -196,7 +188,7 @@ def test_no_copy_when_shared_tail_is_full():
     compute_all(child)
     bm.fork(parent, child)
     child.append_token(1)  # position 8 starts a fresh block
-    assert bm.append_slot(child) is None
+    assert bm.allocate(child, 1) == []
     assert child.block_table[:2] == parent.block_table and len(child.block_table) == 3
     bm.check_invariants()
 
@@ -211,7 +203,7 @@ def test_cow_counts_against_capacity():
     bm.fork(parent, child)
     child.append_token(1)
     assert bm.num_free_blocks == 0
-    assert not bm.can_append_slot(child)
+    assert not bm.can_allocate(child, 1)
 
 
 def test_fork_rejects_target_with_blocks():

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxserve.tools import kv_accounting
-from jaxserve.core.block_manager import slot_for_position
+from kv_slots import slot_for_position
 from jaxserve.core.scheduler import Scheduler, SchedulerConfig
 from jaxserve.core.sequence import Sequence, SequenceStatus
 

@@ -12,7 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from jaxserve.core.block_manager import BlockManager, slot_for_position
+from jaxserve.core.block_manager import BlockManager
+from kv_slots import slot_for_position
 from jaxserve.core.prefix_cache import block_hashes, hash_block
 from jaxserve.core.scheduler import Scheduler, SchedulerConfig
 from jaxserve.core.sequence import Sequence, SequenceStatus

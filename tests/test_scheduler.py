@@ -15,7 +15,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from jaxserve.core.block_manager import blocks_for_tokens, slot_for_position
+from jaxserve.core.block_manager import blocks_for_tokens
+from kv_slots import slot_for_position
 from jaxserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from jaxserve.core.sequence import Sequence, SequenceStatus
 
@@ -85,12 +86,16 @@ class FakeModel:
         return sampled
 
 
+def num_batched_tokens(out):
+    return sum(item.num_new_tokens for item in out.scheduled)
+
+
 def check_step(sched, out, waiting_before, running_before):
     cfg, bm = sched.config, sched.block_manager
     items = out.scheduled
     assert len(sched.running) <= cfg.max_num_seqs
     assert len(items) <= cfg.max_num_seqs
-    assert out.num_batched_tokens <= cfg.max_num_batched_tokens
+    assert num_batched_tokens(out) <= cfg.max_num_batched_tokens
     rids = [it.request_id for it in items]
     assert len(rids) == len(set(rids))
     for it in items:
@@ -126,7 +131,7 @@ def check_step(sched, out, waiting_before, running_before):
         assert not admitted
     # Work conserving: if someone still waits, something really blocked them.
     if sched.waiting and not out.preempted:
-        head, left = sched.waiting[0], cfg.max_num_batched_tokens - out.num_batched_tokens
+        head, left = sched.waiting[0], cfg.max_num_batched_tokens - num_batched_tokens(out)
         n = min(head.num_uncomputed_tokens, left)
         blocked = (len(sched.running) == cfg.max_num_seqs or left == 0
                    or (not cfg.enable_chunked_prefill and head.num_uncomputed_tokens > left)
@@ -519,9 +524,31 @@ def test_update_rejects_unfinished_reason():
         sched.update(out, {"a": 5}, {"a": SequenceStatus.RUNNING})
 
 
+def test_held_sequence_extend_reserve_and_error_abort():
+    """The scheduler side of a request state's Decision (decision.py)."""
+    sched = Scheduler(config())
+    seq = make_seq("a", [1, 2, 3], 5)
+    seq.num_reserved_slots = 2
+    sched.add(seq)
+    out = sched.schedule()
+    assert sched.update(out, {}, hold={"a"}) == [] and seq.num_uncomputed_tokens == 0
+    assert sched.schedule().is_empty  # held: nothing to compute
+    sched.set_reserved_slots(seq, 1)
+    sched.extend(seq, 7)
+    out = sched.schedule()
+    assert [(i.request_id, i.token_ids) for i in out.decodes] == [("a", [7])]
+    with pytest.raises(ValueError, match="num_slots"):
+        sched.set_reserved_slots(seq, 0)
+    assert sched.abort("a", SequenceStatus.FINISHED_ERROR)
+    assert seq.status is SequenceStatus.FINISHED_ERROR and not sched.has_unfinished()
+    assert sched.block_manager.num_free_blocks == sched.block_manager.num_usable_blocks
+    with pytest.raises(ValueError, match="not a live sequence"):
+        sched.extend(seq, 8)
+
+
 def test_empty_schedule_when_idle():
     out = Scheduler(config()).schedule()
-    assert isinstance(out, SchedulerOutput) and out.is_empty and out.num_batched_tokens == 0
+    assert isinstance(out, SchedulerOutput) and out.is_empty and num_batched_tokens(out) == 0
 
 
 # ---- randomized stress -----------------------------------------------------------

@@ -3,8 +3,9 @@
 A beam is a Sequence. Each step every live beam computes its next position with top
 2 * beam_width logprobs (the runner's top-logprob path on greedy rows) and is then *held*: the
 scheduler advances it but appends nothing, so it waits, unscheduled, until every live beam of
-the request has its candidates. Then `advance` ranks all (beam, token) candidates by the beam's
-cumulative logprob plus the token's logprob and keeps the best beam_width:
+the request has its candidates. Then `on_updated` ranks all (beam, token) candidates by the
+beam's cumulative logprob plus the token's logprob, keeps the best beam_width and returns the
+engine a Decision (decision.py) to apply through the scheduler:
 
 - a parent chosen k times continues with its first token and is forked k - 1 times (children
   share its blocks; the first write into the shared tail block is a copy-on-write);
@@ -25,9 +26,11 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from jaxserve.core.decision import Decision, Fork, NewId
 from jaxserve.core.outputs import (CompletionOutput, RequestMetrics, RequestOutput,
                                    SampleResult)
 from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.core.scheduler import ScheduledSeq
 from jaxserve.core.sequence import Sequence, SequenceStatus
 from models.tokenizer import Tokenizer
 
@@ -72,20 +75,28 @@ class BeamRequestState:
         self.live: list[Beam] = [Beam(seq)]
         self.hypotheses: list[Hypothesis] = []
         self.finished = False
-        seq.num_reserved_slots = self.width
+        self.error: str | None = None
+
+    @property
+    def num_slots(self) -> int:
+        return self.width
 
     def seed_of(self, seq_id: str) -> int:
         return 0
 
-    @property
-    def seq_ids(self) -> list[str]:
-        return [b.seq.request_id for b in self.live]
-
-    def record(self, seq_id: str, result: SampleResult) -> None:
+    def on_sampled(self, item: ScheduledSeq, result: SampleResult, new_id: NewId) -> Decision:
+        """Records the beam's candidates; it is held until its whole group has them."""
         if self.metrics.first_token_time is None:
             self.metrics.first_token_time = time.monotonic()
-        beam = self._beam(seq_id)
+        beam = self._beam(item.request_id)
         beam.candidates = list((result.top or {}).items())[:2 * self.width]
+        return Decision(hold={item.request_id})
+
+    def on_updated(self, finished: list[Sequence], new_id: NewId) -> Decision:
+        return self._advance(new_id) if self.ready else Decision()
+
+    def fail(self, message: str) -> None:
+        self.error, self.finished, self.live = message, True, []
 
     def _beam(self, seq_id: str) -> Beam:
         return next(b for b in self.live if b.seq.request_id == seq_id)
@@ -94,8 +105,8 @@ class BeamRequestState:
     def ready(self) -> bool:
         return all(b.candidates is not None for b in self.live)
 
-    def advance(self, scheduler, new_id) -> list[Sequence]:
-        """One beam step: fork, free and extend beams. Returns the sequences that left."""
+    def _advance(self, new_id: NewId) -> Decision:
+        """One beam step: which beams to fork, free and extend."""
         chosen = self._select()
         out_len = self.live[0].seq.num_output_tokens + 1
         if out_len >= self.params.max_tokens:  # every chosen beam ends at max_tokens
@@ -104,7 +115,7 @@ class BeamRequestState:
             chosen = []
         elif self._done([score for _, _, score in chosen], out_len):
             chosen = []
-        return self._rebuild(scheduler, new_id, chosen)
+        return self._rebuild(new_id, chosen)
 
     def _select(self) -> list[tuple[int, int, float]]:
         cands = [(b.cum_logprob + lp, i, rank, tok)
@@ -135,42 +146,46 @@ class BeamRequestState:
         best_live = beam_score(max(live_scores), out_len, self.params.length_penalty)
         return worst_kept >= best_live
 
-    def _rebuild(self, scheduler, new_id, chosen) -> list[Sequence]:
+    def _rebuild(self, new_id: NewId, chosen) -> Decision:
         by_parent: dict[int, list[tuple[int, float]]] = {}
         for parent, tok, score in chosen:
             by_parent.setdefault(parent, []).append((tok, score))
+        decision = Decision()
         # The group keeps `width` slots: each kept parent holds one per branch it spawns, the
         # first one also the slots of beams not refilled.
         spare = self.width - len(chosen)
         for parent, picks in by_parent.items():
-            self.live[parent].seq.num_reserved_slots = len(picks) + spare
+            decision.reserve.append((self.live[parent].seq, len(picks) + spare))
             spare = 0
-        new_live, left = [], []
+        new_live = []
         for i, beam in enumerate(self.live):
             picks = by_parent.get(i)
             if not picks:
+                decision.free.append((beam.seq, DROPPED))
                 continue
             parent = beam.seq
             for tok, score in picks[1:]:
+                # The child's KV is the parent's; it computes its own pick next step.
                 child = Sequence(new_id(), parent.prompt_token_ids, parent.sampling_params,
-                                 arrival_time=parent.arrival_time, cache_salt=parent.cache_salt)
-                child.output_token_ids = parent.output_token_ids + [tok]
-                scheduler.fork(parent, child, parent.num_computed_tokens)
+                                 arrival_time=parent.arrival_time, cache_salt=parent.cache_salt,
+                                 output_token_ids=parent.output_token_ids + [tok])
+                decision.forks.append(Fork(parent=parent, child=child,
+                                           num_computed_tokens=parent.num_computed_tokens))
                 new_live.append(Beam(child, score))
-            parent.append_token(picks[0][0])
+            decision.append.append((parent, picks[0][0]))
             new_live.append(Beam(parent, picks[0][1]))
-        for i, beam in enumerate(self.live):
-            if i not in by_parent:
-                scheduler.finish(beam.seq, DROPPED)
-                left.append(beam.seq)
         self.live = new_live
         if not new_live:
             self.finished = True
-        return left
+        return decision
 
     def output(self) -> RequestOutput:
         outputs = []
-        if self.finished:
+        if self.error is not None:
+            self.metrics.finished_time = time.monotonic()
+            outputs = [CompletionOutput(index=i, text="", token_ids=[], finish_reason="error")
+                       for i in range(self.params.n)]
+        elif self.finished:
             self.metrics.finished_time = time.monotonic()
             ranked = sorted(self.hypotheses, key=lambda h: -h.score)[:self.params.n]
             for i, h in enumerate(ranked):
@@ -183,4 +198,4 @@ class BeamRequestState:
                     delta_token_ids=h.token_ids))
         return RequestOutput(request_id=self.request_id, prompt=self.prompt,
                              prompt_token_ids=self.prompt_token_ids, outputs=outputs,
-                             finished=self.finished, metrics=self.metrics)
+                             finished=self.finished, metrics=self.metrics, error=self.error)

@@ -45,11 +45,6 @@ def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
-def slot_for_position(block_table: list[int], position: int, block_size: int) -> int:
-    """Flat KV-cache slot of token `position` for a sequence with `block_table`."""
-    return block_table[position // block_size] * block_size + position % block_size
-
-
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, reserve_null_block: bool = True,
                  enable_caching: bool = False) -> None:
@@ -216,26 +211,6 @@ class BlockManager:
         for i in range(seq.num_registered_blocks, full):
             self.cache.register(seq.block_table[i], hashes[i])
         seq.num_registered_blocks = full
-
-    def can_append_slot(self, seq: Sequence) -> bool:
-        self._require_decode(seq)
-        return self.can_allocate(seq, 1)
-
-    def append_slot(self, seq: Sequence) -> tuple[int, int] | None:
-        """Slot for a decode step's one new token: a new block only at a boundary.
-
-        Returns the (src, dst) copy pair if the tail block was shared.
-        """
-        self._require_decode(seq)
-        copies = self.allocate(seq, 1)
-        return copies[0] if copies else None
-
-    @staticmethod
-    def _require_decode(seq: Sequence) -> None:
-        if seq.num_uncomputed_tokens != 1:
-            raise ValueError(
-                f"{seq.request_id!r} has {seq.num_uncomputed_tokens} uncomputed tokens; "
-                f"append_slot is for decode (exactly 1), use allocate for prefill")
 
     def _take(self) -> int:
         # Uncached free blocks first; a cached one is evicted only when none is left.

@@ -31,7 +31,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None (running)
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     logprobs: list[dict[int, float]] | None = None  # per token: {id: logprob} (sampled + top-k)
     cumulative_logprob: float = 0.0
@@ -51,6 +51,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    error: str | None = None  # why the request failed inside a step (finish_reason "error")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,15 +12,18 @@ from __future__ import annotations
 import hashlib
 import time
 
+from jaxserve.core.decision import Decision, Fork, NewId
 from jaxserve.core.outputs import (CompletionOutput, RequestMetrics, RequestOutput,
                                    SampleResult)
 from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.core.scheduler import ScheduledSeq
 from jaxserve.core.sequence import Sequence, SequenceStatus
 from models.tokenizer import IncrementalDetokenizer, Tokenizer
 
 FINISH_REASONS = {SequenceStatus.FINISHED_STOPPED: "stop",
                   SequenceStatus.FINISHED_LENGTH: "length",
-                  SequenceStatus.FINISHED_ABORTED: "abort"}
+                  SequenceStatus.FINISHED_ABORTED: "abort",
+                  SequenceStatus.FINISHED_ERROR: "error"}
 
 
 def branch_seed(seed: int, index: int) -> int:
@@ -119,32 +122,38 @@ class BranchState:
 
 
 class RequestState:
-    """A request's branches (n of them once forked) and its metrics."""
+    """A request's branches (n of them once forked) and its metrics (see decision.py)."""
 
     def __init__(self, seq: Sequence, prompt: str | None, tokenizer: Tokenizer | None,
-                 seed: int, arrival_time: float):
+                 seed: int, arrival_time: float, eos_ids: set[int]):
         self.request_id, self.prompt, self.seed = seq.request_id, prompt, seed
         self.params: SamplingParams = seq.sampling_params
         self.prompt_token_ids = list(seq.prompt_token_ids)
         self.tokenizer = tokenizer
+        self.eos_ids = eos_ids
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         self.branches = [BranchState(0, seq, tokenizer, seed, self.metrics)]
         self.by_seq: dict[str, BranchState] = {seq.request_id: self.branches[0]}
+        self.error: str | None = None
 
     @property
     def seq(self) -> Sequence:
         return self.branches[0].seq
 
     @property
+    def num_slots(self) -> int:
+        return self.params.n
+
+    @property
     def num_pending_forks(self) -> int:
         return self.params.n - len(self.branches)
 
-    def fork_sequences(self, new_id) -> list[Sequence]:
-        """Sequences for branches 1..n-1: copies of the prompt; `new_id(i)` names branch i."""
+    def _fork_sequences(self, new_id: NewId) -> list[Sequence]:
+        """Sequences for branches 1..n-1: copies of the prompt."""
         parent = self.seq
         children = []
         for i in range(len(self.branches), self.params.n):
-            child = Sequence(new_id(i), parent.prompt_token_ids, parent.sampling_params,
+            child = Sequence(new_id(), parent.prompt_token_ids, parent.sampling_params,
                              arrival_time=parent.arrival_time, cache_salt=parent.cache_salt)
             branch = BranchState(i, child, self.tokenizer, branch_seed(self.seed, i),
                                  self.metrics)
@@ -156,14 +165,37 @@ class RequestState:
     def seed_of(self, seq_id: str) -> int:
         return self.by_seq[seq_id].seed
 
-    def on_token(self, seq_id: str, result: SampleResult, eos_ids: set[int]):
-        return self.by_seq[seq_id].on_token(result, eos_ids)
+    def on_sampled(self, item: ScheduledSeq, result: SampleResult, new_id: NewId) -> Decision:
+        """Records the token; once branch 0's prompt has run, forks the other branches off it.
 
-    def mark_finished(self, seq_id: str) -> None:
-        self.by_seq[seq_id].finished = True
+        Each branch recomputes only the last prompt token (copy-on-write of the tail block) to
+        sample its own first token.
+        """
+        sid, decision = item.request_id, Decision()
+        if self.num_pending_forks and item.seq is self.seq:
+            end = item.start_pos + item.num_new_tokens
+            decision.forks = [Fork(parent=item.seq, child=child, num_computed_tokens=end - 1)
+                              for child in self._fork_sequences(new_id)]
+        decision.tokens[sid] = result.token
+        reason = self.by_seq[sid].on_token(result, self.eos_ids)
+        if reason is not None:
+            decision.finished[sid] = reason
+        return decision
+
+    def on_updated(self, finished: list[Sequence], new_id: NewId) -> Decision:
+        for seq in finished:
+            self.by_seq[seq.request_id].finished = True
+        return Decision()
+
+    def fail(self, message: str) -> None:
+        self.error = message
+        for branch in self.branches:
+            branch.finished = True
 
     @property
     def finished(self) -> bool:
+        if self.error is not None:
+            return True
         return len(self.branches) == self.params.n and all(b.finished for b in self.branches)
 
     def output(self) -> RequestOutput:
@@ -173,4 +205,4 @@ class RequestState:
         return RequestOutput(request_id=self.request_id, prompt=self.prompt,
                              prompt_token_ids=list(self.prompt_token_ids),
                              outputs=[b.output() for b in self.branches], finished=finished,
-                             metrics=self.metrics)
+                             metrics=self.metrics, error=self.error)

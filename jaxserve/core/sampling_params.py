@@ -11,6 +11,10 @@ MAX_STOP_STRING_CHARS = 256
 MAX_N = 64
 # Beam search ranks each beam's top 2 * beam_width tokens, read as top logprobs.
 MAX_BEAM_WIDTH = MAX_LOGPROBS // 2
+# Width of the sampler's per-slot table of ids banned while fewer than min_tokens are generated
+# (the request's stop_token_ids plus the engine's EOS ids). Declared here so the engine checks
+# it when a request is added, without importing the (jax) sampler.
+MAX_STOP_IDS = 16
 
 
 class SamplingParamError(ValueError):
@@ -125,3 +129,26 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def min_tokens_banned_ids(params: SamplingParams, eos_ids) -> tuple[int, ...]:
+    """Ids the sampler bans while fewer than min_tokens are generated: stop_token_ids, then the
+    engine's EOS ids (unless ignore_eos), deduplicated. Raises SamplingParamError past the
+    sampler's MAX_STOP_IDS."""
+    eos = () if params.ignore_eos else tuple(sorted(eos_ids))
+    ids = tuple(dict.fromkeys(tuple(params.stop_token_ids) + eos))
+    if len(ids) > MAX_STOP_IDS:
+        raise SamplingParamError(
+            "stop_token_ids", f"min_tokens supports at most {MAX_STOP_IDS} stop token ids (the "
+            f"model's {len(eos)} EOS ids included), got {len(ids)}; pass fewer "
+            f"stop_token_ids or set min_tokens=0")
+    return ids
+
+
+def check_servable(params: SamplingParams, eos_ids) -> None:
+    """The limits that depend on the engine (its EOS ids), checked when a request is added so
+    that a request the sampler cannot run is refused instead of failing inside a step."""
+    if params.prompt_logprobs is not None:
+        raise SamplingParamError("prompt_logprobs", "prompt_logprobs is not supported yet")
+    if params.min_tokens > 0:
+        min_tokens_banned_ids(params, eos_ids)

@@ -113,10 +113,6 @@ class SchedulerOutput:
         return self.prefills + self.decodes
 
     @property
-    def num_batched_tokens(self) -> int:
-        return sum(item.num_new_tokens for item in self.scheduled)
-
-    @property
     def is_empty(self) -> bool:
         return not self.prefills and not self.decodes
 
@@ -175,11 +171,14 @@ class Scheduler:
         self.waiting.append(seq)
         self._ids.add(rid)
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str,
+              status: SequenceStatus = SequenceStatus.FINISHED_ABORTED) -> bool:
         """Finish `request_id` in whatever state it is, freeing its blocks."""
+        if not status.is_finished:
+            raise ValueError(f"abort status must be FINISHED_*, got {status}")
         for seq in self._all():
             if seq.request_id == request_id:
-                self._finish(seq, SequenceStatus.FINISHED_ABORTED)
+                self._finish(seq, status)
                 return True
         return False
 
@@ -217,6 +216,24 @@ class Scheduler:
         # sequence may be mid-prefill (see _schedule_running).
         self.running.insert(self.running.index(parent) + 1, child)
         self._ids.add(child.request_id)
+
+    def set_reserved_slots(self, seq: Sequence, num_slots: int) -> None:
+        """Sets the batch slots a live sequence holds (a beam group moving slots to the parents
+        it forks next); the caller keeps the group's total unchanged."""
+        self._require_live(seq)
+        if not isinstance(num_slots, int) or num_slots < 1:
+            raise ValueError(f"{seq.request_id!r}: num_slots must be >= 1, got {num_slots!r}")
+        seq.num_reserved_slots = num_slots
+
+    def extend(self, seq: Sequence, token_id: int) -> None:
+        """Appends a token chosen outside `update` (a held beam's pick): the sequence has its
+        KV up to that token, so its next step is a decode (or, preempted, a recompute)."""
+        self._require_live(seq)
+        seq.append_token(token_id)
+
+    def _require_live(self, seq: Sequence) -> None:
+        if seq.request_id not in self._ids or seq.is_finished:
+            raise ValueError(f"{seq.request_id!r} is not a live sequence of this scheduler")
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         """Ends `seq` (running or waiting) with a FINISHED_* status, freeing its blocks."""

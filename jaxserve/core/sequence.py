@@ -18,6 +18,7 @@ Token accounting (the contract the scheduler, block manager and runner share):
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from typing import Any
 
 
@@ -29,6 +30,8 @@ class SequenceStatus(enum.Enum):
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"
+    # Failed inside a step (a bug or an unchecked limit): ended so the engine can go on.
+    FINISHED_ERROR = "finished_error"
 
     @property
     def is_finished(self) -> bool:
@@ -39,6 +42,7 @@ _FINISHED = frozenset({
     SequenceStatus.FINISHED_STOPPED,
     SequenceStatus.FINISHED_LENGTH,
     SequenceStatus.FINISHED_ABORTED,
+    SequenceStatus.FINISHED_ERROR,
 })
 
 
@@ -53,10 +57,12 @@ class Sequence:
         *,
         arrival_time: float = 0.0,
         cache_salt: str | None = None,
+        output_token_ids: Iterable[int] = (),
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids: list[int] = list(prompt_token_ids)
-        self.output_token_ids: list[int] = []
+        # Non-empty for a fork that continues another sequence's output (a beam's child).
+        self.output_token_ids: list[int] = list(output_token_ids)
         self.sampling_params = sampling_params
         self.arrival_time = arrival_time
         self.num_computed_tokens = 0
@@ -97,10 +103,6 @@ class Sequence:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
-
-    @property
-    def last_token_id(self) -> int:
-        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
 
     @property
     def num_uncomputed_tokens(self) -> int:

@@ -26,11 +26,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxserve.core.sampling_params import MAX_LOGPROBS, SamplingParams
+from jaxserve.core.sampling_params import (MAX_LOGPROBS, MAX_STOP_IDS, SamplingParams,
+                                           min_tokens_banned_ids)
 
-# Width of the per-slot table of ids banned while num_generated < min_tokens (EOS ids plus the
-# request's stop_token_ids). Tiny next to [S, V]; from_params rejects requests needing more.
-MAX_STOP_IDS = 16
+# MAX_STOP_IDS (core/sampling_params.py) is the width of the per-slot table of ids banned while
+# num_generated < min_tokens; tiny next to [S, V]. The engine refuses requests needing more.
 # vLLM's epsilon: below it logits / T overflows float32, and the result is argmax anyway.
 GREEDY_EPS = 1e-5
 # Filtering looks at each row's top TOP_CANDIDATES logits first (lax.top_k is ~40x cheaper than
@@ -104,10 +104,7 @@ def _idle_tensors(size: int) -> dict[str, np.ndarray]:
 
 
 def _banned_row(p: SamplingParams, eos_ids: Sequence[int]) -> np.ndarray:
-    ids = list(dict.fromkeys(tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(eos_ids))))
-    if len(ids) > MAX_STOP_IDS:
-        raise ValueError(f"min_tokens supports at most {MAX_STOP_IDS} stop token ids "
-                         f"(EOS included), got {len(ids)}")
+    ids = min_tokens_banned_ids(p, eos_ids)  # raises past MAX_STOP_IDS
     row = np.full((MAX_STOP_IDS,), -1, np.int32)  # [MAX_STOP_IDS]
     row[:len(ids)] = ids
     return row

@@ -16,7 +16,7 @@ import time
 
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
-from jaxserve.server.errors import invalid, unavailable
+from jaxserve.server.errors import ApiError, invalid, unavailable
 
 log = logging.getLogger("jaxserve.server")
 
@@ -160,7 +160,8 @@ class EngineLoop:
             # The handler validated already; this is the engine's last word. All or nothing.
             self._abort([s.request_id for s in added])
             self._release(len(subs) - len(added))
-            out.put(Event(-1, None, time.monotonic(), error=invalid(str(e), "prompt")))
+            param = getattr(e, "param", "prompt")  # a SamplingParamError names its field
+            out.put(Event(-1, None, time.monotonic(), error=invalid(str(e), param)))
             return
         out.put(ACCEPTED)
 
@@ -180,10 +181,23 @@ class EngineLoop:
             route = self._routes.get(out.request_id)
             if route is None:
                 continue
+            if out.error is not None:
+                self._fail_group(route[0], out)
+                continue
             route[0].put(Event(route[1], out, now))
             if out.finished:
                 del self._routes[out.request_id]
                 self._release(1)
+
+    def _fail_group(self, group: queue.SimpleQueue, out: RequestOutput) -> None:
+        """A sub-request failed inside a step (the engine went on without it): its response
+        fails with a 500, so its siblings are aborted too."""
+        del self._routes[out.request_id]
+        self._release(1)
+        self._abort([rid for rid, (q, _) in self._routes.items() if q is group])
+        err = ApiError(500, f"the request failed while generating: {out.error}",
+                       type="server_error", code="request_failed")
+        group.put(Event(-1, None, time.monotonic(), error=err))
 
     def _fail_all(self, message: str) -> None:
         err = unavailable(message, "engine_unavailable")

@@ -1,0 +1,87 @@
+"""The contract between the engine and a request's host state (n branches, or a beam group).
+
+After each step the engine hands every request state its sequences' sampled results, then the
+sequences the scheduler finished, and gets back a `Decision`: plain data saying what should
+happen to the request's sequences. The engine applies it through the scheduler; a request state
+never writes into a Sequence the scheduler owns nor calls the scheduler itself, so the two kinds
+of request (`RequestState`, `BeamRequestState`) differ only in the decisions they return.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Protocol
+
+from jaxserve.core.outputs import RequestOutput, SampleResult
+from jaxserve.core.scheduler import ScheduledSeq
+from jaxserve.core.sequence import Sequence, SequenceStatus
+
+NewId = Callable[[], str]  # the engine's source of fresh sequence ids (unique among live ones)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Fork:
+    """Run `child` (a new Sequence: `parent`'s tokens, maybe plus some) on `parent`'s blocks,
+    with its first `num_computed_tokens` positions' KV taken as written (Scheduler.fork)."""
+
+    parent: Sequence
+    child: Sequence
+    num_computed_tokens: int
+
+
+@dataclasses.dataclass(kw_only=True)
+class Decision:
+    """What to do with a request's sequences; the engine applies the fields in this order.
+
+    reserve: (sequence, batch slots it holds from now on), before the forks that use them.
+    forks: children to start on a parent's blocks (before `update` when the parent just ran).
+    tokens / finished / hold: this step's part of Scheduler.update, by sequence id: the token
+        to append, the status that ends a sequence with it, and the sequences that ran but take
+        no token yet (a beam waiting for its group).
+    append: (sequence, token) for sequences held since an earlier step (a beam's pick).
+    free: (sequence, status) for sequences that end without a new token (a beam not kept).
+    """
+
+    reserve: list[tuple[Sequence, int]] = dataclasses.field(default_factory=list)
+    forks: list[Fork] = dataclasses.field(default_factory=list)
+    tokens: dict[str, int] = dataclasses.field(default_factory=dict)
+    finished: dict[str, SequenceStatus] = dataclasses.field(default_factory=dict)
+    hold: set[str] = dataclasses.field(default_factory=set)
+    append: list[tuple[Sequence, int]] = dataclasses.field(default_factory=list)
+    free: list[tuple[Sequence, SequenceStatus]] = dataclasses.field(default_factory=list)
+
+    def merge(self, other: Decision) -> None:
+        for f in dataclasses.fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if isinstance(mine, list):
+                mine.extend(theirs)
+            else:  # dict or set
+                mine.update(theirs)
+
+
+class RequestStateProtocol(Protocol):
+    """What the engine asks of a request's host state."""
+
+    request_id: str
+
+    @property
+    def num_slots(self) -> int:
+        """Batch slots the request's first sequence reserves at admission (one per branch)."""
+
+    @property
+    def finished(self) -> bool: ...
+
+    def seed_of(self, seq_id: str) -> int:
+        """The sampling seed of one of the request's sequences."""
+
+    def on_sampled(self, item: ScheduledSeq, result: SampleResult, new_id: NewId) -> Decision:
+        """`item` ran and sampled `result` (before Scheduler.update applies the step)."""
+
+    def on_updated(self, finished: list[Sequence], new_id: NewId) -> Decision:
+        """After Scheduler.update: `finished` are the request's sequences it ended."""
+
+    def fail(self, message: str) -> None:
+        """The request failed inside a step; the engine has ended all its sequences."""
+
+    def output(self) -> RequestOutput: ...
