@@ -20,6 +20,7 @@ import pytest
 from jaxserve import EngineConfig
 from jaxserve.runtime.sharding import head_layout, make_mesh, pad_heads, param_specs
 from models.config import ModelConfig
+from models.quantized import Int4Weight
 from models.random_init import random_model
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -116,13 +117,13 @@ def test_quantization_groups_must_not_straddle_devices():
     config = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=512, num_layers=1,
                          num_heads=8, num_kv_heads=8, head_dim=8)
     shapes = jax.eval_shape(lambda: random_model(config).params)
-    down = {"packed": jax.ShapeDtypeStruct((1, 256, 64), np.uint8),   # K = 512, g = 128
-            "scales": jax.ShapeDtypeStruct((1, 4, 64), np.float32)}
+    down = Int4Weight(packed=jax.ShapeDtypeStruct((1, 256, 64), np.uint8),  # K = 512, g = 128
+                      scales=jax.ShapeDtypeStruct((1, 4, 64), np.float32), group_size=128)
     layers = dict(shapes["layers"], mlp=dict(shapes["layers"]["mlp"],
                                              down_proj={"kernel": down}))
     params = dict(shapes, layers=layers)
     specs = param_specs(params, config, 4)  # 128 rows per device: whole groups
-    assert specs["layers"]["mlp"]["down_proj"]["kernel"]["packed"] == \
+    assert specs["layers"]["mlp"]["down_proj"]["kernel"].packed == \
         jax.sharding.PartitionSpec(None, "model", None)
     with pytest.raises(ValueError, match="not a multiple of the quantization group size 128"):
         param_specs(params, config, 8)  # 64 rows per device: a group would straddle
