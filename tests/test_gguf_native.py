@@ -43,7 +43,7 @@ def test_native_linear_equals_gguf_dequantize_then_matmul(qtype):
     # The pytree stands for exactly gguf's weights (f16 d, m and small codes: exact in f32).
     np.testing.assert_array_equal(np.asarray(dequantize_weight(tree)), ref_w)
     x = rng.normal(size=(5, 256)).astype(np.float32)
-    y = np.asarray(quantized_linear(jnp.asarray(x), {k: jnp.asarray(v) for k, v in tree.items()}))
+    y = np.asarray(quantized_linear(jnp.asarray(x), jax.tree.map(jnp.asarray, tree)))
     ref = x.astype(np.float64) @ ref_w.astype(np.float64)
     np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 

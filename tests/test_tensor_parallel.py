@@ -49,6 +49,10 @@ def runs():
         "w8a8": ["int4", {"sizes": [1, 2, 4], "quantization": "w8a8"}],
         # The int4 Pallas matmul per shard (interpreted) against the XLA int4 path on 1 device.
         "int4_kernel": ["int4", {"sizes": [2], "linear_backend": "pallas-interpret"}],
+        # A kernel linear backend (the GPU default) with int8 weights and an int8 head: they
+        # run XLA dots, partitioned as on the xla backend, against w8a8 on 1 device.
+        "w8a8_kernel": ["int4", {"sizes": [2], "quantization": "w8a8",
+                                 "linear_backend": "pallas-interpret"}],
         "hlo": ["hlo", {"n": 4}],
         "warmup": ["warmup", {"n": 4}],
         "hlo_int4_kernel": ["hlo", {"n": 2, "quantization": "int4",
@@ -131,9 +135,11 @@ def test_quantization_groups_must_not_straddle_devices():
 
 # ---- multi-device runs ----------------------------------------------------------------------
 
-@pytest.mark.parametrize("label", ["gqa", "smol_heads", "kernel", "int4", "int4_kernel", "w8a8"])
+@pytest.mark.parametrize("label", ["gqa", "smol_heads", "kernel", "int4", "int4_kernel", "w8a8",
+                                   "w8a8_kernel"])
 def test_same_greedy_tokens_as_one_device(runs, label):
-    one = runs[{"kernel": "gqa", "int4_kernel": "int4"}.get(label, label)]["1"]["tokens"]
+    one = runs[{"kernel": "gqa", "int4_kernel": "int4",
+                "w8a8_kernel": "w8a8"}.get(label, label)]["1"]["tokens"]
     assert len(one) == 2 and all(len(t) == 5 for t in one)
     for n, result in runs[label].items():
         assert result["tokens"] == one, f"tensor_parallel_size={n}"

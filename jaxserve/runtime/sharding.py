@@ -35,7 +35,7 @@ from jaxserve.runtime.kv_cache import KVCache
 from models.config import ModelConfig
 from models.llama import LINEAR_ROLES, Parallel
 from models.model import Model
-from models.quantized import QuantizedWeight, is_quantized
+from models.quantized import Int4Weight, QuantizedWeight, is_quantized
 
 log = logging.getLogger("jaxserve")
 
@@ -43,6 +43,10 @@ AXIS = "model"
 # Which feature axis a role splits: column the outputs (N), row the inputs (K).
 SPLIT = {"column": "out", "row": "in", None: None}
 FLOAT_LAYOUT = {"kernel": ("in", "out"), "bias": ("out",)}  # kernel [.., K, N], bias [.., N]
+# Weights a non-XLA linear backend runs through a Pallas kernel, which the SPMD partitioner
+# cannot split: they run per shard (shard_map). int8 weights run XLA dots and are partitioned
+# like float ones, with the same (global) per-token activation scales as on one device.
+KERNEL_WEIGHTS = (Int4Weight,)
 HEADS = P(None, None, AXIS, None)            # q/k/v/attention output [B, T, H, Dh]
 CACHE = P(None, None, None, AXIS, None)      # [L, NB, BS, K, Dh]
 
@@ -324,11 +328,11 @@ class TensorParallel:
         The role is the one the layer declares (models/llama.py LINEAR_ROLES), passed with each
         call. Column parallel: x replicated, weight columns split, output features split. Row
         parallel: x features and weight rows split, partial products psum'd: the layer's one
-        all-reduce. Float weights, and layers without a role (the LM head), go through `fn`
-        under the annotations, as on the XLA path.
+        all-reduce. Other weights (float, int8), and layers without a role (the LM head), go
+        through `fn` under the annotations, as on the XLA path.
         """
         def sharded(x, w, parallel: Parallel = None):
-            if parallel is None or not is_quantized(w):
+            if parallel is None or not isinstance(w, KERNEL_WEIGHTS):
                 return fn(x, w, parallel)
             lead = (None,) * (x.ndim - 1)
             split = SPLIT[parallel]
