@@ -49,10 +49,6 @@ class _Weight:
     def out_features(self) -> int:
         return self.scales.shape[-1]
 
-    @property
-    def symmetric(self) -> bool:
-        return self.offsets is None
-
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -95,3 +95,8 @@ def test_no_code_reads_flax_private_module_stack():
                  for p in sorted((ROOT / folder).rglob("*.py"))
                  if pattern.search(p.read_text(encoding="utf-8"))]
     assert offenders == []
+
+
+def test_an_unknown_role_is_refused_where_the_layer_is_declared():
+    with pytest.raises(ValueError, match="parallel must be one of"):
+        Linear(8, parallel="col")
