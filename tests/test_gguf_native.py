@@ -37,8 +37,9 @@ def test_native_linear_equals_gguf_dequantize_then_matmul(qtype):
     t = gguf_tensor(w_hf, qtype)
     ref_w = gguf.quants.dequantize(t.data, qtype).reshape(96, 256).T  # [K, N]
     tree = native_weight(t)
-    assert set(tree.arrays()) == {QT.Q4_0: {"packed", "scales"}, QT.Q4_1: {"packed", "scales", "offsets"},
-                         QT.Q8_0: {"q8", "scales"}}[qtype]
+    assert set(tree.arrays()) == {QT.Q4_0: {"packed", "scales"},
+                                  QT.Q4_1: {"packed", "scales", "offsets"},
+                                  QT.Q8_0: {"q8", "scales"}}[qtype]
     assert tree.scales.shape == (256 // 32, 96)
     # The pytree stands for exactly gguf's weights (f16 d, m and small codes: exact in f32).
     np.testing.assert_array_equal(np.asarray(dequantize_weight(tree)), ref_w)
@@ -111,7 +112,8 @@ def test_smollm2_native_pytrees_are_the_files_weights(smollm2_fp32, smollm2_path
     for block, name in LINEARS:
         tree = native["layers"][block][name]["kernel"]
         _, k, n = m.params["layers"][block][name]["kernel"].shape
-        assert isinstance(tree, Int4Weight) and tree.scales.shape[1:] == (k // 32, n)  # [L, K/32, N]
+        assert isinstance(tree, Int4Weight)
+        assert tree.scales.shape[1:] == (k // 32, n)  # [L, K/32, N]
         for layer in (0, 17):
             got = np.asarray(dequantize_weight(jax.tree.map(lambda v: v[layer], tree)))
             np.testing.assert_array_equal(

@@ -13,9 +13,8 @@ are the file's bytes, transposed. The loader has already put the Q/K rows in HF 
 
 from __future__ import annotations
 
-import logging
-
 import dataclasses
+import logging
 
 import gguf
 import jax

@@ -71,7 +71,7 @@ def attention_backend(kind: str, config: ModelConfig, block_size: int, requested
 
 
 def linear_backend(kind: str, activation_bits: int = 16):
-    """`linear(x, w, parallel)`: x @ w for float weights or a quantized weight (models/quantized.py).
+    """`linear(x, w, parallel)`: x @ w, w a float kernel or a quantized one (models/quantized.py).
 
     Int4Weight runs the Pallas kernel (pallas*) or the XLA reference; Int8Weight runs integer
     dots in XLA, with int8 activations when `activation_bits` is 8 (W8A8). `parallel`, the
