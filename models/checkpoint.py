@@ -1,4 +1,8 @@
-"""Orbax save/restore of converted params: the fast start path (no GGUF dequantization)."""
+"""Orbax save/restore of converted params: the fast start path (no GGUF dequantization).
+
+Quantized kernels (models/quantized.py) are saved by orbax as the dicts of their array fields
+and rebuilt into Int4Weight/Int8Weight on restore (`quantized.from_stored`).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import pathlib
 import jax
 import numpy as np
 
+from models import quantized
 from models.config import ModelConfig
 from models.weights import CheckpointError
 
@@ -15,9 +20,9 @@ CONFIG_FILE = "jaxserve_config.json"
 PARAMS_DIR = "params"
 
 
-# Quantized kernels (jaxserve/quantization/core.py) keep their codes' integer dtypes and float32
-# scales/offsets whatever the model dtype.
-QUANT_PARAM_KEYS = ("scales", "offsets")
+# Quantized kernels keep their codes' integer dtypes and float32 scales/offsets whatever the
+# model dtype.
+QUANT_PARAM_KEYS = quantized.FLOAT32_FIELDS
 
 
 def is_orbax_dir(path: pathlib.Path) -> bool:
@@ -28,7 +33,7 @@ def leaf_dtype(path, x, dtype):
     """The dtype a param leaf is held in for a model of `dtype`."""
     if np.issubdtype(np.dtype(x.dtype), np.integer):
         return x.dtype
-    keys = {getattr(k, "key", None) for k in path}
+    keys = {getattr(k, "key", getattr(k, "name", None)) for k in path}  # dict key / field
     return np.float32 if keys & set(QUANT_PARAM_KEYS) else dtype
 
 
@@ -64,7 +69,7 @@ def restore(directory, dtype):
         raise CheckpointError(f"{directory}: no {PARAMS_DIR}/ orbax checkpoint next to "
                               f"{CONFIG_FILE}")
     with ocp.StandardCheckpointer() as ckptr:
-        params = ckptr.restore(directory / PARAMS_DIR)
+        params = quantized.from_stored(ckptr.restore(directory / PARAMS_DIR))
     params = jax.tree_util.tree_map_with_path(
         lambda path, x: np.asarray(x).astype(leaf_dtype(path, x, dtype)), params)
     tokenizer = (Tokenizer.from_hf_dir(directory)

@@ -5,28 +5,47 @@ goes through a backend function so the paged KV cache (and Pallas kernels) plug 
 touching the model: `attention(q, k, v, cache, layer, meta) -> (out, cache)`. The whole cache
 (all layers) rides in the scan carry and each layer updates its slice in place: a cache passed
 as a scanned input/output would be copied whole every step.
+
+Linear layers go through a backend too, `linear(x, kernel, parallel) -> y`, where `parallel` is
+the layer's tensor-parallel role from `LINEAR_ROLES`, declared once here: the layers are built
+from it and jaxserve/runtime/sharding.py derives the weights' partition specs from it, so the
+backend shards a layer by what it is declared, not by its name.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from models.config import ModelConfig
+from models.quantized import is_quantized
 from models.rope import apply_rope, inv_frequencies
 
+# Megatron roles: "column" splits the output features over devices, "row" the input features
+# (its partial products are summed: one all-reduce per block); None is not split by role (the
+# LM head is vocab-parallel or replicated by its own rule in sharding.py).
+Parallel = Literal["column", "row"] | None
+PARALLEL_ROLES = ("column", "row", None)
+
+# The tensor-parallel role of every linear layer, by its module name.
+LINEAR_ROLES: dict[str, Parallel] = {
+    "q_proj": "column", "k_proj": "column", "v_proj": "column", "o_proj": "row",
+    "gate_proj": "column", "up_proj": "column", "down_proj": "row", "lm_head": None}
+
 AttentionFn = Callable[..., tuple[jnp.ndarray, Any]]
-LinearFn = Callable[[jnp.ndarray, Any], jnp.ndarray]
+LinearFn = Callable[[jnp.ndarray, Any, Parallel], jnp.ndarray]
 
 
-def dense_linear(x, w):
+def dense_linear(x, w, parallel: Parallel = None):
     """`x [..., K] @ w [K, N]` accumulated in float32: the default linear backend.
 
-    Backends for quantized weights (jaxserve/runtime/backends.py) accept a weight pytree in place of w.
+    Backends for quantized weights (jaxserve/runtime/backends.py) accept a quantized weight
+    (models/quantized.py) in place of w; `parallel` is for sharding wrappers (unused here).
     """
+    del parallel
     return jnp.einsum("...i,io->...o", x, w, preferred_element_type=jnp.float32)
 
 
@@ -49,25 +68,42 @@ def dense_causal_attention(q, k, v, cache, layer, meta):
 
 
 class Linear(nn.Module):
-    """`y = x @ kernel (+ bias)`; kernel `[in, out]`. The seam for quantized linear backends."""
+    """`y = x @ kernel (+ bias)`; kernel `[in, out]`. The seam for quantized linear backends.
+
+    `parallel` is the layer's tensor-parallel role, handed to the backend with every call.
+    """
 
     features: int
     use_bias: bool = False
     dtype: Any = jnp.float32
     out_dtype: Any = None  # defaults to dtype; the LM head keeps float32 logits
+    parallel: Parallel = None
     linear: LinearFn = dense_linear
+
+    def __post_init__(self):
+        if self.parallel not in PARALLEL_ROLES:
+            raise ValueError(f"Linear parallel must be one of {PARALLEL_ROLES}, got "
+                             f"{self.parallel!r}")
+        super().__post_init__()
 
     @nn.compact
     def __call__(self, x):
-        # A quantized checkpoint stores a pytree (packed codes, scales, ...) under "kernel";
-        # `param` would check it against the float kernel's shape, so read it directly.
+        # A quantized checkpoint stores an Int4Weight/Int8Weight under "kernel"; `param` would
+        # check it against the float kernel's shape, so read it directly.
         stored = self.get_variable("params", "kernel")
-        kernel = stored if isinstance(stored, dict) else self.param(
+        kernel = stored if is_quantized(stored) else self.param(
             "kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features), self.dtype)
-        y = self.linear(x, kernel)
+        y = self.linear(x, kernel, self.parallel)
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
         return y.astype(self.out_dtype or self.dtype)
+
+
+def linear_layer(name: str, features: int, dtype, linear: LinearFn, use_bias: bool = False,
+                 out_dtype=None) -> Linear:
+    """The Linear called `name`, with its role from LINEAR_ROLES (the one declaration)."""
+    return Linear(features, use_bias, dtype, out_dtype, parallel=LINEAR_ROLES[name],
+                  linear=linear, name=name)
 
 
 class RMSNorm(nn.Module):
@@ -94,9 +130,9 @@ class Attention(nn.Module):
         c = self.config
         b, t, _ = x.shape
         bias, lin = c.attention_bias, self.linear
-        q = Linear(c.num_heads * c.head_dim, bias, self.dtype, linear=lin, name="q_proj")(x)
-        k = Linear(c.num_kv_heads * c.head_dim, bias, self.dtype, linear=lin, name="k_proj")(x)
-        v = Linear(c.num_kv_heads * c.head_dim, bias, self.dtype, linear=lin, name="v_proj")(x)
+        q = linear_layer("q_proj", c.num_heads * c.head_dim, self.dtype, lin, bias)(x)
+        k = linear_layer("k_proj", c.num_kv_heads * c.head_dim, self.dtype, lin, bias)(x)
+        v = linear_layer("v_proj", c.num_kv_heads * c.head_dim, self.dtype, lin, bias)(x)
         q = q.reshape(b, t, c.num_heads, c.head_dim)  # [B, T, H, Dh]
         k = k.reshape(b, t, c.num_kv_heads, c.head_dim)  # [B, T, K, Dh]
         v = v.reshape(b, t, c.num_kv_heads, c.head_dim)  # [B, T, K, Dh]
@@ -105,7 +141,7 @@ class Attention(nn.Module):
         with jax.named_scope("attention"):  # the paged-attention kernel, not the projections
             out, cache = self.attention(q, k, v, cache, layer, meta)
         out = out.reshape(b, t, c.num_heads * c.head_dim)
-        return Linear(c.hidden_size, False, self.dtype, linear=lin, name="o_proj")(out), cache
+        return linear_layer("o_proj", c.hidden_size, self.dtype, lin)(out), cache
 
 
 class MLP(nn.Module):
@@ -116,9 +152,9 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x):
         f, lin = self.config.intermediate_size, self.linear
-        gate = Linear(f, False, self.dtype, linear=lin, name="gate_proj")(x)
-        up = Linear(f, False, self.dtype, linear=lin, name="up_proj")(x)
-        return Linear(self.config.hidden_size, False, self.dtype, linear=lin, name="down_proj")(
+        gate = linear_layer("gate_proj", f, self.dtype, lin)(x)
+        up = linear_layer("up_proj", f, self.dtype, lin)(x)
+        return linear_layer("down_proj", self.config.hidden_size, self.dtype, lin)(
             jax.nn.silu(gate) * up)
 
 
@@ -172,6 +208,6 @@ class Llama(nn.Module):
         if c.tie_word_embeddings and not self.has_variable("params", "lm_head"):
             logits = jnp.einsum("...D,VD->...V", x, embedding, preferred_element_type=jnp.float32)
         else:
-            logits = Linear(c.vocab_size, False, self.dtype, jnp.float32, linear=self.linear,
-                            name="lm_head")(x)
+            logits = linear_layer("lm_head", c.vocab_size, self.dtype, self.linear,
+                                  out_dtype=jnp.float32)(x)
         return logits.astype(jnp.float32), kv_cache

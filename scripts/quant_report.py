@@ -38,7 +38,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxserve.quantization import QuantSpec, dequantize_weight  # noqa: E402
+from jaxserve.quantization import QuantSpec, dequantize_weight, is_quantized  # noqa: E402
 from jaxserve.quantization.awq import awq_scale  # noqa: E402
 from jaxserve.quantization.calibration import Calibration, from_text, load_calibration  # noqa
 from jaxserve.quantization.gptq import GPTQConfig, gptq_quantize  # noqa: E402
@@ -112,8 +112,8 @@ def fake_quant_per_token(x):
 
 
 def eval_linear(act8: bool):
-    def linear(x, w):
-        if isinstance(w, dict):
+    def linear(x, w, parallel=None):
+        if is_quantized(w):
             w = dequantize_weight(w)
         return dense_linear(fake_quant_per_token(x) if act8 else x, w)
     return linear
@@ -170,7 +170,7 @@ def layer_errors(fwd: LayerForward, v: Variant, tokens: np.ndarray) -> list[list
         for block, name in LINEARS:
             w = lp[block][name]["kernel"]
             wq = jax.tree.map(lambda a: a[i], v.params["layers"][block][name]["kernel"])
-            w_hat = dequantize_weight(wq) if isinstance(wq, dict) else wq
+            w_hat = dequantize_weight(wq) if is_quantized(wq) else wq
             xin = inputs[name]
             ref = dense_linear(xin, w)
             got = dense_linear(fake_quant_per_token(xin) if v.act8 else xin, w_hat)

@@ -94,8 +94,8 @@ def test_awq_quantize_pytrees(tiny):
     for block, name in LINEARS:
         w = params["layers"][block][name]["kernel"]
         k, n = tiny.params["layers"][block][name]["kernel"].shape[1:]
-        assert w["packed"].shape == (TINY.num_layers, k // 2, n)
-        assert w["scales"].shape == (TINY.num_layers, k // 32, n)
+        assert w.packed.shape == (TINY.num_layers, k // 2, n)
+        assert w.scales.shape == (TINY.num_layers, k // 32, n)
     # Dequantized, it is close to the folded float model (int4 g32: a few % per weight).
     folded, _ = awq_scale(tiny, QuantSpec(4, "group", 32), random_calibration(256),
                           progress=False)

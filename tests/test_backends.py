@@ -62,9 +62,9 @@ def test_int4_params_dequantize_close_to_float(model):
     w = np.asarray(model.params["layers"]["mlp"]["down_proj"]["kernel"][1])  # [256, 128]
     qk = q["layers"]["mlp"]["down_proj"]["kernel"]
     g = pick_group_size(256)
-    deq = np.asarray(dequantize_int4(qk["packed"][1], qk["scales"][1], qk["offsets"][1],
+    deq = np.asarray(dequantize_int4(qk.packed[1], qk.scales[1], qk.offsets[1],
                                      group_size=g))
-    step = np.asarray(qk["scales"][1]).repeat(g, axis=0)  # [K, N]: each weight's RTN step
+    step = np.asarray(qk.scales[1]).repeat(g, axis=0)  # [K, N]: each weight's RTN step
     assert np.all(np.abs(deq - w) <= step / 2 + 1e-6)
     assert pick_group_size(576) == 64 and pick_group_size(1536) == 128
 

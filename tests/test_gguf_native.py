@@ -6,12 +6,13 @@ The reference is gguf's own `gguf.quants.dequantize` (llama.cpp's Python package
 import logging
 
 import gguf
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxserve.runtime import backends
-from jaxserve.quantization import dequantize_weight
+from jaxserve.quantization import Int4Weight, Int8Weight, dequantize_weight, is_quantized
 from jaxserve.quantization.gguf_native import gguf_native_params, native_weight
 from jaxserve.quantization.linear import quantized_linear
 from jaxserve.quantization.rtn import HF_LINEARS, LINEARS
@@ -36,13 +37,14 @@ def test_native_linear_equals_gguf_dequantize_then_matmul(qtype):
     t = gguf_tensor(w_hf, qtype)
     ref_w = gguf.quants.dequantize(t.data, qtype).reshape(96, 256).T  # [K, N]
     tree = native_weight(t)
-    assert set(tree) == {QT.Q4_0: {"packed", "scales"}, QT.Q4_1: {"packed", "scales", "offsets"},
-                         QT.Q8_0: {"q8", "scales"}}[qtype]
-    assert tree["scales"].shape == (256 // 32, 96)
+    assert set(tree.arrays()) == {QT.Q4_0: {"packed", "scales"},
+                                  QT.Q4_1: {"packed", "scales", "offsets"},
+                                  QT.Q8_0: {"q8", "scales"}}[qtype]
+    assert tree.scales.shape == (256 // 32, 96)
     # The pytree stands for exactly gguf's weights (f16 d, m and small codes: exact in f32).
     np.testing.assert_array_equal(np.asarray(dequantize_weight(tree)), ref_w)
     x = rng.normal(size=(5, 256)).astype(np.float32)
-    y = np.asarray(quantized_linear(jnp.asarray(x), {k: jnp.asarray(v) for k, v in tree.items()}))
+    y = np.asarray(quantized_linear(jnp.asarray(x), jax.tree.map(jnp.asarray, tree)))
     ref = x.astype(np.float64) @ ref_w.astype(np.float64)
     np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
@@ -88,10 +90,10 @@ def test_gguf_native_model_logits_equal_dequantized_float(caplog):
         native = gguf_native_params(params, raw, TINY)
     assert "mlp.down_proj.weight (Q4_0/Q8_0)" in caplog.text
     layers = native["layers"]
-    assert "packed" in layers["attn"]["q_proj"]["kernel"]
-    assert "q8" in layers["mlp"]["gate_proj"]["kernel"]
-    assert not isinstance(layers["mlp"]["down_proj"]["kernel"], dict)  # float fallback
-    assert "q8" in native["lm_head"]["kernel"]
+    assert isinstance(layers["attn"]["q_proj"]["kernel"], Int4Weight)
+    assert isinstance(layers["mlp"]["gate_proj"]["kernel"], Int8Weight)
+    assert not is_quantized(layers["mlp"]["down_proj"]["kernel"])  # float fallback
+    assert isinstance(native["lm_head"]["kernel"], Int8Weight)
     tokens = np.random.default_rng(1).integers(0, 128, size=(2, 12)).astype(np.int32)
     positions = np.broadcast_to(np.arange(12, dtype=np.int32), (2, 12))
     want, _ = model.module().apply({"params": params}, tokens, positions)
@@ -110,9 +112,10 @@ def test_smollm2_native_pytrees_are_the_files_weights(smollm2_fp32, smollm2_path
     for block, name in LINEARS:
         tree = native["layers"][block][name]["kernel"]
         _, k, n = m.params["layers"][block][name]["kernel"].shape
-        assert "packed" in tree and tree["scales"].shape[1:] == (k // 32, n)  # [L, K/32, N]
+        assert isinstance(tree, Int4Weight)
+        assert tree.scales.shape[1:] == (k // 32, n)  # [L, K/32, N]
         for layer in (0, 17):
-            got = np.asarray(dequantize_weight({k: v[layer] for k, v in tree.items()}))
+            got = np.asarray(dequantize_weight(jax.tree.map(lambda v: v[layer], tree)))
             np.testing.assert_array_equal(
                 got, np.asarray(m.params["layers"][block][name]["kernel"][layer]))
     head = native["lm_head"]["kernel"]
@@ -135,7 +138,7 @@ def test_smollm2_native_pytrees_are_the_files_weights(smollm2_fp32, smollm2_path
         if path is None:
             tree = head
         else:
-            tree = {k: v[layer] for k, v in native["layers"][path[0]][path[1]]["kernel"].items()}
+            tree = jax.tree.map(lambda v: v[layer], native["layers"][path[0]][path[1]]["kernel"])
         y = np.asarray(quantized_linear(jnp.asarray(x), tree))
         ref = x.astype(np.float64) @ w_file.T.astype(np.float64)
         np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max(),

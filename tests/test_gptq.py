@@ -150,7 +150,7 @@ def test_model_gptq_beats_rtn_on_calibration_logits():
         return dataclasses.replace(model, params=dict(params, layers=layers))
 
     gptq = gptq_quantize(model, spec, calib, progress=False)
-    assert gptq["layers"]["attn"]["q_proj"]["kernel"]["packed"].shape == (2, 64, 128)
+    assert gptq["layers"]["attn"]["q_proj"]["kernel"].packed.shape == (2, 64, 128)
     ids = calib.tokens[0]
     want = model.forward_logits(ids)
     err = {name: np.linalg.norm(dequantized(p).forward_logits(ids) - want)
@@ -174,4 +174,4 @@ def test_bfloat16_model_keeps_its_dtype():
                            random_calibration(256, 4, 16), progress=False)
     assert params["layers"]["input_norm"]["scale"].dtype == jnp.bfloat16
     w = params["layers"]["mlp"]["down_proj"]["kernel"]
-    assert w["q8"].dtype == jnp.int8 and w["scales"].dtype == jnp.float32
+    assert w.q8.dtype == jnp.int8 and w.scales.dtype == jnp.float32

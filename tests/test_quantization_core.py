@@ -160,8 +160,8 @@ def test_weight_pytree_round_trip(bits, symmetric, granularity):
     pytree = to_weight(q, s, z, spec)
     expected_keys = {"packed" if bits == 4 else "q8", "scales"} | (
         set() if symmetric else {"offsets"})
-    assert set(pytree) == expected_keys
-    code = pytree["packed"] if bits == 4 else pytree["q8"]
+    assert set(pytree.arrays()) == expected_keys
+    code = pytree.packed if bits == 4 else pytree.q8
     assert code.dtype == (np.uint8 if bits == 4 else np.int8)
     assert code.shape == ((128, 40) if bits == 4 else (40, 256))  # int8: output-major
     np.testing.assert_allclose(np.asarray(dequantize_weight(pytree)),

@@ -1,5 +1,6 @@
 """`jaxserve quantize` end to end on a tiny random model: orbax checkpoint -> LLM(model=DIR)."""
 
+import jax
 import numpy as np
 import pytest
 
@@ -39,12 +40,12 @@ def test_rtn_checkpoint_serves_its_path(float_dir, tmp_path, capsys, argv, path)
     layers = restored.params["layers"]
     kernel = layers["mlp"]["down_proj"]["kernel"]
     if path == "w4a16":
-        assert kernel["packed"].dtype == np.uint8 and kernel["scales"].shape == (2, 2, 128)
+        assert kernel.packed.dtype == np.uint8 and kernel.scales.shape == (2, 2, 128)
         assert "lm_head" not in restored.params
     else:
-        assert kernel["q8"].dtype == np.int8 and kernel["scales"].shape == (2, 1, 128)
-        assert restored.params["lm_head"]["kernel"]["q8"].shape == (256, 128)
-    assert kernel["scales"].dtype == np.float32
+        assert kernel.q8.dtype == np.int8 and kernel.scales.shape == (2, 1, 128)
+        assert restored.params["lm_head"]["kernel"].q8.shape == (256, 128)
+    assert kernel.scales.dtype == np.float32
     served = LLM(out, **ENGINE)
     assert served.engine.quantization == path
     # The same RTN done at load time on the float model gives the same tokens.
@@ -89,9 +90,9 @@ def test_calibrated_methods_are_registered_and_serve(float_dir, tmp_path, capsys
     # first, so its kernels are not comparable to the float ones element-wise).
     w = np.asarray(model.params["layers"]["mlp"]["down_proj"]["kernel"])[0]
     wq = np.asarray(dequantize_weight(
-        {k: v[0] for k, v in q.params["layers"]["mlp"]["down_proj"]["kernel"].items()}))
+        jax.tree.map(lambda v: v[0], q.params["layers"]["mlp"]["down_proj"]["kernel"])))
     if method == "gptq":
         assert np.abs(wq - w).max() < 0.02 * np.abs(w).max()
     restored = load_model(str(out)).params["layers"]["mlp"]["down_proj"]["kernel"]
-    np.testing.assert_array_equal(restored["q8"],
-                                  q.params["layers"]["mlp"]["down_proj"]["kernel"]["q8"])
+    np.testing.assert_array_equal(restored.q8,
+                                  q.params["layers"]["mlp"]["down_proj"]["kernel"].q8)

@@ -63,7 +63,7 @@ def test_w8a8_matches_numpy_per_token_int8(symmetric):
     xq = np.clip(np.round(x64 / sx), -127, 127)
     ref = (xq * sx) @ w  # int8 activations times the dequantized weight
     if not symmetric:  # the offsets' term uses the float activations' row sums
-        b = np.asarray(tree["offsets"], np.float64)  # [1, N]
+        b = np.asarray(tree.offsets, np.float64)  # [1, N]
         ref += x64.sum(axis=1, keepdims=True) * b - (xq * sx).sum(axis=1, keepdims=True) * b
     np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
     exact = x64 @ w

@@ -20,6 +20,7 @@ import pytest
 from jaxserve import EngineConfig
 from jaxserve.runtime.sharding import head_layout, make_mesh, pad_heads, param_specs
 from models.config import ModelConfig
+from models.quantized import Int4Weight
 from models.random_init import random_model
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -48,6 +49,10 @@ def runs():
         "w8a8": ["int4", {"sizes": [1, 2, 4], "quantization": "w8a8"}],
         # The int4 Pallas matmul per shard (interpreted) against the XLA int4 path on 1 device.
         "int4_kernel": ["int4", {"sizes": [2], "linear_backend": "pallas-interpret"}],
+        # A kernel linear backend (the GPU default) with int8 weights and an int8 head: they
+        # run XLA dots, partitioned as on the xla backend, against w8a8 on 1 device.
+        "w8a8_kernel": ["int4", {"sizes": [2], "quantization": "w8a8",
+                                 "linear_backend": "pallas-interpret"}],
         "hlo": ["hlo", {"n": 4}],
         "warmup": ["warmup", {"n": 4}],
         "hlo_int4_kernel": ["hlo", {"n": 2, "quantization": "int4",
@@ -116,13 +121,13 @@ def test_quantization_groups_must_not_straddle_devices():
     config = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=512, num_layers=1,
                          num_heads=8, num_kv_heads=8, head_dim=8)
     shapes = jax.eval_shape(lambda: random_model(config).params)
-    down = {"packed": jax.ShapeDtypeStruct((1, 256, 64), np.uint8),   # K = 512, g = 128
-            "scales": jax.ShapeDtypeStruct((1, 4, 64), np.float32)}
+    down = Int4Weight(packed=jax.ShapeDtypeStruct((1, 256, 64), np.uint8),  # K = 512, g = 128
+                      scales=jax.ShapeDtypeStruct((1, 4, 64), np.float32), group_size=128)
     layers = dict(shapes["layers"], mlp=dict(shapes["layers"]["mlp"],
                                              down_proj={"kernel": down}))
     params = dict(shapes, layers=layers)
     specs = param_specs(params, config, 4)  # 128 rows per device: whole groups
-    assert specs["layers"]["mlp"]["down_proj"]["kernel"]["packed"] == \
+    assert specs["layers"]["mlp"]["down_proj"]["kernel"].packed == \
         jax.sharding.PartitionSpec(None, "model", None)
     with pytest.raises(ValueError, match="not a multiple of the quantization group size 128"):
         param_specs(params, config, 8)  # 64 rows per device: a group would straddle
@@ -130,9 +135,11 @@ def test_quantization_groups_must_not_straddle_devices():
 
 # ---- multi-device runs ----------------------------------------------------------------------
 
-@pytest.mark.parametrize("label", ["gqa", "smol_heads", "kernel", "int4", "int4_kernel", "w8a8"])
+@pytest.mark.parametrize("label", ["gqa", "smol_heads", "kernel", "int4", "int4_kernel", "w8a8",
+                                   "w8a8_kernel"])
 def test_same_greedy_tokens_as_one_device(runs, label):
-    one = runs[{"kernel": "gqa", "int4_kernel": "int4"}.get(label, label)]["1"]["tokens"]
+    one = runs[{"kernel": "gqa", "int4_kernel": "int4",
+                "w8a8_kernel": "w8a8"}.get(label, label)]["1"]["tokens"]
     assert len(one) == 2 and all(len(t) == 5 for t in one)
     for n, result in runs[label].items():
         assert result["tokens"] == one, f"tensor_parallel_size={n}"

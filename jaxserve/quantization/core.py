@@ -8,10 +8,11 @@ Affine (asymmetric), b bits:  s = (r_max - r_min) / (2^b - 1),  z = round(-r_min
 Symmetric:                     s = r_max / (2^(b-1) - 1) with r_max = max|r|,  z = 0,
     q = clip(round(r / s), -(2^(b-1) - 1), 2^(b-1) - 1),  r_hat = s q
 
-Every inference path consumes one pytree per kernel (a dict, so flax reads it as-is):
-    int4: {"packed": uint8 [K/2, N], "scales": [K/g, N], "offsets": [K/g, N] (absent: -8 s)}
-    int8: {"q8": int8 [N, K], "scales": [K/g, N], "offsets": [K/g, N] (absent: 0)}
-    w[k, n] = scales[k // g, n] * code[k, n] + offsets[k // g, n]
+Every inference path consumes one registered pytree per kernel (models/quantized.py, where
+models/llama.py and models/checkpoint.py can see it too):
+    Int4Weight(packed uint8 [K/2, N], scales [K/g, N], offsets [K/g, N] or None: -8 s)
+    Int8Weight(q8 int8 [N, K], scales [K/g, N], offsets [K/g, N] or None: 0)
+    w[k, n] = scales[k // g, n] * code[k, n] + offsets[k // g, n], g a static field
 where the int4 code is the unsigned nibble u in [0, 15] (pallas_kernels.int4_matmul's packed
 layout) and the int8 code is the signed byte, stored output-major (q8[n, k] = code[k, n]): the
 layout of GGUF's Q8_0 rows, and the one XLA's CPU int8 dot runs fastest (2-3x at small batch;
@@ -25,6 +26,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from models.quantized import Int4Weight, Int8Weight, QuantizedWeight
 from pallas_kernels.int4_matmul import pack_int4, unpack_int4
 
 GRANULARITIES = ("tensor", "channel", "group")
@@ -114,7 +116,7 @@ def quantize(w, spec: QuantSpec):
     return quantize_with(w, s, z, spec), s, z
 
 
-def to_weight(q, s, z, spec: QuantSpec) -> dict:
+def to_weight(q, s, z, spec: QuantSpec) -> QuantizedWeight:
     """Codes and parameters -> the inference pytree (see the module docstring)."""
     k, _ = q.shape
     g = k // s.shape[0]
@@ -123,24 +125,28 @@ def to_weight(q, s, z, spec: QuantSpec) -> dict:
             raise ValueError("int4 inference weights are per group (the kernel's layout); "
                              "use granularity='group'")
         if spec.symmetric:  # q in [-7, 7] -> u = q + 8, offsets -8 s (the implicit default)
-            return {"packed": pack_int4(q + 8, group_size=g), "scales": s}
-        return {"packed": pack_int4(q, group_size=g), "scales": s, "offsets": -s * z}
+            return Int4Weight(packed=pack_int4(q + 8, group_size=g), scales=s, group_size=g)
+        return Int4Weight(packed=pack_int4(q, group_size=g), scales=s, offsets=-s * z,
+                          group_size=g)
     if spec.symmetric:
-        return {"q8": q.T.astype(jnp.int8), "scales": s}
+        return Int8Weight(q8=q.T.astype(jnp.int8), scales=s, group_size=g)
     # Unsigned codes [0, 255] stored as signed bytes c = q - 128: s (q - z) = s c + s (128 - z).
-    return {"q8": (q - 128).T.astype(jnp.int8), "scales": s, "offsets": s * (128.0 - z)}
+    return Int8Weight(q8=(q - 128).T.astype(jnp.int8), scales=s, offsets=s * (128.0 - z),
+                      group_size=g)
 
 
-def dequantize_weight(w: dict):
-    """The float32 kernel [K, N] that a quantized pytree stands for."""
-    s = w["scales"].astype(jnp.float32)
-    if "packed" in w:
-        k = 2 * w["packed"].shape[0]
-        code = unpack_int4(w["packed"], group_size=k // s.shape[0]).astype(jnp.float32)
-        b = w["offsets"].astype(jnp.float32) if "offsets" in w else -8.0 * s
+def dequantize_weight(w: QuantizedWeight):
+    """The float32 kernel [K, N] that a quantized weight stands for."""
+    s = w.scales.astype(jnp.float32)
+    if isinstance(w, Int4Weight):
+        code = unpack_int4(w.packed, group_size=w.group_size).astype(jnp.float32)
+        default = -8.0 * s
+    elif isinstance(w, Int8Weight):
+        code = w.q8.T.astype(jnp.float32)
+        default = jnp.zeros_like(s)
     else:
-        code = w["q8"].T.astype(jnp.float32)
-        b = w["offsets"].astype(jnp.float32) if "offsets" in w else jnp.zeros_like(s)
+        raise TypeError(f"not a quantized weight: {type(w).__name__}")
+    b = default if w.offsets is None else w.offsets.astype(jnp.float32)
     k, n = code.shape
-    g = k // s.shape[0]
+    g = w.group_size
     return (s[:, None] * code.reshape(k // g, g, n) + b[:, None]).reshape(k, n)

@@ -26,6 +26,7 @@ from jaxserve.quantization.core import QuantSpec, quantize, to_weight
 from jaxserve.quantization.rtn import pick_group_size
 from models.config import ModelConfig
 from models.llama import Attention, RMSNorm, dense_causal_attention, dense_linear
+from models.quantized import is_quantized
 
 # Linears that share an input, in the order a layer computes them.
 STAGES = (("attn", ("q_proj", "k_proj", "v_proj")), ("attn", ("o_proj",)),
@@ -124,9 +125,6 @@ def embed(params: dict, tokens: np.ndarray):
 _quantize = jax.jit(quantize, static_argnames="spec")
 
 
-_QUANTIZED_LEAVES = ("packed", "q8", "scales", "offsets")
-
-
 def replace_kernels(params: dict, layers: list[dict]) -> dict:
     """params with params["layers"] rebuilt from per-layer trees (quantized or float).
 
@@ -134,12 +132,9 @@ def replace_kernels(params: dict, layers: list[dict]) -> dict:
     model stays bfloat16), quantized pytrees keep their own dtypes.
     """
     dtype = params["embedding"].dtype
-
-    def restore(path, leaf):
-        quantized = getattr(path[-1], "key", None) in _QUANTIZED_LEAVES
-        return leaf if quantized else leaf.astype(dtype)
-
-    return dict(params, layers=jax.tree_util.tree_map_with_path(restore, stack_layers(layers)))
+    restore = lambda leaf: leaf if is_quantized(leaf) else leaf.astype(dtype)  # noqa: E731
+    return dict(params, layers=jax.tree.map(restore, stack_layers(layers),
+                                            is_leaf=is_quantized))
 
 
 def rtn_layer(lp: dict, spec: QuantSpec) -> dict:

@@ -1,4 +1,4 @@
-"""Matmuls on the quantized weight pytree (see core.py).
+"""Matmuls on the quantized weights (Int4Weight, Int8Weight: see core.py).
 
     y[m, n] = sum_k x[m, k] w[k, n],  w[k, n] = s[G(k), n] c[k, n] + b[G(k), n]
             = sum_G s[G, n] (x_G @ c_G)[m, n] + sum_G (sum_{k in G} x[m, k]) b[G, n]
@@ -24,6 +24,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from models.quantized import Int4Weight, Int8Weight, QuantizedWeight
 from pallas_kernels.int4_matmul import int4_matmul, int4_matmul_reference
 
 ACTIVATION_BITS = (16, 8)
@@ -58,13 +59,15 @@ def _int8_dot_rows(xq, q8):
     return _dot_nt(xq, q8, jnp.int32)[:m].astype(jnp.float32)
 
 
-def int8_linear(x, w: dict, activation_bits: int = 16, limbs: bool = True):
-    """x [M, K] @ the int8 pytree {q8 [N, K], scales [K/g, N], offsets?} -> [M, N] float32.
+def int8_linear(x, w: Int8Weight, activation_bits: int = 16, limbs: bool = True):
+    """x [M, K] @ Int8Weight(q8 [N, K], scales [K/g, N], offsets?) -> [M, N] float32.
 
     `limbs`: W8A16 per channel via two int8 activation limbs (the fast CPU path, see above);
     False converts the codes to the activation dtype instead (exact float activations).
+    Groups are read from the shapes, not `w.group_size`: under tensor parallelism a row shard
+    of a per-channel weight sees K / N inputs with the whole kernel's one scale row.
     """
-    q8, s = w["q8"], w["scales"].astype(jnp.float32)
+    q8, s = w.q8, w.scales.astype(jnp.float32)
     groups = s.shape[0]
     m, k = x.shape
     if activation_bits == 8:
@@ -84,24 +87,27 @@ def int8_linear(x, w: dict, activation_bits: int = 16, limbs: bool = True):
         c = q8.reshape(-1, groups, g).astype(jnp.float32)  # [N, G, g]
         wt = (c * s.T[:, :, None]).reshape(-1, k)  # [N, K]: per-group scales need the float
         y = _dot_nt(x.astype(jnp.float32), wt, jnp.float32)
-    if "offsets" in w:
+    if w.offsets is not None:
         xsum = x.astype(jnp.float32).reshape(m, groups, k // groups).sum(-1)  # [M, G]
-        y = y + xsum @ w["offsets"].astype(jnp.float32)
+        y = y + xsum @ w.offsets.astype(jnp.float32)
     return y
 
 
-def int4_linear(x, w: dict, kind: str):
-    """x [M, K] @ the int4 pytree {packed [K/2, N], scales [K/g, N], offsets?} -> [M, N]."""
-    group = x.shape[-1] // w["scales"].shape[0]
-    args = (x, w["packed"], w["scales"], w.get("offsets"))
+def int4_linear(x, w: Int4Weight, kind: str):
+    """x [M, K] @ Int4Weight(packed [K/2, N], scales [K/g, N], offsets?) -> [M, N].
+
+    The kernel and its reference take the plain arrays.
+    """
+    group = w.group_size
+    args = (x, w.packed, w.scales, w.offsets)
     if kind == "xla":
         return int4_matmul_reference(*args, group_size=group)
     return int4_matmul(*args, group_size=group, interpret=kind == "pallas-interpret")
 
 
-def quantized_linear(x, w: dict, kind: str = "xla", activation_bits: int = 16,
+def quantized_linear(x, w: QuantizedWeight, kind: str = "xla", activation_bits: int = 16,
                      limbs: bool | None = None):
-    """x [..., K] @ a quantized weight pytree -> [..., N] float32, dispatching on its keys.
+    """x [..., K] @ a quantized weight -> [..., N] float32, by the weight's type.
 
     `limbs` (int8 W8A16 only): None picks the limb path on CPU, the exact convert elsewhere.
     """
@@ -109,12 +115,13 @@ def quantized_linear(x, w: dict, kind: str = "xla", activation_bits: int = 16,
         limbs = jax.default_backend() == "cpu"
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)  # [M, K]
-    if "packed" in w:
+    if isinstance(w, Int4Weight):
         if activation_bits != 16:
             raise ValueError("int4 weights run with 16/32-bit activations only (W4A16)")
         y = int4_linear(x2, w, kind)
-    elif "q8" in w:
+    elif isinstance(w, Int8Weight):
         y = int8_linear(x2, w, activation_bits, limbs)
     else:
-        raise ValueError(f"not a quantized weight pytree: keys {sorted(w)}")
+        raise TypeError(f"not a quantized weight: {type(w).__name__} (expected Int4Weight or "
+                        "Int8Weight, models/quantized.py)")
     return y.reshape(*lead, y.shape[-1]).astype(jnp.float32)

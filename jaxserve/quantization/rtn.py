@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.quantization.core import QuantSpec, quantize, to_weight
+from models.quantized import QuantizedWeight
 
 # The decoder's linear layers, stacked over layers as [L, K, N] kernels, and their HF names.
 LINEARS = (("attn", "q_proj"), ("attn", "k_proj"), ("attn", "v_proj"), ("attn", "o_proj"),
@@ -34,18 +35,18 @@ def spec_for(spec: QuantSpec, k: int) -> QuantSpec:
 
 
 @functools.partial(jax.jit, static_argnames="spec")
-def rtn_weight(w, spec: QuantSpec) -> dict:
-    """w [K, N] -> its quantized pytree by round-to-nearest."""
+def rtn_weight(w, spec: QuantSpec) -> QuantizedWeight:
+    """w [K, N] -> its quantized weight by round-to-nearest."""
     return to_weight(*quantize(w, spec), spec)
 
 
 @functools.partial(jax.jit, static_argnames="spec")
-def _rtn_stacked(w, spec: QuantSpec) -> dict:
+def _rtn_stacked(w, spec: QuantSpec) -> QuantizedWeight:
     return jax.vmap(functools.partial(rtn_weight, spec=spec))(w)  # over layers
 
 
 def quantize_kernels(params: dict, spec: QuantSpec) -> dict:
-    """Replaces every decoder linear kernel [L, K, N] with its RTN pytree (one vmap per name)."""
+    """Replaces every decoder linear kernel [L, K, N] with its RTN weight (one vmap per name)."""
     layers = {block: dict(params["layers"][block]) for block in params["layers"]}
     for block, name in LINEARS:
         w = jnp.asarray(params["layers"][block][name]["kernel"], jnp.float32)  # [L, K, N]
@@ -62,7 +63,7 @@ def head_kernel(params: dict):
 
 
 def quantize_head(params: dict, spec: QuantSpec) -> dict:
-    """Adds (or replaces) params["lm_head"] with the RTN pytree of the head.
+    """Adds (or replaces) params["lm_head"] with the RTN weight of the head.
 
     A tied head gets its own quantized copy; the embedding lookup keeps the float table.
     """

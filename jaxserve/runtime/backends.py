@@ -19,7 +19,8 @@ from jaxserve.runtime.attention_backends import AttentionBackend, PallasAttentio
 from jaxserve.config import BACKENDS
 from jaxserve.quantization.linear import ACTIVATION_BITS, quantized_linear
 from models.config import ModelConfig
-from models.llama import dense_linear
+from models.llama import Parallel, dense_linear
+from models.quantized import Int8Weight, is_quantized
 
 log = logging.getLogger("jaxserve")
 
@@ -50,20 +51,21 @@ def attention_backend(kind: str, config: ModelConfig, block_size: int,
 
 
 def linear_backend(kind: str, activation_bits: int = 16):
-    """x @ w for float weights, or a quantized weight pytree (jaxserve/quantization/core.py).
+    """`linear(x, w, parallel)`: x @ w, w a float kernel or a quantized one (models/quantized.py).
 
-    int4 pytrees run the Pallas kernel (pallas*) or the XLA reference; int8 pytrees run integer
-    dots in XLA, with int8 activations when `activation_bits` is 8 (W8A8).
+    Int4Weight runs the Pallas kernel (pallas*) or the XLA reference; Int8Weight runs integer
+    dots in XLA, with int8 activations when `activation_bits` is 8 (W8A8). `parallel`, the
+    layer's declared role, is for the tensor-parallel wrapper (TensorParallel.linear).
     """
     if activation_bits not in ACTIVATION_BITS:
         raise ValueError(f"activation_bits must be one of {ACTIVATION_BITS}, got "
                          f"{activation_bits!r}")
 
-    def linear(x, w):
-        if not isinstance(w, dict):
-            return dense_linear(x, w)
+    def linear(x, w, parallel: Parallel = None):
+        if not is_quantized(w):
+            return dense_linear(x, w, parallel)
         # W8A8 applies to int8 weights; int4 ones (none in a W8A8 model) keep float activations.
-        bits = activation_bits if "q8" in w else 16
+        bits = activation_bits if isinstance(w, Int8Weight) else 16
         return quantized_linear(x, w, kind, bits)
 
     return linear

@@ -4,6 +4,8 @@ One 1-D mesh with a "model" axis of N devices, Megatron layout:
 - column-parallel (output features split): q/k/v and gate/up projections;
 - row-parallel (input features split): o and down projections, so each layer needs exactly one
   all-reduce after attention and one after the MLP (XLA inserts them from the shardings);
+  both roles are declared once, in models/llama.py's LINEAR_ROLES: the weights' specs come from
+  it here, and each Linear hands its role to the linear backend (`TensorParallel.linear`);
 - attention heads split, and the paged KV cache `[L, NB, BS, K, Dh]` split on K: each device holds
   its heads' pages; block ids, page table, slots and sampling inputs are replicated, so the block
   manager and scheduler stay single and unchanged;
@@ -32,13 +34,20 @@ from jax.sharding import PartitionSpec as P
 from jaxserve.runtime.attention_backends import AttentionBackend, WrappedAttention
 from jaxserve.runtime.kv_cache import KVCache
 from models.config import ModelConfig
+from models.llama import LINEAR_ROLES, Parallel
 from models.model import Model
+from models.quantized import Int4Weight, QuantizedWeight, is_quantized
 
 log = logging.getLogger("jaxserve")
 
 AXIS = "model"
-COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-ROW_PARALLEL = ("o_proj", "down_proj")
+# Which feature axis a role splits: column the outputs (N), row the inputs (K).
+SPLIT = {"column": "out", "row": "in", None: None}
+FLOAT_LAYOUT = {"kernel": ("in", "out"), "bias": ("out",)}  # kernel [.., K, N], bias [.., N]
+# Weights a non-XLA linear backend runs through a Pallas kernel, which the SPMD partitioner
+# cannot split: they run per shard (shard_map). int8 weights run XLA dots and are partitioned
+# like float ones, with the same (global) per-token activation scales as on one device.
+KERNEL_WEIGHTS = (Int4Weight,)
 HEADS = P(None, None, AXIS, None)            # q/k/v/attention output [B, T, H, Dh]
 CACHE = P(None, None, None, AXIS, None)      # [L, NB, BS, K, Dh]
 
@@ -147,7 +156,7 @@ def pad_heads(model: Model, n: int) -> Model:
     if layout.is_identity:
         return model
     attn = model.params["layers"]["attn"]
-    if any(isinstance(attn[name]["kernel"], dict) for name in attn):
+    if any(is_quantized(attn[name]["kernel"]) for name in attn):
         raise ValueError("heads must be padded before quantization: quantize after "
                          "pad_heads (the engine does)")
     dh = c.head_dim
@@ -165,53 +174,55 @@ def pad_heads(model: Model, n: int) -> Model:
 
 # ---- partition specs ----------------------------------------------------------------------
 
-def _weight_spec(path: tuple[str, ...], vocab_parallel: bool) -> P:
-    names = [p for p in path if isinstance(p, str)]
-    if names[0] == "embedding":
-        return P(AXIS, None) if vocab_parallel else P()
-    # int8 codes are stored output-major ([.., N, K], quantization/core.py), every other leaf
-    # ([.., K | K/2 | K/g, N]) input-major: the split axis swaps with them.
-    output_major = names[-1] == "q8"
-    if names[0] == "lm_head":  # [D, V] float, or q8 [V, D] with scales [1, V]
-        if not vocab_parallel:
-            return P()
-        return P(AXIS, None) if output_major else P(None, AXIS)
-    module = next((m for m in names if m in COLUMN_PARALLEL + ROW_PARALLEL), None)
-    if module is None:  # norms
-        return P()
-    if names[-1] == "bias":  # [L, N] of a column-parallel layer
-        return P(None, AXIS)
-    split_n = module in COLUMN_PARALLEL
-    if output_major:
-        return P(None, AXIS, None) if split_n else P(None, None, AXIS)
-    return P(None, None, AXIS) if split_n else P(None, AXIS, None)
+def axes_spec(shape: tuple[int, ...], layout: tuple[str, ...], split: str | None) -> P:
+    """The spec of an array whose trailing axes run along `layout` ("in"/"out"), split on the
+    `split` one. A leading [L] layer axis is never split, nor an axis of size 1: a per-channel
+    scale row ([.., 1, N]) of a row-parallel kernel is one every K shard needs."""
+    lead = (None,) * (len(shape) - len(layout))
+    tail = shape[len(lead):]
+    return P(*lead, *(AXIS if axis == split and dim != 1 else None
+                      for axis, dim in zip(layout, tail)))
+
+
+def weight_specs(w: QuantizedWeight, split: str | None) -> QuantizedWeight:
+    """A quantized weight's specs, leaf by leaf, from its type's declared layout (its int8 codes
+    are output-major, [.., N, K]: their split axis swaps with the other leaves')."""
+    return dataclasses.replace(w, **{name: axes_spec(a.shape, w.LAYOUT[name], split)
+                                     for name, a in w.arrays().items()})
+
+
+def _module_role(names: list[str]) -> tuple[str | None, Parallel]:
+    """The linear layer on a params path (None for norms and the embedding) and its role."""
+    module = next((n for n in names if n in LINEAR_ROLES), None)
+    return module, LINEAR_ROLES.get(module)
+
+
+def _split_of(names: list[str], vocab_parallel: bool) -> str | None:
+    module, role = _module_role(names)
+    if module == "lm_head":  # vocab-parallel when the vocabulary splits, else replicated
+        return "out" if vocab_parallel else None
+    return SPLIT[role]
 
 
 def _check_divisible(path, leaf, spec: P, n: int) -> None:
     for dim, axis in zip(leaf.shape, spec):
         if axis == AXIS and dim % n:
-            name = "/".join(str(getattr(k, "key", k)) for k in path)
+            name = "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
             raise ValueError(f"{name} {tuple(leaf.shape)} does not split over "
                              f"tensor_parallel_size={n} (dimension {dim})")
 
 
-def _check_groups(params, n: int) -> None:
+def _check_groups(name: str, w: QuantizedWeight, n: int) -> None:
     """Row-parallel quantized kernels split K: a quantization group must not straddle devices."""
-    for block in ("attn", "mlp"):
-        for name in ROW_PARALLEL:
-            w = params["layers"].get(block, {}).get(name, {}).get("kernel")
-            if not isinstance(w, dict):
-                continue
-            k = 2 * w["packed"].shape[-2] if "packed" in w else w["q8"].shape[-1]  # [L, N, K]
-            g = k // w["scales"].shape[-2]
-            if g == k:  # per output channel: one scale over all of K, shared by every shard
-                continue
-            if k % n or (k // n) % g:
-                raise ValueError(
-                    f"{name}: input dimension {k} split over tensor_parallel_size={n} gives "
-                    f"{k / n:g} rows per device, not a multiple of the quantization group size "
-                    f"{g}; quantize with a group size dividing {k // n if k % n == 0 else k}"
-                    " or pick another tensor_parallel_size")
+    k, g = w.in_features, w.group_size
+    if g == k:  # per output channel: one scale over all of K, shared by every shard
+        return
+    if k % n or (k // n) % g:
+        raise ValueError(
+            f"{name}: input dimension {k} split over tensor_parallel_size={n} gives "
+            f"{k / n:g} rows per device, not a multiple of the quantization group size "
+            f"{g}; quantize with a group size dividing {k // n if k % n == 0 else k}"
+            " or pick another tensor_parallel_size")
 
 
 def vocab_parallel(config: ModelConfig, n: int) -> bool:
@@ -221,16 +232,30 @@ def vocab_parallel(config: ModelConfig, n: int) -> bool:
 def param_specs(params, config: ModelConfig, n: int):
     """PartitionSpecs for a params tree (float or quantized), validated for `n` devices."""
     vp = vocab_parallel(config, n)
+    flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_quantized)[0]
+    for path, leaf in flat:  # first: its message says what to change
+        names = [getattr(k, "key", None) for k in path]
+        module, role = _module_role(names)
+        if is_quantized(leaf) and role == "row":
+            _check_groups(module, leaf, n)
 
     def spec(path, leaf):
-        s = _weight_spec(tuple(getattr(k, "key", k) for k in path), vp)
-        # A per-channel scale row ([L, 1, N]) of a row-parallel kernel: every K shard needs it.
-        s = P(*(None if axis == AXIS and dim == 1 else axis for dim, axis in zip(leaf.shape, s)))
+        names = [getattr(k, "key", None) for k in path]
+        if names[0] == "embedding":
+            s = P(AXIS, None) if vp else P()
+        elif _module_role(names)[0] is None:  # norms
+            s = P()
+        elif is_quantized(leaf):
+            s = weight_specs(leaf, _split_of(names, vp))
+            for name, a in leaf.arrays().items():
+                _check_divisible(path, a, getattr(s, name), n)
+            return s
+        else:
+            s = axes_spec(leaf.shape, FLOAT_LAYOUT[names[-1]], _split_of(names, vp))
         _check_divisible(path, leaf, s, n)
         return s
 
-    _check_groups(params, n)  # first: its message says what to change
-    return jax.tree_util.tree_map_with_path(spec, params)
+    return jax.tree_util.tree_map_with_path(spec, params, is_leaf=is_quantized)
 
 
 # ---- placement and the step's shardings ---------------------------------------------------
@@ -304,42 +329,28 @@ class TensorParallel:
         return annotated
 
     def linear(self, fn):
-        """Wraps a linear backend whose quantized path is a kernel: shard_map per layer role.
+        """Wraps a linear backend whose quantized path is a kernel: shard_map by layer role.
 
-        Column parallel: x replicated, weight columns split, output features split. Row
+        The role is the one the layer declares (models/llama.py LINEAR_ROLES), passed with each
+        call. Column parallel: x replicated, weight columns split, output features split. Row
         parallel: x features and weight rows split, partial products psum'd: the layer's one
-        all-reduce. Float weights go through `fn` under the annotations, as on the XLA path.
+        all-reduce. Other weights (float, int8), and layers without a role (the LM head), go
+        through `fn` under the annotations, as on the XLA path.
         """
-        def sharded(x, w):
-            if not isinstance(w, dict):
-                return fn(x, w)
-            name, lead = _calling_layer(), (None,) * (x.ndim - 1)
-            if name in COLUMN_PARALLEL:
-                specs = (P(), P(None, AXIS), P(*lead, AXIS))
-            elif name in ROW_PARALLEL:
-                specs = (P(*lead, AXIS), P(AXIS, None), P())
-            else:
-                raise ValueError(f"no tensor-parallel layout for quantized layer {name!r}")
+        def sharded(x, w, parallel: Parallel = None):
+            if parallel is None or not isinstance(w, KERNEL_WEIGHTS):
+                return fn(x, w, parallel)
+            lead = (None,) * (x.ndim - 1)
+            split = SPLIT[parallel]
+            x_spec, out_spec = (P(), P(*lead, AXIS)) if split == "out" else (P(*lead, AXIS), P())
 
-            def local(x, w):  # x [..., K(/N)], w leaves [K(/N) / 2 | K(/N) / g, N(/N)]
-                y = fn(x, w)
-                return jax.lax.psum(y, AXIS) if name in ROW_PARALLEL else y
+            def local(x, w):  # x [..., K(/N)], w's leaves their shard of [K, N]
+                y = fn(x, w, parallel)
+                return jax.lax.psum(y, AXIS) if split == "in" else y
 
-            return jax.shard_map(local, mesh=self.mesh,
-                                 in_specs=(specs[0], {key: specs[1] for key in w}),
-                                 out_specs=specs[2], check_vma=False)(x, w)
+            return jax.shard_map(local, mesh=self.mesh, in_specs=(x_spec, weight_specs(w, split)),
+                                 out_specs=out_spec, check_vma=False)(x, w)
         return sharded
-
-
-def _calling_layer() -> str | None:
-    """Name of the flax module whose method is running: the Linear that called the backend.
-
-    A linear backend is `(x, w)`; whether its layer is column or row parallel is in the layer's
-    name, which flax keeps on its module stack while the method runs.
-    """
-    from flax.linen.module import _context
-    stack = _context.module_stack
-    return getattr(stack[-1], "name", None) if stack else None
 
 
 def per_device_config(config: ModelConfig, n: int) -> ModelConfig:
