@@ -131,6 +131,7 @@ def test_quantization_groups_must_not_straddle_devices():
 # ---- multi-device runs ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("label", ["gqa", "smol_heads", "kernel", "int4", "int4_kernel", "w8a8"])
+@pytest.mark.subprocess
 def test_same_greedy_tokens_as_one_device(runs, label):
     one = runs[{"kernel": "gqa", "int4_kernel": "int4"}.get(label, label)]["1"]["tokens"]
     assert len(one) == 2 and all(len(t) == 5 for t in one)
@@ -138,6 +139,7 @@ def test_same_greedy_tokens_as_one_device(runs, label):
         assert result["tokens"] == one, f"tensor_parallel_size={n}"
 
 
+@pytest.mark.subprocess
 def test_single_device_run_is_the_dense_oracle(runs):
     from tp_worker import GQA, prompts
     model = random_model(GQA, seed=3)
@@ -156,6 +158,7 @@ def _expected_bytes(c: ModelConfig, n: int) -> int:
 
 
 @pytest.mark.parametrize("label", ["gqa", "smol_heads"])
+@pytest.mark.subprocess
 def test_memory_per_device_shrinks(runs, label):
     from tp_worker import GQA, SMOL_HEADS
     base = {"gqa": GQA, "smol_heads": SMOL_HEADS}[label]
@@ -177,19 +180,22 @@ def test_memory_per_device_shrinks(runs, label):
         assert eight["kv"][0] / eight["num_blocks"] * 8 == one["kv"][0] / one["num_blocks"]
 
 
+@pytest.mark.subprocess
 def test_nothing_compiles_after_warmup_on_4_devices(runs):
     r = runs["warmup"]
     assert r["tokens"] == runs["gqa"]["1"]["tokens"]
     assert r["compiled"] > 1 and r["after_warmup"] == 0
 
 
+@pytest.mark.subprocess
 def test_two_all_reduces_per_layer(runs):
     """Megatron: one all-reduce after attention, one after the MLP, nothing else per layer."""
     for label in ("hlo", "hlo_int4_kernel"):  # annotations; int4 kernel under shard_map + psum
         assert runs[label] == {"decode": {"all-reduce": 2}, "prefill": {"all-reduce": 2}}
 
 
-@pytest.mark.slow
+@pytest.mark.model
+@pytest.mark.subprocess
 def test_smollm2_same_greedy_tokens_on_1_2_4_devices():
     result = run_worker({"smol": ["smollm2", {"sizes": [1, 2, 4]}]}, timeout=1800)["smol"]
     one = result["1"]["tokens"]
@@ -200,6 +206,7 @@ def test_smollm2_same_greedy_tokens_on_1_2_4_devices():
         assert r["tokens"] == one, f"tensor_parallel_size={n}"
 
 
+@pytest.mark.subprocess
 def test_two_processes_on_loopback(runs):
     """Multi-host on one machine: 2 processes x 1 CPU device, process 0 broadcasting steps."""
     with socket.socket() as s:
