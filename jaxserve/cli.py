@@ -4,10 +4,15 @@ benchmark, size a KV cache."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
 import time
+
+from jaxserve.config import EngineConfig
+from jaxserve.config_fields import add_config_args, config_kwargs
+from models.config import DTYPES
 
 
 def _cmd_download(args) -> int:
@@ -17,14 +22,8 @@ def _cmd_download(args) -> int:
 
 
 def _engine_kwargs(args) -> dict:
-    return dict(dtype=args.dtype, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
-                quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-                seed=args.seed if args.seed is not None else 0,
-                profile_dir=getattr(args, "profile_dir", None),
-                tensor_parallel_size=args.tensor_parallel_size,
-                enable_prefix_caching=not args.no_prefix_caching)
+    """The EngineConfig fields the flags set (every field but those a command decides)."""
+    return config_kwargs(args, EngineConfig)
 
 
 def _start_profile(engine, args) -> None:
@@ -67,18 +66,19 @@ def _sampling_params(args):
     return SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
         repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty, seed=args.seed, max_tokens=args.max_tokens,
+        frequency_penalty=args.frequency_penalty, max_tokens=args.max_tokens,
         min_tokens=args.min_tokens, stop=tuple(args.stop or ()), ignore_eos=args.ignore_eos)
 
 
 def _cmd_generate(args) -> int:
-    from jaxserve import LLM
     try:
+        # A one-shot run compiles only the shapes it meets; a server compiles every bucket.
+        config = EngineConfig(warmup=args.warmup, **_engine_kwargs(args))
         params = _sampling_params(args)
         _init_distributed(args)
+        from jaxserve import LLM
         start = time.perf_counter()
-        # A one-shot run compiles only the shapes it meets; a server compiles every bucket.
-        llm = LLM(args.model, warmup=args.warmup, **_engine_kwargs(args))
+        llm = LLM(**dataclasses.asdict(config))
     except (ValueError, FileNotFoundError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -115,15 +115,15 @@ def _generate(llm, args, params, ready: float) -> int:
 
 
 def _cmd_serve(args) -> int:
-    from jaxserve import EngineConfig, LLMEngine
     from jaxserve.server import ServerConfig, serve
-    model = args.model_name or args.model
     try:
-        config = ServerConfig(served_model_name=args.served_model_name or model,
+        engine_config = EngineConfig(**_engine_kwargs(args))
+        config = ServerConfig(served_model_name=args.served_model_name or args.model,
                               api_key=args.api_key, threads=args.threads,
                               max_waiting_requests=args.max_waiting_requests)
         _init_distributed(args)
-        engine = LLMEngine(EngineConfig(model=model, **_engine_kwargs(args)))
+        from jaxserve import LLMEngine
+        engine = LLMEngine(engine_config)
     except (ValueError, FileNotFoundError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -138,16 +138,16 @@ def _cmd_serve(args) -> int:
 
 
 def _cmd_bench(args) -> int:
-    from jaxserve import EngineConfig, LLMEngine
-    from jaxserve.tools.workload import make_workload, run_workload
     try:
-        engine = LLMEngine(EngineConfig(model=args.model, warmup=args.warmup,
-                                        **_engine_kwargs(args)))
+        config = EngineConfig(warmup=args.warmup, **_engine_kwargs(args))
+        from jaxserve import LLMEngine
+        from jaxserve.tools.workload import make_workload, run_workload
+        engine = LLMEngine(config)
     except (ValueError, FileNotFoundError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     vocab = engine.model.config.vocab_size
-    workload = make_workload(args.seed or 0, args.num_requests, args.prompt_len,
+    workload = make_workload(args.seed, args.num_requests, args.prompt_len,
                              args.output_len, (min(100, vocab - 1), min(40000, vocab)))
     warm = None
     if not args.warmup:  # an untimed pass of the same requests compiles the shapes they meet
@@ -203,9 +203,7 @@ def _cmd_kv_size(args) -> int:
 
 
 def _add_profile_args(p: argparse.ArgumentParser, serve_like: bool = False) -> None:
-    p.add_argument("--profile-dir", default=None,
-                   help="write jax.profiler traces here (TensorBoard/Perfetto)" +
-                        ("; enables POST /start_profile and /stop_profile" if serve_like else ""))
+    # --profile-dir is an EngineConfig field (_add_engine_args).
     p.add_argument("--profile-steps", type=int, default=None,
                    help="capture only the first N engine steps" +
                         (" (else captures come from the endpoints)" if serve_like else
@@ -219,7 +217,6 @@ def _add_bench_parser(sub) -> None:
     p.add_argument("--num-requests", type=int, default=32)
     p.add_argument("--prompt-len", type=int, nargs=2, default=(32, 128), metavar=("MIN", "MAX"))
     p.add_argument("--output-len", type=int, nargs=2, default=(16, 64), metavar=("MIN", "MAX"))
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", action="store_true",
                    help="compile every bucket first instead of an untimed pass of the workload")
     _add_engine_args(p)
@@ -280,7 +277,7 @@ def _add_quantize_parser(sub) -> None:
                    help="8: serve as W8A8 (int8 per-channel weights only)")
     p.add_argument("--calibration", default=None,
                    help="calibration text file for gptq/awq (default: the built-in text)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="float32", choices=DTYPES)
     p.add_argument("--out", required=True, help="new directory for the checkpoint")
     p.set_defaults(func=_cmd_quantize)
 
@@ -296,36 +293,18 @@ def _add_serve_parser(sub) -> None:
     p.add_argument("--threads", type=int, default=64, help="HTTP worker threads")
     p.add_argument("--max-waiting-requests", type=int, default=128,
                    help="requests queued beyond the running batch before 503")
-    p.add_argument("--seed", type=int, default=None)
     _add_engine_args(p)
     _add_profile_args(p, serve_like=True)
-    p.set_defaults(func=_cmd_serve)
+    p.set_defaults(func=lambda a: _cmd_serve(_with_model(a)))
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m",
-                   help="model name, .gguf file, HF directory or orbax checkpoint")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--block-size", type=int, default=16, help="KV block size (power of 2)")
-    p.add_argument("--max-num-seqs", type=int, default=16)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--kv-cache-memory", type=int, default=None,
-                   help="KV cache bytes (per device with --tensor-parallel-size)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="K/V storage; auto: the model's dtype (bfloat16 halves decode's KV reads)")
-    p.add_argument("--tensor-parallel-size", type=int, default=1,
-                   help="devices to split every layer over (at most jax.device_count())")
+    """Every EngineConfig field as a flag, with the dataclass's default and help."""
+    add_config_args(p.add_argument_group("engine (EngineConfig fields)"), EngineConfig)
     g = p.add_argument_group("multi-host (jax.distributed.initialize; run on every host)")
     g.add_argument("--coordinator-address", default=None, help="HOST:PORT of process 0")
     g.add_argument("--num-processes", type=int, default=None)
     g.add_argument("--process-id", type=int, default=None, help="0 schedules and serves")
-    p.add_argument("--quantization", default=None,
-                   help="w8a16, w4a16, w8a8 or gguf: int8/int4 weights by round-to-nearest, "
-                        "int8 x int8 (w8a8), or a .gguf file's own blocks (gguf); default: the "
-                        "weights as loaded (a quantized checkpoint serves its own path)")
-    p.add_argument("--no-prefix-caching", action="store_true",
-                   help="recompute shared prompt prefixes instead of reusing cached KV blocks")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -338,7 +317,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repetition-penalty", type=float, default=1.0)
     p.add_argument("--presence-penalty", type=float, default=0.0)
     p.add_argument("--frequency-penalty", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
+    # --seed is the engine's (EngineConfig.seed): each prompt draws its sampling seed from it.
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
 

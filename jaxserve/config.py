@@ -1,15 +1,41 @@
-"""Engine configuration: one frozen dataclass, validated with messages a user can act on."""
+"""Engine configuration: one frozen dataclass, validated with messages a user can act on.
+
+Every set of choices is a `Literal` declared once, here (dtypes in models/config.py, which
+models/ reads without jaxserve); validation, error messages and the CLI's `choices=` all read it
+with `typing.get_args`. Each field's help is its `metadata["help"]`: the CLI's engine flags are
+generated from the fields (jaxserve/config_fields.py), so `generate`, `serve` and `bench` offer
+the same flags with these defaults. The CLI imports this module before jax starts: no jax here.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+from types import MappingProxyType
+from typing import Literal, Mapping, get_args
 
+from jaxserve.config_fields import check_choices
 from jaxserve.core.block_manager import validate_block_size
+from jaxserve.core.scheduler import SchedulerConfig
+from models.config import Dtype
 
-BACKENDS = ("auto", "xla", "pallas", "pallas-interpret")
-# Inference paths (jaxserve/quantization/paths.py); "int4" is an alias of "w4a16".
-QUANTIZATIONS = (None, "w8a16", "w4a16", "w8a8", "gguf", "int4")
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
+# Which implementation runs inside the jitted step (jaxserve/runtime/backends.py).
+Backend = Literal["auto", "xla", "pallas", "pallas-interpret"]
+# Inference paths (jaxserve/quantization/paths.py), and other names accepted for them.
+QuantizationPath = Literal["w8a16", "w4a16", "w8a8", "gguf"]
+QuantizationAlias = Literal["int4"]
+QUANTIZATION_ALIASES: Mapping[QuantizationAlias, QuantizationPath] = MappingProxyType(
+    {"int4": "w4a16"})
+Quantization = Literal[QuantizationPath, QuantizationAlias]
+KVCacheDtype = Literal["auto", Dtype]
+
+BACKENDS = get_args(Backend)
+QUANTIZATION_PATHS = get_args(QuantizationPath)
+QUANTIZATIONS = get_args(Quantization)
+KV_CACHE_DTYPES = get_args(KVCacheDtype)
+
+
+def _help(text: str, **metadata) -> dict:
+    return {"help": text, **metadata}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -20,40 +46,78 @@ class EngineConfig:
     `gpu_memory_utilization` of free accelerator memory, else (CPU) a 1 GiB default.
     `max_model_len` defaults to the model's context length, capped by what the cache holds.
     With `tensor_parallel_size` N > 1 the budget is per device, each holding 1/N of the KV heads.
+
+    Defaults are what a vLLM user expects (the model's context length, a batch sized for an
+    accelerator), one default per field for the Python API and the CLI alike. On CPU,
+    `max_num_seqs=16, max_model_len=2048` keeps `serve`'s warm-up short (fewer shape buckets).
     """
 
-    model: str = "smollm2-135m"
-    dtype: str = "float32"
-    block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    max_model_len: int | None = None
-    kv_cache_memory: int | None = None
-    gpu_memory_utilization: float = 0.85
-    enable_chunked_prefill: bool = True
+    model: str = dataclasses.field(default="smollm2-135m", metadata=_help(
+        "model name, .gguf file, HF directory or orbax checkpoint"))
+    dtype: Dtype = dataclasses.field(default="float32", metadata=_help(
+        "weight and activation dtype"))
+    block_size: int = dataclasses.field(default=16, metadata=_help(
+        "tokens per KV block (a power of 2)"))
+    max_num_seqs: int = dataclasses.field(default=64, metadata=_help(
+        "batch slots: sequences running at once (vLLM: 256 on GPUs; 16 keeps a CPU warm-up "
+        "short)"))
+    max_num_batched_tokens: int = dataclasses.field(default=512, metadata=_help(
+        "tokens per engine step (decodes plus prefill chunks); at least max_num_seqs"))
+    max_model_len: int | None = dataclasses.field(default=None, metadata=_help(
+        "longest prompt + output; default: the model's context length, capped by what the KV "
+        "cache holds (2048 keeps a CPU warm-up short)"))
+    kv_cache_memory: int | None = dataclasses.field(default=None, metadata=_help(
+        "KV cache bytes (per device with tensor parallelism); default: "
+        "gpu_memory_utilization of free accelerator memory, 1 GiB on CPU"))
+    gpu_memory_utilization: float = dataclasses.field(default=0.85, metadata=_help(
+        "fraction of free accelerator memory for the KV cache (without kv_cache_memory)"))
+    enable_chunked_prefill: bool = dataclasses.field(default=True, metadata=_help(
+        "split prompts longer than a step's token budget over several steps"))
     # Reuse the KV of full blocks whose prefix (token ids up to and including the block) was
     # computed before; freed blocks stay cached until evicted, least recently used first.
-    enable_prefix_caching: bool = True
-    attention_backend: str = "auto"
-    linear_backend: str = "auto"
-    quantization: str | None = None  # one of QUANTIZATIONS; None: the weights as loaded
-    seed: int = 0
-    warmup: bool = True
-    profile_dir: str | None = None  # where jax.profiler captures go (jaxserve/tools/profiling.py)
-    # K/V storage: "auto" = the model's dtype; "bfloat16" halves the bytes each decode step
-    # reads (and doubles the tokens a budget holds) at bf16 rounding of K/V.
-    kv_cache_dtype: str = "auto"
-    # Devices to split each layer over (jaxserve/runtime/sharding.py); must not exceed jax.device_count().
-    tensor_parallel_size: int = 1
+    enable_prefix_caching: bool = dataclasses.field(default=True, metadata=_help(
+        "reuse cached KV blocks of shared prompt prefixes instead of recomputing them",
+        aliases=("--prefix-caching",)))
+    attention_backend: Backend = dataclasses.field(default="auto", metadata=_help(
+        "paged attention: pallas (GPU kernel), xla, pallas-interpret (kernel on CPU, for "
+        "tests); auto: pallas on GPU, else xla"))
+    linear_backend: Backend = dataclasses.field(default="auto", metadata=_help(
+        "quantized linears: pallas (int4 GPU kernel), xla, pallas-interpret; auto: pallas on "
+        "GPU, else xla"))
+    quantization: Quantization | None = dataclasses.field(default=None, metadata=_help(
+        "w8a16, w4a16 (alias int4), w8a8: int8/int4 weights by round-to-nearest, int8 x int8 "
+        "(w8a8); gguf: a .gguf file's own blocks; default: the weights as loaded (a quantized "
+        "checkpoint serves its own path)"))
+    seed: int = dataclasses.field(default=0, metadata=_help(
+        "engine seed: a request without a seed of its own draws one from it (bench: also the "
+        "workload's seed)"))
+    # Each command decides: a one-shot `generate` compiles only the shapes it meets; `serve`
+    # compiles every bucket first.
+    warmup: bool = dataclasses.field(default=True, metadata=_help(
+        "compile every shape bucket at start-up", cli=False))
+    profile_dir: str | None = dataclasses.field(default=None, metadata=_help(
+        "write jax.profiler traces here for TensorBoard/Perfetto (jaxserve/tools/profiling.py); "
+        "serve: enables POST /start_profile and /stop_profile"))
+    # "bfloat16" halves the bytes each decode step reads (and doubles the tokens a budget holds)
+    # at bf16 rounding of K/V.
+    kv_cache_dtype: KVCacheDtype = dataclasses.field(default="auto", metadata=_help(
+        "K/V storage; auto: the model's dtype (bfloat16 halves decode's KV reads)"))
+    # jaxserve/runtime/sharding.py; must not exceed jax.device_count().
+    tensor_parallel_size: int = dataclasses.field(default=1, metadata=_help(
+        "devices to split every layer over (at most jax.device_count())"))
 
     def __post_init__(self):
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        check_choices(self)  # dtype, backends, quantization, kv_cache_dtype
         validate_block_size(self.block_size)
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_num_seqs ({self.max_num_seqs}) so every running sequence can decode "
+                f"each step; raise max_num_batched_tokens or lower max_num_seqs")
         if self.max_model_len is not None and (
                 not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
@@ -61,29 +125,24 @@ class EngineConfig:
                 not isinstance(self.kv_cache_memory, int) or self.kv_cache_memory <= 0):
             raise ValueError("kv_cache_memory is a byte count and must be a positive integer, "
                              f"got {self.kv_cache_memory!r}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError("gpu_memory_utilization must be in (0, 1], got "
-                             f"{self.gpu_memory_utilization}")
-        for name in ("attention_backend", "linear_backend"):
-            if getattr(self, name) not in BACKENDS:
-                raise ValueError(f"{name} must be one of {BACKENDS}, got "
-                                 f"{getattr(self, name)!r}")
+        util = self.gpu_memory_utilization
+        if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {util!r}")
         if self.profile_dir is not None and (not isinstance(self.profile_dir, str)
                                              or not self.profile_dir):
             raise ValueError(f"profile_dir must be a directory path (str) or None, got "
                              f"{self.profile_dir!r}")
-        if isinstance(self.tensor_parallel_size, bool) or \
-                not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
-            raise ValueError("tensor_parallel_size must be a positive integer, got "
-                             f"{self.tensor_parallel_size!r}")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got "
-                             f"{self.kv_cache_dtype!r}")
-        if self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got "
-                             f"{self.quantization!r}")
         if self.quantization == "gguf" and self.tensor_parallel_size > 1:
             # The file's blocks are served as stored, but tensor parallelism may pad heads (and
             # Q4 groups of 32 would have to be re-laid per shard): not supported yet.
             raise ValueError("quantization='gguf' runs on one device; with "
                              "tensor_parallel_size > 1 use w8a16, w8a8 or w4a16")
+
+    def scheduler_config(self, *, num_blocks: int, max_model_len: int) -> SchedulerConfig:
+        """The scheduler's limits: this config's, plus what the engine derived from the model
+        and the KV budget (SchedulerConfig checks those two against the rest)."""
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=max_model_len, block_size=self.block_size, num_blocks=num_blocks,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            enable_prefix_caching=self.enable_prefix_caching)

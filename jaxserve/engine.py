@@ -26,7 +26,7 @@ from jaxserve.quantization.paths import activation_bits, prepare_model
 from jaxserve.core.request_state import RequestState
 from jaxserve.runtime.runner import ModelRunner
 from jaxserve.core.sampling_params import SamplingParams
-from jaxserve.core.scheduler import Scheduler, SchedulerConfig
+from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.sequence import Sequence, SequenceStatus
 from jaxserve.tools.step_stats import StepStats, StepTotals
 from models import Model, load_model
@@ -68,12 +68,8 @@ class LLMEngine:
             raise ValueError(f"max_model_len={max_len} exceeds the model's context length "
                              f"({mc.max_position_embeddings})")
         # Raises, with the numbers, when one max_model_len sequence cannot fit the cache.
-        self.scheduler = Scheduler(SchedulerConfig(
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_len,
-            block_size=bs, num_blocks=num_blocks,
-            enable_chunked_prefill=config.enable_chunked_prefill,
-            enable_prefix_caching=config.enable_prefix_caching))
+        self.scheduler = Scheduler(config.scheduler_config(num_blocks=num_blocks,
+                                                           max_model_len=max_len))
         log_plan(plan_mc, bs, dtype_bytes, num_blocks)
         self.max_model_len = max_len
         tok = self.model.tokenizer

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping, get_args
 
-DTYPES = ("float32", "bfloat16")
+# Weight and activation dtypes; declared here, where models/ reads them, and imported by jaxserve.
+Dtype = Literal["float32", "bfloat16"]
+DTYPES = get_args(Dtype)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

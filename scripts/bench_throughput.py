@@ -10,7 +10,7 @@ Batch-1 decode: one 32-token prompt -> 128 new tokens on every system.
     .venv/bin/python scripts/bench_throughput.py --md docs/bench_throughput.md \
         --out docs/bench_throughput.json
 
-See /work/shared/design/PERFORMANCE.md for the method and the peers.
+See docs/peers.md for the method and the peers.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import numpy as np
 from jaxserve.tools.workload import TOKEN_RANGE, make_workload  # shared with `jaxserve bench`
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-LLAMA_CPP_PAPER_FIGURE = 71.3  # PERFORMANCE.md, llama-cpp-python 0.3.36, batch 1
+LLAMA_CPP_PAPER_FIGURE = 71.3  # docs/peers.md: default build of llama-cpp-python 0.3.36, batch 1
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -67,7 +67,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--hf-dtypes", default="float32,bfloat16")
     ap.add_argument("--hf-python", default=str(REPO / ".venv-ref/bin/python"))
     ap.add_argument("--llama-cpp-python", default=None,
-                    help="interpreter with llama_cpp importable; else the PERFORMANCE.md figure")
+                    help="interpreter with llama_cpp importable; else the docs/peers.md figure")
     ap.add_argument("--threads", type=int, default=2, help="threads for the peers")
     ap.add_argument("--out", help="write the results as JSON here")
     ap.add_argument("--md", help="write the report as markdown here")
@@ -230,7 +230,7 @@ def llama_cpp_usable(python: str | None) -> bool:
 def run_llama_cpp(args, b1_prompt: list[int], model_path: str) -> dict:
     if not llama_cpp_usable(args.llama_cpp_python):
         return {"measured": False, "batch1": {"tok_s": LLAMA_CPP_PAPER_FIGURE},
-                "note": "not measured in this run: PERFORMANCE.md figure "
+                "note": "not measured in this run: docs/peers.md figure "
                         "(llama-cpp-python 0.3.36, same machine type)"}
     print("  llama.cpp: batch 1 ...", flush=True)
     work = {"model_path": model_path, "threads": args.threads,
@@ -279,7 +279,7 @@ def table_rows(args, workload, js: dict, hf: dict | None, lc: dict) -> list[dict
                      "tok_s": r["tok_s"]})
     label = "llama.cpp (Q4_1 GGUF as shipped)"
     if not lc["measured"]:
-        label += " - NOT MEASURED IN THIS RUN (PERFORMANCE.md figure)"
+        label += " - NOT MEASURED IN THIS RUN (docs/peers.md figure)"
     rows.append({"system": label, "kind": "batch1", "workload": b1,
                  "tok_s": lc["batch1"]["tok_s"], "measured": lc["measured"]})
     for kind in ("throughput", "batch1"):

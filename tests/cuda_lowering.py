@@ -1,7 +1,7 @@
 """Lowers (and, with jax-cuda13-plugin installed, compiles) jitted code for an H200 from a CPU.
 
 Lowering catches Triton-backend errors (non-power-of-2 blocks, unsupported ops) without a GPU;
-see ../shared/design/GPU.md.
+see docs/gpu.md.
 """
 
 from __future__ import annotations

@@ -484,8 +484,15 @@ def test_add_rejects_bad_requests():
     (dict(max_model_len=65, block_size=16, num_blocks=5), "num_blocks >= 6"),
 ])
 def test_config_validation(kw, message):
+    # The engine's path: EngineConfig validates the fields it holds, SchedulerConfig what the
+    # engine derives (max_model_len, num_blocks).
+    from jaxserve.config import EngineConfig
+    engine_kw = dict(max_num_seqs=4, max_num_batched_tokens=64, block_size=4)
+    derived = dict(max_model_len=64, num_blocks=1 + 64)
+    for k, v in kw.items():
+        (derived if k in derived else engine_kw)[k] = v
     with pytest.raises(ValueError, match=message):
-        config(**kw)
+        EngineConfig(**engine_kw).scheduler_config(**derived)
 
 
 def test_config_is_frozen_and_keyword_only():

@@ -31,12 +31,19 @@ import dataclasses
 from collections import deque
 from collections.abc import Iterator, Mapping
 
-from jaxserve.core.block_manager import BlockManager, blocks_for_tokens, validate_block_size
+from jaxserve.core.block_manager import BlockManager, blocks_for_tokens
 from jaxserve.core.sequence import Sequence, SequenceStatus
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
+    """The scheduler's limits, built by `EngineConfig.scheduler_config` (jaxserve/config.py).
+
+    EngineConfig validates the fields it holds (the batch limits, block_size, the flags); checked
+    here is only what the engine derives from the model and the KV budget, `max_model_len` and
+    `num_blocks`, against them.
+    """
+
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
@@ -46,16 +53,9 @@ class SchedulerConfig:
     enable_prefix_caching: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        validate_block_size(self.block_size)
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
-                f"max_num_seqs ({self.max_num_seqs}) so every running sequence can decode "
-                f"each step; raise max_num_batched_tokens or lower max_num_seqs")
+        if not isinstance(self.max_model_len, int) or self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be a positive integer, got "
+                             f"{self.max_model_len!r}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"without chunked prefill a whole prompt must fit one step: "

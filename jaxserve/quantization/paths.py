@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxserve.config import QUANTIZATION_ALIASES as ALIASES
+from jaxserve.config import QUANTIZATION_PATHS as PATHS
 from jaxserve.quantization.core import QuantSpec
 from jaxserve.quantization.gguf_native import gguf_native_params
 from jaxserve.quantization.rtn import quantize_head, quantize_kernels
 
-PATHS = ("w8a16", "w4a16", "w8a8", "gguf")
-ALIASES = {"int4": "w4a16"}
 INT8_CHANNEL = QuantSpec(bits=8, granularity="channel", symmetric=True)
 INT4_G128 = QuantSpec(bits=4, granularity="group", group_size=128)
 
