@@ -416,12 +416,15 @@ def section_kernel_correctness(ctx: Ctx) -> dict:
 
 # ---- section: kernel timings -------------------------------------------------------------------
 
-def ragged_decode_meta(page_table, context_lens, block_size: int) -> dict:
-    """The XLA decode path's flat list of blocks in use `[3, P]` (block, row, first position),
-    built as jaxserve/runtime/runner.py `_decode_pages` builds it: padded to the engine's
-    ragged bucket with (block 0, row 0, a huge position) entries, which are masked."""
+def ragged_decode_meta(page_table, context_lens, block_size: int):
+    """PagedMeta for the XLA decode path: the flat list of blocks in use `[3, P]` (block, row,
+    first position), built as jaxserve/runtime/runner.py `_decode_pages` builds it and padded
+    to the engine's ragged bucket with (block 0, row 0, a huge position) entries, which are
+    masked. Returns (meta, number of blocks in use)."""
+    import jax.numpy as jnp
     import numpy as np
     from jaxserve.runtime import buckets
+    from jaxserve.runtime.kv_cache import PagedMeta
     table, lens = np.asarray(page_table), np.asarray(context_lens)
     counts = -(-lens // block_size)  # [B] blocks per row
     size = buckets.pick(buckets.ragged_block_buckets(len(lens), table.shape[1]),
@@ -433,7 +436,10 @@ def ragged_decode_meta(page_table, context_lens, block_size: int) -> dict:
     ragged[0, :rows.size] = table[rows, first]
     ragged[1, :rows.size] = rows
     ragged[2, :rows.size] = first * block_size
-    return {"ragged": ragged, "blocks": int(counts.sum())}
+    zeros = jnp.zeros((len(lens), 1), jnp.int32)  # [B, 1]: positions and slots, not read
+    meta = PagedMeta(positions=zeros, slots=zeros, page_table=zeros,
+                     context_lens=jnp.asarray(lens, jnp.int32), ragged=jnp.asarray(ragged))
+    return meta, int(counts.sum())
 
 
 def xla_decode_attention():
@@ -467,16 +473,11 @@ def time_attention(ctx: Ctx, model: str, block: int, batch: int) -> dict:
     import jax
     import jax.numpy as jnp
     from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
-    from jaxserve.runtime.kv_cache import PagedMeta
     c = attention_case(ctx, model, block, batch)
     p = ctx.prof
     sets = [(c["q"], c["k"], c["v"], jnp.int32(i), c["page_table"], c["context_lens"])
             for i in range(c["layers"])]
-    ragged = ragged_decode_meta(c["page_table"], c["context_lens"], block)
-    zeros = jnp.zeros((batch, 1), jnp.int32)  # [B, 1]: positions and slots, unused here
-    meta = PagedMeta(positions=zeros, slots=zeros, context_lens=c["context_lens"],
-                     page_table=jnp.zeros((batch, 1), jnp.int32),
-                     ragged=jnp.asarray(ragged["ragged"]))
+    meta, in_use = ragged_decode_meta(c["page_table"], c["context_lens"], block)
     xla_sets = [(c["q"], c["k"], c["v"], jnp.int32(i), meta) for i in range(c["layers"])]
 
     def kernel(*a):
@@ -485,8 +486,7 @@ def time_attention(ctx: Ctx, model: str, block: int, batch: int) -> dict:
     impls = {"kernel": (kernel, sets), "xla_engine_path": (xla_decode_attention(), xla_sets),
              "reference_f32": (jax.jit(paged_attention_reference), sets)}
     row = {**c["desc"], "bytes_per_call": c["bytes_per_call"], "layers_cycled": c["layers"],
-           "xla_ragged_blocks": ragged["blocks"],
-           "xla_ragged_bucket": int(ragged["ragged"].shape[1])}
+           "xla_ragged_blocks": in_use, "xla_ragged_bucket": int(meta.ragged.shape[1])}
     for name, (fn, args) in impls.items():
         t = time_calls(fn, args, p.iters, p.reps)
         row[name] = {**rates(ctx, t["median_s"], c["bytes_per_call"]),

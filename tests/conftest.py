@@ -18,6 +18,7 @@ if _PLUGIN.is_dir():
 # Fixtures that hand a test the real SmolLM2: a test using one (directly or through another
 # fixture) is in the `model` tier without saying so.
 MODEL_FIXTURES = {"smollm2_path", "smollm2_fp32"}
+HF_REFERENCE_TIMEOUT_S = 1900
 
 
 def pytest_configure(config):
@@ -34,6 +35,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.model)
+        if item.get_closest_marker("hf_ref") and not item.get_closest_marker("timeout"):
+            # A cache miss runs torch in a subprocess bounded at 1800 s (tests/hf_reference.py).
+            item.add_marker(pytest.mark.timeout(HF_REFERENCE_TIMEOUT_S))
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
     if gpu_items:
         import jax

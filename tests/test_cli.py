@@ -40,6 +40,7 @@ CHAT = ("generate", "--chat", "What is the capital of France?", "--max-tokens", 
 
 
 @pytest.mark.subprocess
+@pytest.mark.timeout(1000)  # the subprocess's own limit is 900 s
 def test_generate_tensor_parallel_answers_like_hf(smollm2_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS="--xla_force_host_platform_device_count=2")
@@ -50,6 +51,7 @@ def test_generate_tensor_parallel_answers_like_hf(smollm2_path):
 
 
 @pytest.mark.subprocess
+@pytest.mark.timeout(1000)  # the subprocesses' own limit is 900 s
 def test_generate_on_two_processes_answers_like_hf(smollm2_path):
     """The README's multi-host recipe on loopback: 2 processes x 1 CPU device."""
     with socket.socket() as s:

@@ -25,7 +25,7 @@ from tiny_models import TINY_CHAT
 MODEL = "tiny-chat"
 KEY = "test-key"
 MAX_NUM_SEQS = 8
-MAX_MODEL_LEN = 512
+MAX_MODEL_LEN = 128
 PROMPTS = ["The capital of France is", "def add(a, b):\n    return", "Once upon a time",
            "1, 2, 3, 4,", "The quick brown fox", "Water boils at", "Roses are red,",
            "The largest planet in the solar system is"]
@@ -36,11 +36,11 @@ CHAT = [{"role": "user", "content": "Name a colour."}]
 def engine():
     model = tiny_chat_model(seed=0)
     kv = 4 * MAX_NUM_SEQS * MAX_MODEL_LEN * TINY_CHAT.kv_bytes_per_token(4)
-    # Large blocks and a small token budget: 20 programs to warm up instead of 42, and
-    # compiling, not running, is what a tiny model's engine spends its time on.
+    # One block per sequence and a small token budget: 6 programs to warm up instead of 42
+    # (compiling, not running, is what a tiny model's engine spends its time on).
     return LLMEngine(EngineConfig(model=model.source, warmup=True, max_num_seqs=MAX_NUM_SEQS,
                                   max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=64,
-                                  block_size=128, kv_cache_memory=kv), model=model)
+                                  block_size=MAX_MODEL_LEN, kv_cache_memory=kv), model=model)
 
 
 @pytest.fixture(scope="module")
@@ -297,9 +297,9 @@ CASES = [  # (id, path, body, status, error type, param)
     ("prompt-wrong-type", CMP, C(prompt=12), 400, BAD, "prompt"),
     ("token-id-negative", CMP, C(prompt=[1, -5]), 400, BAD, "prompt"),
     ("token-id-over-vocab", CMP, C(prompt=[[1, 10 ** 9]]), 400, BAD, "prompt"),
-    ("prompt-too-long", CMP, C(prompt=ids(599)), 400, BAD, "prompt"),
-    ("prompt-plus-max-tokens", CMP, C(prompt=ids(499), max_tokens=50), 400, BAD,
-     "max_tokens"),
+    ("prompt-too-long", CMP, C(prompt=ids(MAX_MODEL_LEN + 87)), 400, BAD, "prompt"),
+    ("prompt-plus-max-tokens", CMP, C(prompt=ids(MAX_MODEL_LEN - 13), max_tokens=50), 400,
+     BAD, "max_tokens"),
     ("max-tokens-zero", CMP, C(max_tokens=0), 400, BAD, "max_tokens"),
     ("max-tokens-string", CMP, C(max_tokens="5"), 400, BAD, "max_tokens"),
     ("temperature-negative", CMP, C(temperature=-0.5), 400, BAD, "temperature"),

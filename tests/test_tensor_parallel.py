@@ -22,6 +22,9 @@ from jaxserve.runtime.sharding import head_layout, make_mesh, pad_heads, param_s
 from models.config import ModelConfig
 from models.random_init import random_model
 
+# The `runs` fixture's worker has its own 900 s limit; it counts toward the first test using it.
+pytestmark = pytest.mark.timeout(1000)
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 WORKER = pathlib.Path(__file__).resolve().parent / "tp_worker.py"
 
@@ -196,6 +199,7 @@ def test_two_all_reduces_per_layer(runs):
 
 @pytest.mark.model
 @pytest.mark.subprocess
+@pytest.mark.timeout(1900)  # run_worker's own limit is 1800 s
 def test_smollm2_same_greedy_tokens_on_1_2_4_devices():
     result = run_worker({"smol": ["smollm2", {"sizes": [1, 2, 4]}]}, timeout=1800)["smol"]
     one = result["1"]["tokens"]
