@@ -30,6 +30,7 @@ PROMPTS = ["The capital of France is", "def add(a, b):\n    return", "Once upon 
            "1, 2, 3, 4,", "The quick brown fox", "Water boils at", "Roses are red,",
            "The largest planet in the solar system is"]
 CHAT = [{"role": "user", "content": "Name a colour."}]
+LONG = MAX_MODEL_LEN - 24  # new tokens of a request that should stay in flight a while
 
 
 @pytest.fixture(scope="module")
@@ -241,7 +242,9 @@ def _drop_after(url, body, chunks_before_drop):
 def test_dropped_streams_free_their_blocks(server, loop):
     free = wait_idle(loop, loop.stats()["kv_blocks_total"])["kv_blocks_free"]
     finished_before = metric(server, 'jaxserve_request_total{finish_reason="length"}')
-    body = {"model": MODEL, "prompt": PROMPTS[4], "max_tokens": 64, "temperature": 0,
+    # Long streams: the tiny model writes tokens fast, and a dropped stream must still be
+    # running when the server notices its client is gone.
+    body = {"model": MODEL, "prompt": PROMPTS[4], "max_tokens": LONG, "temperature": 0,
             "ignore_eos": True, "stream": True}
     with cf.ThreadPoolExecutor(20) as pool:
         results = list(pool.map(lambda i: _drop_after(server.url + "/v1/completions", body,
@@ -257,7 +260,7 @@ def test_dropped_streams_free_their_blocks(server, loop):
 def test_overload_gives_503_not_500(loop):
     free = loop.stats()["kv_blocks_free"]
     with running(loop, max_waiting_requests=2) as s:
-        body = {"model": MODEL, "prompt": PROMPTS[5], "max_tokens": 24, "temperature": 0,
+        body = {"model": MODEL, "prompt": PROMPTS[5], "max_tokens": LONG, "temperature": 0,
                 "ignore_eos": True}
         with cf.ThreadPoolExecutor(24) as pool:
             rs = list(pool.map(lambda _: post(s, "/v1/completions", body, key=None), range(24)))

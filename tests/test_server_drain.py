@@ -40,8 +40,10 @@ def _start(path) -> tuple[subprocess.Popen, str]:
 
 
 def _stream(url, result, first_chunk):
+    # logprobs: a token whose text is empty (a random model emits special tokens) still gets
+    # its chunk, so chunks count tokens.
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": NEW_TOKENS,
-            "temperature": 0, "ignore_eos": True, "stream": True}
+            "temperature": 0, "ignore_eos": True, "stream": True, "logprobs": 1}
     lines = []
     with requests.post(url + "/v1/completions", json=body, stream=True, timeout=120) as r:
         result["status"] = r.status_code
