@@ -43,6 +43,7 @@ def dry_run(tmp_path_factory):
     return proc, json.loads((out / "gpu_check.json").read_text()), out
 
 
+@pytest.mark.subprocess
 def test_every_section_ok_or_skipped_with_reason(dry_run):
     proc, report, out = dry_run
     assert report["dry_run"] is True
@@ -58,6 +59,7 @@ def test_every_section_ok_or_skipped_with_reason(dry_run):
         assert f"## {name}: " in md
 
 
+@pytest.mark.subprocess
 def test_kernels_within_tolerance(dry_run):
     _, report, _ = dry_run
     res = report["sections"]["kernel_correctness"]["result"]
@@ -74,6 +76,7 @@ def test_kernels_within_tolerance(dry_run):
         assert 0 <= row["max_rel_err"] <= row["tolerance"]["rel"] + row["tolerance"]["scale"]
 
 
+@pytest.mark.subprocess
 def test_timings_and_engine_runs_are_complete(dry_run):
     _, report, _ = dry_run
     timings = report["sections"]["kernel_timings"]["result"]
@@ -93,6 +96,7 @@ def test_timings_and_engine_runs_are_complete(dry_run):
                 assert run["mbu_weights_vs_nominal"] > 0
 
 
+@pytest.mark.subprocess
 def test_time_budget_skips_sections_with_a_reason(tmp_path):
     proc = run_script(tmp_path, "--dry-run", "--time-budget", "0",
                       "--sections", "environment,bandwidth,e2e_smollm2", timeout=120)
@@ -104,6 +108,7 @@ def test_time_budget_skips_sections_with_a_reason(tmp_path):
         assert "time budget" in sections[name]["reason"]
 
 
+@pytest.mark.subprocess
 def test_refuses_to_run_the_gpu_profile_without_a_gpu(tmp_path):
     proc = run_script(tmp_path, timeout=120)
     assert proc.returncode == 2
