@@ -7,10 +7,15 @@ rest still runs; `--time-budget` skips what is left once exceeded):
   bandwidth          measured device copy and read bandwidth, dispatch floor, bf16 matmul rate
   kernel_correctness paged attention and int4 matmul on the device vs their jnp references
   kernel_timings     the same cases timed (warm, median) against the nominal 4.3 TB/s and the
-                     measured bandwidth, side by side with the XLA paths
+                     measured bandwidth, side by side with the XLA paths the engine runs
+                     (ragged decode attention, XLA int4 dequantize-matmul)
   e2e_llama3_8b      engine decode tok/s, random Llama-3-8B-shaped model, bf16 vs int4, batch 1/64
   e2e_smollm2        the same on SmolLM2-135M (from --gguf if loadable, else random weights)
   hf_peer            HF transformers `generate` on the same GPU, SmolLM2 shapes, bf16
+  kernel_tests       the kernel test suite compiled on the GPU (`pytest -m gpu`), where pytest
+                     is installed
+
+Kernel inputs and tolerances are the kernel tests' own (tests/kernel_cases.py), at GPU sizes.
 
     python scripts/gpu_check.py --out-dir $OUT [--gguf SmolLM2.gguf] [--time-budget 450]
     python scripts/gpu_check.py --dry-run --out-dir /tmp/gc    # CPU, interpret-mode kernels
@@ -18,7 +23,7 @@ rest still runs; `--time-budget` skips what is left once exceeded):
 Writes gpu_check.json after every section (a killed run keeps what it finished) and
 gpu_check.md at the end, and prints the markdown. Exit status 1 when a section errored or a
 kernel was out of tolerance, else 0. Imports only jax, numpy, flax (and torch/transformers for
-the peer) besides this repository.
+the peer, pytest for kernel_tests) besides this repository.
 """
 
 from __future__ import annotations
@@ -41,8 +46,14 @@ import warnings
 import zlib
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+# tests/ by path, not as the `tests` package: a site-packages `tests` package (some wheels ship
+# one) would shadow the repository's, which has no __init__.py.
+for _path in (REPO, REPO / "tests"):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+from kernel_cases import (ATTENTION_MODELS, ATTENTION_TOLERANCE,  # noqa: E402
+                          INT4_MODEL_SHAPES, INT4_TOLERANCE)
 
 NOMINAL_BW = 4.3e12          # B/s, H200 device copy bandwidth measured here before (GPU.md)
 NOMINAL_BF16_FLOPS = 790e12  # FLOP/s, H200 dense bf16 (GPU.md)
@@ -78,9 +89,8 @@ def model_configs(dry: bool) -> dict:
             eos_token_ids=(2,))}
 
 
-ATTN_HEADS = {"smollm2": (3, 3, 64), "llama3_8b": (8, 4, 128)}  # (kv heads K, group G, Dh)
-INT4_SHAPES = {"smollm2": [(576, 1536), (1536, 576), (576, 576)],
-               "llama3_8b": [(4096, 4096), (4096, 14336), (14336, 4096)]}
+ATTN_HEADS = {m: heads[:3] for m, heads in ATTENTION_MODELS.items()}  # (K, G, Dh)
+INT4_SHAPES = INT4_MODEL_SHAPES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,9 +135,6 @@ DRY_PROFILE = Profile(
     e2e_batches=(2,), e2e_variants=(None, "int4"), prompt_len=20, new_tokens=6,
     max_model_len=64)
 
-# Tolerances as in tests/test_paged_attention.py and tests/test_int4_matmul.py.
-ATTN_TOL = {"bfloat16": dict(rtol=1e-2, atol=1e-2), "float32": dict(rtol=1e-5, atol=1e-5)}
-INT4_TOL = {"bfloat16": dict(rel=2.0**-8, scale=1e-5), "float32": dict(rel=0.0, scale=1e-5)}
 
 
 class Ctx:
@@ -263,85 +270,51 @@ def context_lengths(batch: int, max_ctx: int, block: int, seed: int) -> list[int
     return [int(v) for v in lens]
 
 
-def attention_layout(prof: Profile, model: str, block: int, batch: int) -> dict:
-    """Host-side layout of a case: lengths, page table (shuffled blocks; entries past a context
-    name spare blocks), valid slots per block, and L, the number of layers, chosen so the
-    cycled layers exceed 2x L2 (timed reads then come from HBM)."""
-    import numpy as np
-    kh, _, dh = ATTN_HEADS[model]
-    lens = context_lengths(batch, prof.max_context, block, seed=block * 1000 + batch)
-    pages = [-(-n // block) for n in lens]
-    used = sum(pages)
-    nb = used + 5  # null block + used + spares
-    rng = np.random.default_rng(batch + block)
-    ids = rng.permutation(np.arange(1, nb))
-    spare = np.concatenate([[0], ids[used:]])
-    table = rng.choice(spare, size=(batch, max(pages))).astype(np.int32)
-    valid = np.zeros(nb, np.int32)
-    start = 0
-    for b, (n, cnt) in enumerate(zip(lens, pages)):
-        table[b, :cnt] = ids[start:start + cnt]
-        valid[ids[start:start + cnt]] = np.minimum(block, n - block * np.arange(cnt))
-        start += cnt
-    per_layer = used * block * kh * dh * 2 * 2  # K + V pages, bf16
-    layers = int(min(prof.max_layers, max(2, math.ceil(2 * L2_BYTES / per_layer))))
-    return {"lens": lens, "table": table, "valid": valid, "layers": layers,
-            "cache_shape": (layers, nb, block, kh, dh), "bytes_per_call": per_layer}
-
-
 def attention_case(ctx: Ctx, model: str, block: int, batch: int) -> dict:
-    """Device-built caches `[L, NB, BS, K, Dh]` bf16; every slot outside some row's context
-    (null block 0, spare blocks, page tails) is NaN, and table entries past a context point at
-    NaN blocks, so a wrong read shows."""
-    import jax
-    import jax.numpy as jnp
+    """The kernel tests' NaN-filled case (tests/kernel_cases.py) at GPU size, bf16, with L
+    layers, all live, chosen so the cycled layers exceed 2x L2 (timed reads then come from
+    HBM)."""
     import numpy as np
+    from kernel_cases import paged_case
     key = (model, block, batch)
     if key in ctx.cases:
         return ctx.cases[key]
     kh, g, dh = ATTN_HEADS[model]
-    lay = attention_layout(ctx.prof, model, block, batch)
-    mask = jnp.arange(block)[None, :] < jnp.asarray(lay["valid"])[:, None]  # [NB, BS]
-    mask = mask[None, :, :, None, None]
-    k1, k2, k3 = jax.random.split(jax.random.key(zlib.crc32(repr(key).encode())), 3)
-    shape, nan = lay["cache_shape"], jnp.bfloat16(jnp.nan)
-    lens = lay["lens"]
-    case = {"q": jax.random.normal(k1, (batch, kh * g, dh), jnp.bfloat16),
-            "k": jnp.where(mask, jax.random.normal(k2, shape, jnp.bfloat16), nan),
-            "v": jnp.where(mask, jax.random.normal(k3, shape, jnp.bfloat16), nan),
-            "page_table": jnp.asarray(lay["table"]), "context_lens": jnp.asarray(lens, jnp.int32),
-            "layers": lay["layers"], "bytes_per_call": lay["bytes_per_call"],
+    lens = context_lengths(batch, ctx.prof.max_context, block, seed=block * 1000 + batch)
+    pages = [-(-n // block) for n in lens]
+    per_layer = sum(pages) * block * kh * dh * 2 * 2  # K + V pages, bf16
+    layers = int(min(ctx.prof.max_layers, max(2, math.ceil(2 * L2_BYTES / per_layer))))
+    q, k, v, table, context_lens = paged_case(
+        zlib.crc32(repr(key).encode()), dtype="bfloat16", block_size=block, num_kv_heads=kh,
+        group=g, head_dim=dh, lens=lens, num_pages=max(pages), num_layers=layers)
+    case = {"q": q, "k": k, "v": v, "page_table": table, "context_lens": context_lens,
+            "layers": layers, "bytes_per_call": per_layer,
             "desc": {"model": model, "kv_heads": kh, "group": g, "head_dim": dh,
                      "block_size": block, "batch": batch, "max_len": max(lens),
-                     "mean_len": float(np.mean(lens)), "pages": int(lay["table"].shape[1]),
-                     "cache_shape": list(shape)}}
+                     "mean_len": float(np.mean(lens)), "pages": max(pages),
+                     "cache_shape": list(k.shape)}}
     ctx.cases[key] = case
     return case
 
 
 def int4_weights(ctx: Ctx, k: int, n: int) -> dict:
-    """Random codes over [0, 15] with per-group scales and offsets (asymmetric, the engine's RTN
-    format), in as many copies as make > 2x L2, plus bf16 dense copies for the XLA baseline.
-    Shared by every M of a (K, N)."""
+    """The kernel tests' random codes with per-group scales and offsets (asymmetric, the
+    engine's RTN format), in as many copies as make > 2x L2, plus bf16 dense copies for the
+    dense baseline. Shared by every M of a (K, N)."""
     import jax
     import jax.numpy as jnp
-    from pallas_kernels.int4_matmul import pack_int4
+    from kernel_cases import int4_group_size
+    from kernel_cases import int4_weights as case_weights
     key = ("int4", k, n)
     if key in ctx.cases:
         return ctx.cases[key]
-    g = next(g for g in (128, 64, 32) if k % g == 0)  # jaxserve.quantization.pick_group_size
+    g = int4_group_size(k)
     wbytes = k * n // 2 + 2 * (k // g) * n * 4
     copies = int(min(ctx.prof.max_copies, max(1, math.ceil(2 * L2_BYTES / wbytes))))
     dense_copies = int(min(ctx.prof.max_copies, max(1, math.ceil(2 * L2_BYTES / (2 * k * n)))))
-    keys = jax.random.split(jax.random.key(k * 7 + n), 2 * copies + dense_copies)
-    weights = []
-    for i in range(copies):
-        u = jax.random.randint(keys[2 * i], (k, n), 0, 16).astype(jnp.uint8)
-        ka, kb = jax.random.split(keys[2 * i + 1])
-        weights.append((pack_int4(u, group_size=g),
-                        jax.random.uniform(ka, (k // g, n), jnp.float32, 0.005, 0.05),
-                        jax.random.uniform(kb, (k // g, n), jnp.float32, -0.4, 0.0)))
-    dense = [jax.random.normal(keys[2 * copies + i], (k, n), jnp.bfloat16) * 0.02
+    weights = [case_weights(k, n, g, symmetric=False, seed=i) for i in range(copies)]
+    keys = jax.random.split(jax.random.key(k * 7 + n), dense_copies)
+    dense = [jax.random.normal(keys[i], (k, n), jnp.bfloat16) * 0.02
              for i in range(dense_copies)]
     ctx.cases[key] = {"weights": weights, "dense": dense, "group_size": g,
                       "bytes_per_call": wbytes, "copies": copies}
@@ -369,7 +342,7 @@ def check_attention(ctx: Ctx, model: str, block: int, batch: int) -> dict:
     args = (c["q"], c["k"], c["v"], layer, c["page_table"], c["context_lens"])
     out = np.asarray(paged_attention(*args, interpret=ctx.prof.interpret), np.float32)
     ref = np.asarray(paged_attention_reference(*args), np.float32)
-    tol = ATTN_TOL["bfloat16"]
+    tol = ATTENTION_TOLERANCE["bfloat16"]
     err = np.abs(out - ref)
     finite = bool(np.isfinite(out).all())
     ok = finite and bool(np.all(err <= tol["atol"] + tol["rtol"] * np.abs(ref)))
@@ -383,6 +356,7 @@ def check_int4(ctx: Ctx, model: str, k: int, n: int, m: int) -> dict:
     import jax.numpy as jnp
     import numpy as np
     from pallas_kernels.int4_matmul import int4_matmul, int4_matmul_reference
+    from kernel_cases import int4_error_bound
     c = int4_case(ctx, model, k, n, m)
     packed, scales, offsets = c["weights"][0]
     g = c["group_size"]
@@ -390,11 +364,11 @@ def check_int4(ctx: Ctx, model: str, k: int, n: int, m: int) -> dict:
                                interpret=ctx.prof.interpret).astype(jnp.float32))
     ref = np.asarray(int4_matmul_reference(c["x"].astype(jnp.float32), packed, scales, offsets,
                                            group_size=g))
-    tol = INT4_TOL["bfloat16"]
+    tol = INT4_TOLERANCE["bfloat16"]
     scale = float(np.max(np.abs(ref)))
     err = np.abs(y - ref)
     finite = bool(np.isfinite(y).all())
-    ok = finite and bool(np.all(err <= tol["rel"] * np.abs(ref) + tol["scale"] * scale))
+    ok = finite and bool(np.all(err < int4_error_bound(ref, jnp.bfloat16)))
     return {**c["desc"], "dtype": "bfloat16", "finite": finite,
             "max_abs_err": float(err.max()), "max_rel_err": float(err.max() / scale),
             "rel_err_note": "normalised by max|reference|", "tolerance": tol, "within_tol": ok}
@@ -442,25 +416,45 @@ def section_kernel_correctness(ctx: Ctx) -> dict:
 
 # ---- section: kernel timings -------------------------------------------------------------------
 
-def xla_decode_attention(q, k_cache, v_cache, layer, page_table, context_lens):
-    """The engine's XLA decode attention: jaxserve/runtime/attention.py's gather_context and
-    paged_attention_xla math for one query token, without the KV write. Self-contained so the
-    kernel sections need nothing of jaxserve (whose package imports tqdm and jinja2)."""
-    import jax
+def ragged_decode_meta(page_table, context_lens, block_size: int):
+    """PagedMeta for the XLA decode path: the flat list of blocks in use `[3, P]` (block, row,
+    first position), built as jaxserve/runtime/runner.py `_decode_pages` builds it and padded
+    to the engine's ragged bucket with (block 0, row 0, a huge position) entries, which are
+    masked. Returns (meta, number of blocks in use)."""
     import jax.numpy as jnp
-    b, nb = page_table.shape
-    _, _, bs, kh, dh = k_cache.shape
-    keys = k_cache[layer, page_table].reshape(b, nb * bs, kh, dh)  # [B, S, K, Dh]
-    values = v_cache[layer, page_table].reshape(b, nb * bs, kh, dh)
-    h = q.shape[1]
-    qg = q.reshape(b, kh, h // kh, dh)
-    scores = jnp.einsum("BKGD,BSKD->BKGS", qg, keys,
-                        preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(dh))
-    visible = jnp.arange(nb * bs)[None, :] < context_lens[:, None]  # [B, S]
-    scores = jnp.where(visible[:, None, None], scores, -1e30)  # attention.MASK_VALUE
-    probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
-    out = jnp.einsum("BKGS,BSKD->BKGD", probs, values, preferred_element_type=jnp.float32)
-    return out.reshape(b, h, dh).astype(q.dtype)
+    import numpy as np
+    from jaxserve.runtime import buckets
+    from jaxserve.runtime.kv_cache import PagedMeta
+    table, lens = np.asarray(page_table), np.asarray(context_lens)
+    counts = -(-lens // block_size)  # [B] blocks per row
+    size = buckets.pick(buckets.ragged_block_buckets(len(lens), table.shape[1]),
+                        int(counts.sum()))
+    ragged = np.zeros((3, size), np.int32)  # [3, P]
+    ragged[2] = np.iinfo(np.int32).max // 2
+    rows = np.repeat(np.arange(len(lens)), counts)
+    first = np.concatenate([np.arange(c) for c in counts])  # block index within its row
+    ragged[0, :rows.size] = table[rows, first]
+    ragged[1, :rows.size] = rows
+    ragged[2, :rows.size] = first * block_size
+    zeros = jnp.zeros((len(lens), 1), jnp.int32)  # [B, 1]: positions and slots, not read
+    meta = PagedMeta(positions=zeros, slots=zeros, page_table=zeros,
+                     context_lens=jnp.asarray(lens, jnp.int32), ragged=jnp.asarray(ragged))
+    return meta, int(counts.sum())
+
+
+def xla_decode_attention():
+    """The engine's XLA decode attention on the same inputs as the kernel: what
+    `paged_attention_xla` runs when `meta.ragged` is set (the KV write, which the kernel does
+    not do either, left out). Returns fn(q, k, v, layer, meta) -> `[B, H, Dh]`."""
+    import jax
+    from jaxserve.runtime.attention import ragged_decode_attention
+    from jaxserve.runtime.kv_cache import KVCache
+
+    @jax.jit
+    def fn(q, k_cache, v_cache, layer, meta):
+        out = ragged_decode_attention(q[:, None], KVCache(k=k_cache, v=v_cache), layer, meta)
+        return out[:, 0]  # [B, H, Dh]
+    return fn
 
 
 def rates(ctx: Ctx, seconds: float, nbytes: int, flops: int | None = None) -> dict:
@@ -483,15 +477,18 @@ def time_attention(ctx: Ctx, model: str, block: int, batch: int) -> dict:
     p = ctx.prof
     sets = [(c["q"], c["k"], c["v"], jnp.int32(i), c["page_table"], c["context_lens"])
             for i in range(c["layers"])]
+    meta, in_use = ragged_decode_meta(c["page_table"], c["context_lens"], block)
+    xla_sets = [(c["q"], c["k"], c["v"], jnp.int32(i), meta) for i in range(c["layers"])]
 
     def kernel(*a):
         return paged_attention(*a, interpret=p.interpret)
 
-    impls = {"kernel": kernel, "xla_engine_path": jax.jit(xla_decode_attention),
-             "reference_f32": jax.jit(paged_attention_reference)}
-    row = {**c["desc"], "bytes_per_call": c["bytes_per_call"], "layers_cycled": c["layers"]}
-    for name, fn in impls.items():
-        t = time_calls(fn, sets, p.iters, p.reps)
+    impls = {"kernel": (kernel, sets), "xla_engine_path": (xla_decode_attention(), xla_sets),
+             "reference_f32": (jax.jit(paged_attention_reference), sets)}
+    row = {**c["desc"], "bytes_per_call": c["bytes_per_call"], "layers_cycled": c["layers"],
+           "xla_ragged_blocks": in_use, "xla_ragged_bucket": int(meta.ragged.shape[1])}
+    for name, (fn, args) in impls.items():
+        t = time_calls(fn, args, p.iters, p.reps)
         row[name] = {**rates(ctx, t["median_s"], c["bytes_per_call"]),
                      "first_call_s": t["first_call_s"]}
     for name in ("xla_engine_path", "reference_f32"):
@@ -803,6 +800,40 @@ def section_hf_peer(ctx: Ctx) -> dict:
     return res
 
 
+# ---- the kernel test suite, compiled -----------------------------------------------------------
+
+KERNEL_TESTS = ("tests/test_paged_attention.py", "tests/test_int4_matmul.py")
+
+
+def section_kernel_tests(ctx: Ctx) -> dict:
+    """`pytest -m gpu` on the kernel tests: their `compiled` variants, on this GPU."""
+    if ctx.args.dry_run:
+        return {"_status": "skipped", "_reason": "dry run: the suite runs interpreted in the "
+                                                 "CPU test tiers"}
+    why = importable("pytest")
+    if why:
+        return {"_status": "skipped", "_reason": f"pytest not importable here ({why})"}
+    budget = max(30.0, min(300.0, ctx.deadline - time.monotonic()))
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
+           *KERNEL_TESTS]
+    env = dict(os.environ, JAX_PLATFORMS="cuda")
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=budget)
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        return {"_status": "failed", "command": " ".join(cmd), "timeout_s": budget,
+                "output_tail": out[-3000:]}
+    lines = proc.stdout.strip().splitlines()
+    res = {"command": " ".join(cmd), "returncode": proc.returncode,
+           "summary": lines[-1] if lines else "", "seconds": time.monotonic() - t0,
+           "output_tail": (proc.stdout + proc.stderr)[-3000:]}
+    if proc.returncode != 0:
+        res["_status"] = "failed"
+    return res
+
+
 # ---- report ------------------------------------------------------------------------------------
 
 def fmt(v, spec=".3g") -> str:
@@ -911,9 +942,15 @@ def md_hf(r: dict) -> list[str]:
     return out
 
 
+def md_kernel_tests(r: dict) -> list[str]:
+    return [f"- `{r['command']}`: {r.get('summary') or 'timed out'}", "", "```",
+            r["output_tail"][-1500:], "```"]
+
+
 MD = {"environment": md_environment, "bandwidth": md_bandwidth,
       "kernel_correctness": md_correctness, "kernel_timings": md_timings,
-      "e2e_llama3_8b": md_e2e, "e2e_smollm2": md_e2e, "hf_peer": md_hf}
+      "e2e_llama3_8b": md_e2e, "e2e_smollm2": md_e2e, "hf_peer": md_hf,
+      "kernel_tests": md_kernel_tests}
 
 
 def markdown(report: dict) -> str:
@@ -939,7 +976,7 @@ SECTIONS = [("environment", section_environment), ("bandwidth", section_bandwidt
             ("kernel_correctness", section_kernel_correctness),
             ("kernel_timings", section_kernel_timings),
             ("e2e_llama3_8b", section_e2e_llama3_8b), ("e2e_smollm2", section_e2e_smollm2),
-            ("hf_peer", section_hf_peer)]
+            ("hf_peer", section_hf_peer), ("kernel_tests", section_kernel_tests)]
 
 
 def run_section(ctx: Ctx, name: str, fn) -> dict:

@@ -39,7 +39,8 @@ CHAT = ("generate", "--chat", "What is the capital of France?", "--max-tokens", 
         "--max-model-len", "256", "--max-num-seqs", "4", "--tensor-parallel-size", "2")
 
 
-@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.timeout(1000)  # the subprocess's own limit is 900 s
 def test_generate_tensor_parallel_answers_like_hf(smollm2_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS="--xla_force_host_platform_device_count=2")
@@ -49,7 +50,8 @@ def test_generate_tensor_parallel_answers_like_hf(smollm2_path):
     assert proc.stdout.strip() == "The capital of France is Paris."
 
 
-@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.timeout(1000)  # the subprocesses' own limit is 900 s
 def test_generate_on_two_processes_answers_like_hf(smollm2_path):
     """The README's multi-host recipe on loopback: 2 processes x 1 CPU device."""
     with socket.socket() as s:

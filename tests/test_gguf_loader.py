@@ -168,6 +168,7 @@ def hf_tiny(tiny_files):
 
 
 @pytest.mark.parametrize("kind", [t.name for t in TYPES] + ["qwen2"])
+@pytest.mark.hf_ref
 def test_tensors_match_hf(kind, tiny_files, hf_tiny):
     ckpt = read_gguf(tiny_files[kind][0])
     hf_state, hf_info = hf_tiny[kind]
@@ -236,6 +237,7 @@ def test_quantized_unpermute_and_raw_blocks(kind, tiny_files):
     assert ckpt.raw["model.layers.0.self_attn.q_proj.weight"].gguf_name == "blk.0.attn_q.weight"
 
 
+@pytest.mark.hf_ref
 def test_config_from_metadata(tiny_files, hf_tiny):
     ckpt = read_gguf(tiny_files["Q4_1"][0])
     assert ckpt.config == ModelConfig(
@@ -431,6 +433,7 @@ def test_smollm2_config(smollm2):
     assert smollm2.raw["model.layers.0.self_attn.q_proj.weight"].data.shape == (576, 576 // 32 * 20)
 
 
+@pytest.mark.hf_ref
 def test_smollm2_matches_hf(smollm2, smollm2_path):
     ref = run_reference("ref_gguf", {"files": [{
         "path": str(smollm2_path), "tensors": SMOL_COMPARE,

@@ -102,7 +102,7 @@ def test_gguf_native_model_logits_equal_dequantized_float(caplog):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_smollm2_native_pytrees_are_the_files_weights(smollm2_fp32, smollm2_path):
     """Every native kernel dequantizes to exactly the loader's float weight (which undid the
     Q/K row permutation); linear outputs equal matmuls with gguf's dequantized file tensors."""

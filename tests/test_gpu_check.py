@@ -4,6 +4,7 @@ one GPU run we get is not wasted on a broken script."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -11,17 +12,23 @@ import pathlib
 import subprocess
 import sys
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
+
+from pallas_kernels.paged_attention import paged_attention_reference
+from tests.kernel_cases import attention_tolerance, paged_case
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "gpu_check.py"
 SECTIONS = ["environment", "bandwidth", "kernel_correctness", "kernel_timings",
-            "e2e_llama3_8b", "e2e_smollm2", "hf_peer"]
-# May be skipped (with a reason) where the packages are missing, as in .venv on CPU.
-MAY_SKIP = {"hf_peer"}
+            "e2e_llama3_8b", "e2e_smollm2", "hf_peer", "kernel_tests"]
+# May be skipped (with a reason) where the packages are missing, as in .venv on CPU; the
+# compiled kernel tests always are in a dry run.
+MAY_SKIP = {"hf_peer", "kernel_tests"}
 
 
-def run_script(out_dir: pathlib.Path, *args: str, timeout: int = 300):
+def run_script(out_dir: pathlib.Path, *args: str, timeout: int = 540):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
     return subprocess.run([sys.executable, str(SCRIPT), "--out-dir", str(out_dir), *args],
@@ -36,6 +43,7 @@ def dry_run(tmp_path_factory):
     return proc, json.loads((out / "gpu_check.json").read_text()), out
 
 
+@pytest.mark.subprocess
 def test_every_section_ok_or_skipped_with_reason(dry_run):
     proc, report, out = dry_run
     assert report["dry_run"] is True
@@ -51,6 +59,7 @@ def test_every_section_ok_or_skipped_with_reason(dry_run):
         assert f"## {name}: " in md
 
 
+@pytest.mark.subprocess
 def test_kernels_within_tolerance(dry_run):
     _, report, _ = dry_run
     res = report["sections"]["kernel_correctness"]["result"]
@@ -67,6 +76,7 @@ def test_kernels_within_tolerance(dry_run):
         assert 0 <= row["max_rel_err"] <= row["tolerance"]["rel"] + row["tolerance"]["scale"]
 
 
+@pytest.mark.subprocess
 def test_timings_and_engine_runs_are_complete(dry_run):
     _, report, _ = dry_run
     timings = report["sections"]["kernel_timings"]["result"]
@@ -86,6 +96,7 @@ def test_timings_and_engine_runs_are_complete(dry_run):
                 assert run["mbu_weights_vs_nominal"] > 0
 
 
+@pytest.mark.subprocess
 def test_time_budget_skips_sections_with_a_reason(tmp_path):
     proc = run_script(tmp_path, "--dry-run", "--time-budget", "0",
                       "--sections", "environment,bandwidth,e2e_smollm2", timeout=120)
@@ -97,7 +108,25 @@ def test_time_budget_skips_sections_with_a_reason(tmp_path):
         assert "time budget" in sections[name]["reason"]
 
 
+@pytest.mark.subprocess
 def test_refuses_to_run_the_gpu_profile_without_a_gpu(tmp_path):
     proc = run_script(tmp_path, timeout=120)
     assert proc.returncode == 2
     assert "--dry-run" in proc.stderr
+
+
+def test_xla_baseline_is_the_engines_ragged_attention_over_the_same_pages():
+    """The timed XLA path reads the kernel's inputs through the engine's ragged block list; on
+    caches without NaN (the engine's never hold any) it equals the reference."""
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    gpu_check = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("gpu_check", gpu_check)  # its dataclasses look their module up
+    spec.loader.exec_module(gpu_check)
+    q, k, v, table, lens = paged_case(3, dtype=jnp.float32, block_size=8, num_kv_heads=3,
+                                      group=3, head_dim=64, lens=[1, 8, 9, 30, 0], num_pages=4)
+    k, v = jnp.nan_to_num(k), jnp.nan_to_num(v)
+    meta, in_use = gpu_check.ragged_decode_meta(table, lens, 8)
+    assert in_use == 1 + 1 + 2 + 4 and meta.ragged.shape[1] >= in_use
+    out = gpu_check.xla_decode_attention()(q, k, v, jnp.int32(1), meta)
+    ref = paged_attention_reference(q, k, v, 1, table, lens)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), **attention_tolerance("float32"))

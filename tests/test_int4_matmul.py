@@ -1,11 +1,7 @@
-"""Int4 (W4A16) matmul: kernel (interpret mode) vs jnp reference, reference vs numpy, quantizer.
+"""Int4 (W4A16) matmul: kernel vs jnp reference (interpreted, and compiled on a GPU: the
+`interpret` fixture), reference vs numpy, quantizer.
 
-Tolerances (errors normalised by max|reference|, "scale"):
-- f32 activations: |kernel - ref| <= 1e-5 * scale. Both do the same quantized math in f32; they
-  differ only in summation order and in applying scales after the dot (kernel) or before (ref).
-- bf16 activations: the kernel's dot is exact-input (bf16 x times integer codes, f32 accumulation),
-  so its output is the f32 result rounded once to bf16: |kernel - ref_f32| <= 2^-8 * |ref_f32|
-  + 1e-5 * scale elementwise, where ref_f32 is the reference on x upcast to f32.
+Tolerances: tests/kernel_cases.py (INT4_TOLERANCE, shared with scripts/gpu_check.py).
 Grid: every (K, N) x group size x {symmetric, asymmetric} at M=7 in f32 and at M=16 in bf16 (K=576
 with g=128 is not a valid shape: 128 does not divide 576); every M x dtype x symmetry at
 (576, 1536, g=64). The full cross product (about 130 interpret runs) is left out for time.
@@ -24,24 +20,15 @@ from pallas_kernels.int4_matmul import (dequantize_int4, int4_matmul, int4_matmu
                                         pack_int4, pick_blocks, quantize_int4, unpack_int4)
 from tests import cuda_lowering
 from tests.cuda_lowering import lower_for_h200
+from tests.kernel_cases import (INT4_MODEL_SHAPES, int4_activations, int4_error_bound,
+                                int4_group_size, int4_weights)
 
 SHAPES = [(576, 1536), (1536, 576), (256, 512)]
 GROUPS = [32, 64, 128]
 
 
-def _quantized(k, n, g, symmetric, seed=0, scale_dtype=np.float32):
-    """Random codes over the full range [0, 15] with random per-group scales and offsets."""
-    rng = np.random.default_rng(seed)
-    u = rng.integers(0, 16, size=(k, n), dtype=np.uint8)
-    packed = pack_int4(jnp.asarray(u), group_size=g)
-    scales = jnp.asarray(rng.uniform(0.005, 0.05, size=(k // g, n)).astype(scale_dtype))
-    offsets = None if symmetric else jnp.asarray(
-        rng.uniform(-0.4, 0.0, size=(k // g, n)).astype(scale_dtype))
-    return packed, scales, offsets
-
-
-def _x(m, k, dtype, seed=1):
-    return jnp.asarray(np.random.default_rng(seed).standard_normal((m, k)), dtype)
+_quantized = int4_weights
+_x = int4_activations
 
 
 def _assert_close(y, x, packed, scales, offsets, g):
@@ -49,17 +36,13 @@ def _assert_close(y, x, packed, scales, offsets, g):
                                            group_size=g))
     y = np.asarray(y.astype(jnp.float32))
     assert y.shape == ref.shape
-    scale = np.max(np.abs(ref))
-    if x.dtype == jnp.float32:
-        np.testing.assert_array_less(np.max(np.abs(y - ref)), 1e-5 * scale)
-    else:
-        np.testing.assert_array_less(np.abs(y - ref), 2.0**-8 * np.abs(ref) + 1e-5 * scale)
+    np.testing.assert_array_less(np.abs(y - ref), int4_error_bound(ref, x.dtype))
 
 
-def _run(m, k, n, g, symmetric, dtype, **blocks):
+def _run(m, k, n, g, symmetric, dtype, interpret, **blocks):
     packed, scales, offsets = _quantized(k, n, g, symmetric)
     x = _x(m, k, dtype)
-    y = int4_matmul(x, packed, scales, offsets, group_size=g, interpret=True, **blocks)
+    y = int4_matmul(x, packed, scales, offsets, group_size=g, interpret=interpret, **blocks)
     assert y.dtype == dtype and y.shape == (m, n)
     _assert_close(y, x, packed, scales, offsets, g)
 
@@ -69,20 +52,20 @@ SHAPE_GRID = [(k, n, g) for k, n in SHAPES for g in GROUPS if k % g == 0]
 
 @pytest.mark.parametrize("symmetric", [False, True])
 @pytest.mark.parametrize("k,n,g", SHAPE_GRID)
-def test_kernel_matches_reference_shapes_f32(k, n, g, symmetric):
-    _run(7, k, n, g, symmetric, jnp.float32)
+def test_kernel_matches_reference_shapes_f32(k, n, g, symmetric, interpret):
+    _run(7, k, n, g, symmetric, jnp.float32, interpret)
 
 
 @pytest.mark.parametrize("k,n,g", SHAPE_GRID)
-def test_kernel_matches_reference_shapes_bf16(k, n, g):
-    _run(16, k, n, g, symmetric=g == 64, dtype=jnp.bfloat16)
+def test_kernel_matches_reference_shapes_bf16(k, n, g, interpret):
+    _run(16, k, n, g, symmetric=g == 64, dtype=jnp.bfloat16, interpret=interpret)
 
 
 @pytest.mark.parametrize("symmetric", [False, True])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("m", [1, 7, 16, 64])
-def test_kernel_matches_reference_m_dtype(m, dtype, symmetric):
-    _run(m, 576, 1536, 64, symmetric, dtype)
+def test_kernel_matches_reference_m_dtype(m, dtype, symmetric, interpret):
+    _run(m, 576, 1536, 64, symmetric, dtype, interpret)
 
 
 @pytest.mark.parametrize("m,k,n,g,blocks", [
@@ -93,9 +76,9 @@ def test_kernel_matches_reference_m_dtype(m, dtype, symmetric):
     (40, 256, 128, 64, dict(block_m=16, block_n=32)),     # 3 M blocks, padding 40 -> 48
     (130, 256, 128, 64, {}),                              # prefill-sized: block_m 64, M -> 192
 ])
-def test_kernel_block_variants(m, k, n, g, blocks):
-    _run(m, k, n, g, False, jnp.float32, **blocks)
-    _run(m, k, n, g, True, jnp.bfloat16, **blocks)
+def test_kernel_block_variants(m, k, n, g, blocks, interpret):
+    _run(m, k, n, g, False, jnp.float32, interpret, **blocks)
+    _run(m, k, n, g, True, jnp.bfloat16, interpret, **blocks)
 
 
 def test_kernel_strict_interpreter_and_bf16_scales():
@@ -119,8 +102,7 @@ def test_invalid_shapes_raise():
         int4_matmul(_x(1, 512, jnp.float32), packed, scales, offsets, group_size=64, split_k=3)
 
 
-ENGINE_SHAPES = [(576, 576), (576, 192), (576, 1536), (1536, 576),
-                 (4096, 4096), (4096, 14336), (14336, 4096)]
+ENGINE_SHAPES = [kn for model in ("smollm2", "llama3_8b") for kn in INT4_MODEL_SHAPES[model]]
 
 
 @pytest.mark.parametrize("k,n", ENGINE_SHAPES)

@@ -48,7 +48,7 @@ def test_budget_fits_whole_sequences():
         kv_size(config, 1, 16, "float64")
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_smollm2_gqa_figure_from_gguf_metadata(smollm2_path):
     config = load_config(smollm2_path)  # metadata only
     assert (config.num_layers, config.num_kv_heads, config.head_dim,

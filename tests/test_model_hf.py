@@ -10,6 +10,8 @@ from models import load_model
 from models.checkpoint import save as save_orbax
 from models.weights import CheckpointError
 
+pytestmark = pytest.mark.hf_ref
+
 BASE = dict(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
             rms_norm_eps=1e-5)

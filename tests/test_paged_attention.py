@@ -1,5 +1,6 @@
-"""Paged-attention decode kernel: interpret-mode runs vs the jnp reference, strict out-of-bounds
-interpretation, and CUDA lowering / deviceless sm_90a compilation for the engine's shapes."""
+"""Paged-attention decode kernel vs the jnp reference (interpreted, and compiled on a GPU: the
+`interpret` fixture), strict out-of-bounds interpretation, and CUDA lowering / deviceless sm_90a
+compilation for the engine's shapes."""
 
 from __future__ import annotations
 
@@ -12,49 +13,21 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
 from tests.cuda_lowering import compile_for_h200, cuda_compiler_available, lower_for_h200
+from tests.kernel_cases import ATTENTION_MODELS, attention_tolerance, paged_case
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 
-# f32: same inputs, f32 math on both sides (IEEE dots); only summation order differs.
-# bf16: identical bf16 inputs, f32 accumulation on both sides, but the kernel feeds p to the
-# p @ v dot as bf16 (rel. 2^-9) and the output is rounded to bf16 (rel. 2^-9): ~1e-2 covers both.
-TOLERANCE = {jnp.float32: dict(rtol=1e-5, atol=1e-5), jnp.bfloat16: dict(rtol=1e-2, atol=1e-2)}
 NUM_KV_HEADS = 2
 LAYER = 1  # of 2; the other layer is all NaN, so reading the wrong layer shows
 
 
 def make_case(seed, *, dtype, block_size, group, head_dim, lens, num_pages, num_layers=2,
               fill_all_layers=False):
-    """Random q, NaN-filled caches with each row's context written at shuffled blocks.
-
-    Every cache slot that is not part of some row's context (unused blocks, the null block 0,
-    slots past a context on its last page, the other layer) is NaN. Table entries past a
-    context point at NaN blocks.
-    """
-    rng = np.random.default_rng(seed)
-    batch = len(lens)
-    used = batch * num_pages
-    num_blocks = used + 5  # null block + used + a few never used
-    shape = (num_layers, num_blocks, block_size, NUM_KV_HEADS, head_dim)
-    k = np.full(shape, np.nan, np.float32)
-    v = np.full(shape, np.nan, np.float32)
-    blocks = rng.permutation(np.arange(1, num_blocks))[:used].reshape(batch, num_pages)
-    spare = np.setdiff1d(np.arange(num_blocks), blocks)  # NaN blocks, 0 included
-    page_table = np.empty((batch, num_pages), np.int32)
-    layers = range(num_layers) if fill_all_layers else [LAYER]
-    for b, n in enumerate(lens):
-        live = -(-n // block_size)
-        page_table[b, :live] = blocks[b, :live]
-        page_table[b, live:] = rng.choice(spare, num_pages - live)
-        for i in range(n):
-            for layer in layers:
-                blk, off = page_table[b, i // block_size], i % block_size
-                k[layer, blk, off] = rng.standard_normal((NUM_KV_HEADS, head_dim))
-                v[layer, blk, off] = rng.standard_normal((NUM_KV_HEADS, head_dim))
-    q = rng.standard_normal((batch, NUM_KV_HEADS * group, head_dim))
-    return (jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype),
-            jnp.asarray(page_table), jnp.asarray(lens, jnp.int32))
+    """tests/kernel_cases.py's NaN-filled case with NUM_KV_HEADS heads, context in LAYER."""
+    return paged_case(seed, dtype=dtype, block_size=block_size, num_kv_heads=NUM_KV_HEADS,
+                      group=group, head_dim=head_dim, lens=lens, num_pages=num_pages,
+                      num_layers=num_layers, live_layers=None if fill_all_layers else [LAYER])
 
 
 def check(out, q, k, v, layer, page_table, lens, dtype):
@@ -62,36 +35,37 @@ def check(out, q, k, v, layer, page_table, lens, dtype):
     assert out.dtype == q.dtype and out.shape == q.shape
     assert np.isfinite(np.asarray(out, np.float32)).all()
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
-                               **TOLERANCE[dtype])
+                               **attention_tolerance(dtype))
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("group", [1, 3, 4])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-def test_kernel_matches_reference(dtype, block_size, group, head_dim):
+def test_kernel_matches_reference(dtype, block_size, group, head_dim, interpret):
     num_pages = 5  # 3 splits of 2 pages; the last split is half padding
     # Rows: 1 token, not a multiple of the block, exactly two blocks, full table, empty row.
     lens = [1, block_size + 3, 2 * block_size, num_pages * block_size, 0]
     q, k, v, pt, cl = make_case(0, dtype=dtype, block_size=block_size, group=group,
                                 head_dim=head_dim, lens=lens, num_pages=num_pages)
-    out = paged_attention(q, k, v, jnp.int32(LAYER), pt, cl, pages_per_split=2, interpret=True)
+    out = paged_attention(q, k, v, jnp.int32(LAYER), pt, cl, pages_per_split=2,
+                          interpret=interpret)
     check(out, q, k, v, LAYER, pt, cl, dtype)
     np.testing.assert_array_equal(np.asarray(out[-1], np.float32), 0.0)  # empty row -> zeros
 
 
 @pytest.mark.parametrize("pages_per_split", [None, 1, 3, 7])
-def test_split_counts_agree(pages_per_split):
+def test_split_counts_agree(pages_per_split, interpret):
     # None -> one page per split here (tiny batch); 7 >= P -> a single split, no combine needed.
     lens = [37, 6, 64, 17]
     q, k, v, pt, cl = make_case(1, dtype=jnp.float32, block_size=8, group=4, head_dim=64,
                                 lens=lens, num_pages=8)
     out = paged_attention(q, k, v, LAYER, pt, cl, pages_per_split=pages_per_split,
-                          interpret=True)
+                          interpret=interpret)
     check(out, q, k, v, LAYER, pt, cl, jnp.float32)
 
 
-def test_layer_is_traced_inside_scan():
+def test_layer_is_traced_inside_scan(interpret):
     lens = [21, 9]
     q, k, v, pt, cl = make_case(2, dtype=jnp.float32, block_size=8, group=3, head_dim=64,
                                 lens=lens, num_pages=3, num_layers=3, fill_all_layers=True)
@@ -99,7 +73,7 @@ def test_layer_is_traced_inside_scan():
     @jax.jit
     def all_layers(q, k, v):
         def step(carry, layer):
-            return carry, paged_attention(q, k, v, layer, pt, cl, interpret=True)
+            return carry, paged_attention(q, k, v, layer, pt, cl, interpret=interpret)
         return jax.lax.scan(step, None, jnp.arange(3, dtype=jnp.int32))[1]
 
     outs = all_layers(q, k, v)
@@ -133,8 +107,7 @@ def test_strict_interpreter_finds_no_out_of_bounds_read():
         pltpu.reset_tpu_interpret_mode_state()
 
 
-# The engine's configurations: (num_kv_heads, group, head_dim, num_layers).
-MODELS = {"smollm2": (3, 3, 64, 30), "llama3_8b": (8, 4, 128, 32)}
+MODELS = ATTENTION_MODELS
 
 
 def engine_shapes(model, block_size, dtype, batch, num_blocks=1024, num_pages=64):

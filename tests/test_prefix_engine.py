@@ -207,7 +207,7 @@ def test_request_needing_more_slots_than_max_num_seqs_is_refused(model):
     assert not engine.has_unfinished_requests()
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_real_model_greedy_equal_with_caching_on_and_off(smollm2_fp32):
     """SmolLM2: chat prompts sharing a system prompt, a small cache (preemption and eviction)."""
     from jaxserve import LLM

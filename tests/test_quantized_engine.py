@@ -127,15 +127,15 @@ def fp32_tokens(smollm2_fp32, chat_prompts):
 BOUNDS = {"gguf": 1.0, "w8a16": 0.75, "w8a8": 0.4, "w4a16": 0.3}
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("path", list(BOUNDS))
+@pytest.mark.model
 def test_smollm2_greedy_agrees_with_fp32(smollm2_fp32, chat_prompts, fp32_tokens, path):
     out = engine_greedy(smollm2_fp32, chat_prompts, path, **SMOL)
     assert prefix_agreement(fp32_tokens, out) >= BOUNDS[path]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("path,factor", [("w8a16", 1.05), ("w8a8", 1.25), ("w4a16", 1.05)])
+@pytest.mark.model
 def test_smollm2_broken_scales_fail_the_bound(smollm2_fp32, chat_prompts, fp32_tokens, path,
                                               factor):
     out = engine_greedy(scaled(smollm2_fp32, path, factor), chat_prompts, None, **SMOL)

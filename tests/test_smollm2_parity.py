@@ -50,6 +50,7 @@ def model_bf16(smollm2_path):
 
 
 @pytest.mark.parametrize("i", range(len(PROMPTS)))
+@pytest.mark.hf_ref
 def test_fp32_logits_match_hf(reference, model_fp32, i):
     ids = reference[f"float32/ids/{i}"]
     top_idx, top_val = reference[f"float32/top_idx/{i}"], reference[f"float32/top_val/{i}"]
@@ -62,6 +63,7 @@ def test_fp32_logits_match_hf(reference, model_fp32, i):
 
 
 @pytest.mark.parametrize("i", range(len(PROMPTS)))
+@pytest.mark.hf_ref
 def test_bf16_top1_matches_hf(reference, model_bf16, i):
     ids = reference[f"bfloat16/ids/{i}"]
     top_idx, top_val = reference[f"bfloat16/top_idx/{i}"], reference[f"bfloat16/top_val/{i}"]
@@ -72,6 +74,7 @@ def test_bf16_top1_matches_hf(reference, model_bf16, i):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.hf_ref
 def test_greedy_chat_matches_hf(reference, model_fp32, model_bf16, dtype):
     model = model_fp32 if dtype == "float32" else model_bf16
     for j in range(len(CHAT)):
@@ -83,6 +86,7 @@ def test_greedy_chat_matches_hf(reference, model_fp32, model_bf16, dtype):
         assert len(ours) == len(expected) or ours[-1] in model.tokenizer.stop_token_ids
 
 
+@pytest.mark.hf_ref
 def test_capital_of_france(reference, model_fp32):
     assert reference["json"]["greedy_text"]["float32"][0] == "The capital of France is Paris."
     tok = model_fp32.tokenizer

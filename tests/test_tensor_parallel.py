@@ -23,6 +23,9 @@ from models.config import ModelConfig
 from models.quantized import Int4Weight
 from models.random_init import random_model
 
+# The `runs` fixture's worker has its own 900 s limit; it counts toward the first test using it.
+pytestmark = pytest.mark.timeout(1000)
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 WORKER = pathlib.Path(__file__).resolve().parent / "tp_worker.py"
 
@@ -137,6 +140,7 @@ def test_quantization_groups_must_not_straddle_devices():
 
 @pytest.mark.parametrize("label", ["gqa", "smol_heads", "kernel", "int4", "int4_kernel", "w8a8",
                                    "w8a8_kernel"])
+@pytest.mark.subprocess
 def test_same_greedy_tokens_as_one_device(runs, label):
     one = runs[{"kernel": "gqa", "int4_kernel": "int4",
                 "w8a8_kernel": "w8a8"}.get(label, label)]["1"]["tokens"]
@@ -145,6 +149,7 @@ def test_same_greedy_tokens_as_one_device(runs, label):
         assert result["tokens"] == one, f"tensor_parallel_size={n}"
 
 
+@pytest.mark.subprocess
 def test_single_device_run_is_the_dense_oracle(runs):
     from tp_worker import GQA, prompts
     model = random_model(GQA, seed=3)
@@ -162,6 +167,7 @@ def _expected_bytes(c: ModelConfig, n: int) -> int:
     return 4 * (split // n + replicated)
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("label", ["gqa", "smol_heads"])
 def test_memory_per_device_shrinks(runs, label):
     from tp_worker import GQA, SMOL_HEADS
@@ -184,19 +190,23 @@ def test_memory_per_device_shrinks(runs, label):
         assert eight["kv"][0] / eight["num_blocks"] * 8 == one["kv"][0] / one["num_blocks"]
 
 
+@pytest.mark.subprocess
 def test_nothing_compiles_after_warmup_on_4_devices(runs):
     r = runs["warmup"]
     assert r["tokens"] == runs["gqa"]["1"]["tokens"]
     assert r["compiled"] > 1 and r["after_warmup"] == 0
 
 
+@pytest.mark.subprocess
 def test_two_all_reduces_per_layer(runs):
     """Megatron: one all-reduce after attention, one after the MLP, nothing else per layer."""
     for label in ("hlo", "hlo_int4_kernel"):  # annotations; int4 kernel under shard_map + psum
         assert runs[label] == {"decode": {"all-reduce": 2}, "prefill": {"all-reduce": 2}}
 
 
-@pytest.mark.slow
+@pytest.mark.model
+@pytest.mark.subprocess
+@pytest.mark.timeout(1900)  # run_worker's own limit is 1800 s
 def test_smollm2_same_greedy_tokens_on_1_2_4_devices():
     result = run_worker({"smol": ["smollm2", {"sizes": [1, 2, 4]}]}, timeout=1800)["smol"]
     one = result["1"]["tokens"]
@@ -230,6 +240,7 @@ def loopback():
     return results
 
 
+@pytest.mark.subprocess
 def test_two_processes_on_loopback(runs, loopback):
     """Multi-host on one machine: 2 processes x 1 CPU device, process 0 broadcasting steps."""
     leader, follower = loopback
@@ -239,6 +250,7 @@ def test_two_processes_on_loopback(runs, loopback):
     assert leader["devices"] == follower["devices"] == [1, 2]
 
 
+@pytest.mark.subprocess
 def test_two_processes_copy_on_write_like_one_process(loopback):
     """Prefix-cache hits and n > 1 forks copy KV blocks: every process must copy its shard."""
     from tp_worker import GQA, engine, greedy, greedy_waves, prompts, shared_prefix_waves

@@ -94,14 +94,14 @@ def tok(request, gguf_tok, dir_tok):
     return gguf_tok if request.param == "gguf" else dir_tok
 
 
-@pytest.mark.slow
+@pytest.mark.hf_ref
 def test_ids_match_hf(tok, hf):
     mismatches = [(s, tok.encode(s), ref) for s, ref in zip(CORPUS, hf["ids"])
                   if tok.encode(s) != ref]
     assert not mismatches
 
 
-@pytest.mark.slow
+@pytest.mark.hf_ref
 def test_gguf_ids_match_original_smollm2_pipeline(gguf_tok, hf):
     # The GGUF says pre='smollm': the model was trained with individual-digit splitting.
     strings = CORPUS + DIGIT_STRINGS
@@ -110,20 +110,20 @@ def test_gguf_ids_match_original_smollm2_pipeline(gguf_tok, hf):
     assert [gguf_tok.id_to_token(i) for i in gguf_tok.encode("a  1")] == ["a", "ĠĠ", "1"]
 
 
-@pytest.mark.slow
+@pytest.mark.hf_ref
 def test_hf_dir_follows_its_tokenizer_json(dir_tok, hf):
     # transformers saved its own (GPT-2 split) pipeline; loading that file must reproduce it.
     assert [dir_tok.encode(s) for s in DIGIT_STRINGS] == hf["digit_ids"]
 
 
-@pytest.mark.slow
+@pytest.mark.hf_ref
 def test_special_token_text_is_one_id(tok, hf):
     # Facts of this vocabulary: <|im_start|> is id 1, <|im_end|> id 2 (HF agrees above).
     assert tok.encode("<|im_start|>user") == hf["ids"][CORPUS.index(CHAT_LINE)][:2] == [1, 4093]
     assert tok.encode("<|im_end|>") == [hf["im_end_id"]] == [2]
 
 
-@pytest.mark.slow
+@pytest.mark.hf_ref
 def test_decode_matches_hf_and_round_trips(tok, hf):
     for s, ids, ref, ref_skip in zip(CORPUS, hf["ids"], hf["decoded"], hf["decoded_skip"]):
         assert tok.decode(ids) == ref == s
@@ -131,7 +131,7 @@ def test_decode_matches_hf_and_round_trips(tok, hf):
         assert tok.decode(tok.encode(s)) == s
 
 
-@pytest.mark.slow
+@pytest.mark.hf_ref
 def test_token_ids_and_stops_match_hf(tok, hf):
     assert tok.vocab_size == hf["vocab_size"]
     assert tok.bos_token_id == hf["bos_token_id"]
@@ -143,7 +143,7 @@ def test_token_ids_and_stops_match_hf(tok, hf):
     assert not tok.stop_token_ids & set(tok.encode("Hello world, the end."))
 
 
-@pytest.mark.slow
+@pytest.mark.hf_ref
 def test_chat_template_matches_hf(tok, hf):
     for conv, ref in zip(CONVERSATIONS, hf["chats"]):
         got = tok.apply_chat_template(conv["messages"],
@@ -155,8 +155,8 @@ def test_chat_template_matches_hf(tok, hf):
     assert not hf["chats"][1].endswith("<|im_start|>assistant\n")
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(CUSTOM_TEMPLATES)))
+@pytest.mark.hf_ref
 def test_custom_templates_match_hf(tok, hf, index):
     custom = tok.with_chat_template(CUSTOM_TEMPLATES[index])
     for conv, ref in zip(CONVERSATIONS, hf["custom"][index]):
@@ -169,7 +169,7 @@ def test_custom_templates_match_hf(tok, hf, index):
     assert tok.chat_template != CUSTOM_TEMPLATES[index]  # the original is left alone
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_chat_template_extra_kwargs_and_sandbox(gguf_tok):
     tok = gguf_tok.with_chat_template("{{ bos_token }}{{ greeting }}{{ messages | tojson }}"
                                       "{% if tools is not none %}T{% endif %}")
@@ -195,7 +195,7 @@ def _stream(tok, ids, **kw):
     return deltas, texts
 
 
-@pytest.mark.slow
+@pytest.mark.hf_ref
 def test_detokenizer_matches_full_decode(tok, hf):
     # Ids come from HF, and the expected text is HF's decode: nothing here trusts our encode.
     for ids, full in zip(hf["ids"], hf["decoded"]):
@@ -206,7 +206,7 @@ def test_detokenizer_matches_full_decode(tok, hf):
             assert not any("\ufffd" in d for d in deltas)
 
 
-@pytest.mark.slow
+@pytest.mark.hf_ref
 def test_detokenizer_emits_emoji_only_whole(gguf_tok, hf):
     ids = hf["ids"][CORPUS.index(EMOJI)]
     deltas, _ = _stream(gguf_tok, ids)
@@ -216,7 +216,7 @@ def test_detokenizer_emits_emoji_only_whole(gguf_tok, hf):
     assert not any("\ufffd" in d for d in deltas)
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_detokenizer_single_emoji_split_over_bytes(gguf_tok):
     # U+1F600 is F0 9F 98 80 in UTF-8; feed the byte tokens one by one.
     byte_tokens = [gguf_tok.token_to_id(_byte_char(b)) for b in "😀".encode()]
@@ -235,7 +235,7 @@ def _byte_char(b: int) -> str:
     return chr(256 + sorted(set(range(256)) - set(printable)).index(b))
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_detokenizer_flush_and_invalid_bytes(gguf_tok):
     head = [gguf_tok.token_to_id(_byte_char(b)) for b in "😀".encode()[:2]]
     detok = IncrementalDetokenizer(gguf_tok)
@@ -247,7 +247,7 @@ def test_detokenizer_flush_and_invalid_bytes(gguf_tok):
     assert got == "\ufffda"
 
 
-@pytest.mark.slow
+@pytest.mark.hf_ref
 def test_detokenizer_with_prompt_and_skip_special(gguf_tok, hf):
     prompt = hf["ids"][CORPUS.index("<|im_start|>system\nYou are helpful.<|im_end|>\n"
                                     "<|im_start|>assistant\n")]
@@ -256,7 +256,7 @@ def test_detokenizer_with_prompt_and_skip_special(gguf_tok, hf):
     assert "".join(deltas) == hf["decoded_skip"][CORPUS.index(CHAT_LINE)]
 
 
-@pytest.mark.slow
+@pytest.mark.hf_ref
 def test_detokenizer_cost_independent_of_length(gguf_tok, hf):
     lengths = []
 

@@ -1,0 +1,136 @@
+"""Inputs and tolerances of the Pallas kernel tests, shared with scripts/gpu_check.py.
+
+Needs only numpy, jax and pallas_kernels (no pytest, no jaxserve), so the GPU check can run
+the tests' cases at its own sizes on a machine that has nothing but the repository. jax is
+imported inside the functions: gpu_check reads the constants before it picks the platform.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+# ---- paged attention ---------------------------------------------------------------------------
+
+# f32: same inputs, f32 math on both sides (IEEE dots); only summation order differs.
+# bf16: identical bf16 inputs, f32 accumulation on both sides, but the kernel feeds p to the
+# p @ v dot as bf16 (rel. 2^-9) and the output is rounded to bf16 (rel. 2^-9): ~1e-2 covers both.
+ATTENTION_TOLERANCE = {"float32": dict(rtol=1e-5, atol=1e-5),
+                       "bfloat16": dict(rtol=1e-2, atol=1e-2)}
+
+# The engine's configurations: (num_kv_heads, group, head_dim, num_layers).
+ATTENTION_MODELS = {"smollm2": (3, 3, 64, 30), "llama3_8b": (8, 4, 128, 32)}
+
+
+def attention_tolerance(dtype) -> dict:
+    """assert_allclose keywords for kernel vs reference at activation `dtype`."""
+    import jax.numpy as jnp
+    return ATTENTION_TOLERANCE[jnp.dtype(dtype).name]
+
+
+def paged_layout(rng: np.random.Generator, *, block_size: int, lens: Sequence[int],
+                 num_pages: int, num_spare: int = 5) -> tuple[np.ndarray, np.ndarray]:
+    """A page table over shuffled blocks, and how many slots of each block hold context.
+
+    Each row's context gets its own blocks; table entries past a context point at random
+    spare blocks (the null block 0 among them) that no context uses. Returns the page table
+    `[B, num_pages]` int32 and the live slot count per block `[num_blocks]` int32.
+    """
+    pages = [-(-n // block_size) for n in lens]
+    if max(pages, default=0) > num_pages:
+        raise ValueError(f"a context of {max(lens)} tokens needs {max(pages)} pages of "
+                         f"{block_size}, the table has {num_pages}")
+    used = sum(pages)
+    num_blocks = 1 + used + num_spare  # null block + used + spares
+    ids = rng.permutation(np.arange(1, num_blocks))
+    spare = np.concatenate([[0], ids[used:]])
+    table = rng.choice(spare, size=(len(lens), num_pages)).astype(np.int32)  # [B, P]
+    valid = np.zeros(num_blocks, np.int32)  # [NB]
+    start = 0
+    for b, (n, count) in enumerate(zip(lens, pages)):
+        table[b, :count] = ids[start:start + count]
+        valid[ids[start:start + count]] = np.minimum(block_size, n - block_size * np.arange(count))
+        start += count
+    return table, valid
+
+
+def paged_case(seed: int, *, dtype, block_size: int, num_kv_heads: int, group: int,
+               head_dim: int, lens: Sequence[int], num_pages: int, num_layers: int = 2,
+               live_layers: Sequence[int] | None = None):
+    """Random q and NaN-filled caches with each row's context written at shuffled blocks.
+
+    Every cache slot that is not part of some row's context (spare blocks, the null block 0,
+    slots past a context on its last page, layers not in `live_layers`; None = all layers) is
+    NaN, and table entries past a context point at NaN blocks, so a stray read shows.
+    Returns q `[B, K * G, Dh]`, k and v `[L, NB, BS, K, Dh]`, page table `[B, P]` and context
+    lengths `[B]`; values are drawn on the device, so GPU-sized cases build in milliseconds.
+    """
+    import jax
+    import jax.numpy as jnp
+    table, valid = paged_layout(np.random.default_rng(seed), block_size=block_size,
+                                lens=lens, num_pages=num_pages)
+    shape = (num_layers, valid.size, block_size, num_kv_heads, head_dim)
+    live = np.zeros(num_layers, bool)  # [L]
+    live[list(range(num_layers) if live_layers is None else live_layers)] = True
+    slot_live = np.arange(block_size)[None, :] < valid[:, None]  # [NB, BS]
+    mask = jnp.asarray(live[:, None, None, None, None] & slot_live[None, :, :, None, None])
+    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+    nan = jnp.asarray(jnp.nan, dtype)
+    q = jax.random.normal(kq, (len(lens), num_kv_heads * group, head_dim), jnp.float32)
+    k = jnp.where(mask, jax.random.normal(kk, shape, jnp.float32).astype(dtype), nan)
+    v = jnp.where(mask, jax.random.normal(kv, shape, jnp.float32).astype(dtype), nan)
+    return q.astype(dtype), k, v, jnp.asarray(table), jnp.asarray(lens, jnp.int32)
+
+
+# ---- int4 (W4A16) matmul -----------------------------------------------------------------------
+
+# Errors normalised by max|reference| ("scale"):
+# - f32 activations: |kernel - ref| < 1e-5 * scale. Both do the same quantized math in f32; they
+#   differ only in summation order and in applying scales after the dot (kernel) or before (ref).
+# - bf16 activations: the kernel's dot is exact-input (bf16 x times integer codes, f32
+#   accumulation), so its output is the f32 result rounded once to bf16:
+#   |kernel - ref_f32| < 2^-8 * |ref_f32| + 1e-5 * scale elementwise, where ref_f32 is the
+#   reference on x upcast to f32.
+INT4_TOLERANCE = {"float32": dict(rel=0.0, scale=1e-5), "bfloat16": dict(rel=2.0**-8, scale=1e-5)}
+
+# The engine's (K, N) weight shapes per model.
+INT4_MODEL_SHAPES = {"smollm2": [(576, 576), (576, 192), (576, 1536), (1536, 576)],
+                     "llama3_8b": [(4096, 4096), (4096, 14336), (14336, 4096)]}
+
+
+def int4_group_size(k: int) -> int:
+    """The group size the engine quantizes a K-row weight with (the largest that divides K)."""
+    return next(g for g in (128, 64, 32) if k % g == 0)
+
+
+def int4_error_bound(ref: np.ndarray, dtype) -> np.ndarray:
+    """Elementwise bound on |kernel - reference| at activation `dtype` (see INT4_TOLERANCE)."""
+    import jax.numpy as jnp
+    tol = INT4_TOLERANCE[jnp.dtype(dtype).name]
+    ref = np.asarray(ref, np.float32)
+    return tol["rel"] * np.abs(ref) + tol["scale"] * np.max(np.abs(ref))
+
+
+def int4_weights(k: int, n: int, g: int, symmetric: bool, seed: int = 0,
+                 scale_dtype=np.float32):
+    """Random codes over the full range [0, 15] with random per-group scales and offsets.
+
+    Returns packed `[K / 2, N]` uint8, scales `[K / g, N]` and offsets `[K / g, N]` (None when
+    symmetric).
+    """
+    import jax.numpy as jnp
+    from pallas_kernels.int4_matmul import pack_int4
+    rng = np.random.default_rng(seed)
+    u = rng.integers(0, 16, size=(k, n), dtype=np.uint8)
+    packed = pack_int4(jnp.asarray(u), group_size=g)
+    scales = jnp.asarray(rng.uniform(0.005, 0.05, size=(k // g, n)).astype(scale_dtype))
+    offsets = None if symmetric else jnp.asarray(
+        rng.uniform(-0.4, 0.0, size=(k // g, n)).astype(scale_dtype))
+    return packed, scales, offsets
+
+
+def int4_activations(m: int, k: int, dtype, seed: int = 1):
+    """x `[M, K]` from a standard normal."""
+    import jax.numpy as jnp
+    return jnp.asarray(np.random.default_rng(seed).standard_normal((m, k)), dtype)
