@@ -10,7 +10,10 @@ RoPE layout and our Flax model. Tolerances:
   layer on both sides but in different places (fused ops, accumulation order); measured max
   |diff| on the top-5 logits is 1.25 (logits up to ~38) and raw top-1 agreement 93-100% per
   prompt. We require top-1 agreement on >= 95% of positions whose HF margin exceeds 1.0, and
-  equal greedy text on the chat prompts.
+  equal greedy tokens on the chat prompts up to HF's first step where its two best bf16 logits
+  tie exactly: there both tokens are the argmax and the choice is the library's tie-break
+  (measured: "Name three primary colors." ties at its 6th token, " Red" vs "\n", in HF's bf16
+  logits, margin 0.036 in fp32; HF's pick there differed between machines).
 """
 
 import numpy as np
@@ -81,6 +84,12 @@ def test_greedy_chat_matches_hf(reference, model_fp32, model_bf16, dtype):
         ids = reference[f"{dtype}/chat_ids/{j}"].tolist()
         expected = reference[f"{dtype}/greedy/{j}"].tolist()
         ours = model.greedy_generate(ids, len(expected))
+        if dtype == "bfloat16":
+            margins = reference[f"{dtype}/greedy_margin/{j}"]
+            ties = np.flatnonzero(margins <= 0)
+            decided = int(ties[0]) if ties.size else len(expected)
+            assert decided >= 4, f"chat prompt {j}: HF's greedy path ties at step {decided}"
+            ours, expected = ours[:decided], expected[:decided]
         assert ours == expected[:len(ours)], (model.tokenizer.decode(ours),
                                               reference["json"]["greedy_text"][dtype][j])
         assert len(ours) == len(expected) or ours[-1] in model.tokenizer.stop_token_ids

@@ -3,7 +3,8 @@
 Request: {"gguf", "prompts": [text], "chat": [text], "max_new_tokens", "dtypes": [...], "topk"}.
 Arrays per dtype d and prompt i: "{d}/ids/{i}" HF's token ids, "{d}/top_idx/{i}" and
 "{d}/top_val/{i}" the top-k logits at every position, "{d}/greedy/{j}" the greedy continuation of
-chat prompt j. JSON: the decoded greedy texts and the chat-templated strings.
+chat prompt j and "{d}/greedy_margin/{j}" HF's top-1 minus top-2 logit at each of its steps (how
+close each greedy choice was). JSON: the decoded greedy texts and the chat-templated strings.
 """
 
 import os
@@ -37,9 +38,13 @@ def main():
                                              tokenize=False, add_generation_prompt=True)
             ids = tok(prompt, add_special_tokens=False, return_tensors="pt").input_ids
             with torch.no_grad():
-                out = model.generate(ids, max_new_tokens=req["max_new_tokens"], do_sample=False)
+                gen = model.generate(ids, max_new_tokens=req["max_new_tokens"], do_sample=False,
+                                     output_scores=True, return_dict_in_generate=True)
+            out = gen.sequences
+            top2 = torch.topk(torch.cat(gen.scores).float(), 2, dim=-1).values  # [steps, 2]
             arrays[f"{dtype}/chat_ids/{j}"] = ids[0].numpy()
             arrays[f"{dtype}/greedy/{j}"] = out[0, ids.shape[1]:].numpy()
+            arrays[f"{dtype}/greedy_margin/{j}"] = (top2[:, 0] - top2[:, 1]).numpy()
             texts.append(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
             payload["chat_text"].append(prompt)
         payload["greedy_text"][dtype] = texts
