@@ -4,15 +4,14 @@ serves on and frees every block."""
 
 import contextlib
 import json
-import threading
 import time
-import types
 
 import pytest
 import requests
 
 from jaxserve import EngineConfig, LLMEngine
-from jaxserve.server import EngineLoop, ServerConfig, create_app, make_server
+import http_server
+from jaxserve.server import EngineLoop, ServerConfig
 from models.random_init import random_model
 from tiny_models import TINY_GQA
 
@@ -40,15 +39,11 @@ def engine():
 @contextlib.contextmanager
 def serving(engine):
     loop = EngineLoop(engine).start()
-    config = ServerConfig(served_model_name=MODEL)
-    server = make_server(create_app(loop, config), "127.0.0.1", 0, config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
     try:
-        yield types.SimpleNamespace(url=f"http://127.0.0.1:{server.effective_port}", loop=loop)
+        with http_server.serving(loop, ServerConfig(served_model_name=MODEL)) as s:
+            s.loop = loop
+            yield s
     finally:
-        server.close()
-        server.task_dispatcher.shutdown(timeout=1)
         loop.stop()
 
 
