@@ -1,4 +1,4 @@
-"""GPU check: the one prepared script to run when an H200 is lent (see shared/design/GPU.md).
+"""GPU check: the one prepared script to run when an H200 is lent (see docs/gpu.md).
 
 One call, about 8 minutes on the GPU, every section on its own (a failure is recorded and the
 rest still runs; `--time-budget` skips what is left once exceeded):
@@ -55,8 +55,8 @@ for _path in (REPO, REPO / "tests"):
 from kernel_cases import (ATTENTION_MODELS, ATTENTION_TOLERANCE,  # noqa: E402
                           INT4_MODEL_SHAPES, INT4_TOLERANCE)
 
-NOMINAL_BW = 4.3e12          # B/s, H200 device copy bandwidth measured here before (GPU.md)
-NOMINAL_BF16_FLOPS = 790e12  # FLOP/s, H200 dense bf16 (GPU.md)
+NOMINAL_BW = 4.3e12          # B/s, H200 device copy bandwidth measured on the H200 machine (docs/peers.md)
+NOMINAL_BF16_FLOPS = 790e12  # FLOP/s, H200 dense bf16 (docs/peers.md)
 L2_BYTES = 50 * 2**20        # H200 L2; timed inputs cycle through > 2x this so reads hit HBM
 TOKEN_LOW = 100              # random prompt ids start here (skips special tokens)
 

@@ -13,7 +13,7 @@ from jaxserve.quantization.gptq import GPTQConfig, gptq_kernel, hessian
 
 
 def np_qparams(w, bits, symmetric):
-    """Per-column (s, z) of rows w [g, N]: the issue's formulas, written again in numpy."""
+    """Per-column (s, z) of rows w [g, N]: core.py's formulas, written again in numpy."""
     if symmetric:
         s = np.abs(w).max(0) / (2 ** (bits - 1) - 1)
         s = np.where(s == 0, 1.0, s)

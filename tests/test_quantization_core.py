@@ -10,7 +10,7 @@ BITS = (4, 8)
 
 
 def np_affine(w, bits, g):
-    """Independent numpy version of the issue's affine formulas, per group of g rows."""
+    """Independent numpy version of the affine formulas (quantization/core.py's docstring), per group of g rows."""
     k, n = w.shape
     wg = w.astype(np.float64).reshape(k // g, g, n)
     r_min, r_max = wg.min(axis=1), wg.max(axis=1)  # [K/g, N]
