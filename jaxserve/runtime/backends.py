@@ -10,10 +10,6 @@ from __future__ import annotations
 import logging
 
 import jax
-# Pallas imports its fuser lazily, the first time a kernel is lowered, and that import adds a
-# value to JAX's tracing context: every program compiled before it would then be retraced once
-# after warm-up. Importing it here keeps the context fixed from the start.
-import jax.experimental.pallas.fuser  # noqa: F401
 
 from jaxserve.runtime.attention_backends import AttentionBackend, PallasAttention, XlaAttention
 from jaxserve.config import BACKENDS

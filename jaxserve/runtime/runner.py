@@ -18,6 +18,11 @@ import logging
 import time
 
 import jax
+# Pallas imports its fuser lazily, the first time a kernel is lowered, and that import adds a
+# value to JAX's tracing context: every program compiled before it would then be retraced once
+# after warm-up. Importing it where every step is compiled, whichever backend object the runner
+# is given, keeps the context fixed from the start.
+import jax.experimental.pallas.fuser  # noqa: F401
 import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
