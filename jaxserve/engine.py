@@ -232,9 +232,8 @@ class LLMEngine:
         return seeds, failed
 
     def _prepare_row(self, state: RequestStateProtocol, item: ScheduledSeq) -> int:
-        # add_request checked these already; checked again so that a request the sampler would
-        # refuse fails alone here instead of failing the whole batch's device call.
-        check_servable(item.seq.sampling_params, self.eos_ids)
+        # The sampler's limits were checked once, in add_request (params are frozen): not again
+        # for every row of every step.
         return state.seed_of(item.request_id)
 
     def _drop_failed(self, out: SchedulerOutput, failed: dict[str, str]):
