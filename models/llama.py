@@ -190,8 +190,9 @@ class Llama(nn.Module):
     def __call__(self, tokens, positions, kv_cache=None, meta=None, logits_index=None):
         """tokens, positions `[B, T]` int32; kv_cache: the attention backend's cache or None.
 
-        With `logits_index` `[B]`, only those positions get logits (`[B, V]`): prefill needs the
-        last token's, and the LM head over every prompt token would cost more than a layer.
+        With `logits_index` `[R]` (indices into the B * T tokens, row-major), only those get
+        logits (`[R, V]`): a step samples after each sequence's last token, and the LM head over
+        every prompt token would cost more than a layer.
         """
         c = self.config
         embedding = self.param("embedding", nn.initializers.normal(0.02),
@@ -202,7 +203,7 @@ class Llama(nn.Module):
         (x, kv_cache, _), _ = layers(c, self.attention, self.dtype, self.linear, name="layers")(
             (x, kv_cache, jnp.int32(0)), positions, meta)
         if logits_index is not None:
-            x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)[:, 0]  # [B, D]
+            x = x.reshape(-1, x.shape[-1])[logits_index]  # [R, D]
         x = RMSNorm(c.rms_norm_eps, self.dtype, name="final_norm")(x)
         # A quantized model may carry its own (quantized) copy of a tied head under lm_head.
         if c.tie_word_embeddings and not self.has_variable("params", "lm_head"):

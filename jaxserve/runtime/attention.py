@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from jaxserve.runtime.kv_cache import KVCache, PagedMeta
+from jaxserve.runtime.step_layout import QUERY_CHUNK, kv_tile_blocks, pair_tile
 
 # Finite so that a row with nothing to attend to (an empty batch slot) gives finite garbage
 # instead of NaN from softmax over all -inf.
@@ -20,103 +22,128 @@ def write_kv(cache: KVCache, layer, k, v, slots) -> KVCache:
                    v=cache.v.at[layer, blk, off].set(v.astype(cache.v.dtype)))
 
 
-def gather_context(cache: KVCache, layer, page_table):
-    """Each row's context `[B, n_blocks * block_size, K, Dh]` (keys and values)."""
-    b, nb = page_table.shape
-    _, _, bs, kh, dh = cache.k.shape
-    keys = cache.k[layer, page_table].reshape(b, nb * bs, kh, dh)
-    values = cache.v[layer, page_table].reshape(b, nb * bs, kh, dh)
-    return keys, values
-
-
-def ragged_decode_attention(q, cache: KVCache, layer, meta: PagedMeta,
-                           merge_kv_heads: bool = True):
-    """Decode attention over the flat list of blocks in use, `meta.ragged` `[3, P]`.
-
-    Gathering `[B, n_blocks]` pages pads every row to the longest context in the batch, and on
-    a CPU that gather's memory traffic is the decode step's largest cost. Here each block in use
-    is gathered once; a softmax across each row's blocks is assembled with segment reductions.
-
-    Each block's `[BS, K, Dh]` tile is used as one `[BS * K, Dh]` matrix against all H query
-    heads of its row, and scores of a head against another KV head's tokens are masked. That
-    does K times the (tiny) dot work, but it is one dot per block with no transpose of the
-    gathered tile: XLA:CPU runs a batched dot as a loop over its batch, and P*K [G, Dh] x
-    [Dh, BS] products cost far more in loop overhead than they save (scripts/profile_step.py,
-    docs/perf_attention.md: 30 layers at P=2048, 1.3x faster in fp32).
-    Under tensor parallelism (K split over devices by sharding annotations) merging K into the
-    token axis would make XLA all-gather the cache: `merge_kv_heads=False` keeps K a batch axis.
-    q `[B, 1, H, Dh]`; returns `[B, 1, H, Dh]`.
-    """
-    if not merge_kv_heads:
-        return _ragged_decode_attention_per_kv_head(q, cache, layer, meta)
-    b, _, h, dh = q.shape
-    blocks, rows, starts = meta.ragged[0], meta.ragged[1], meta.ragged[2]  # [P] each
-    p = blocks.shape[0]
-    _, _, bs, kh, _ = cache.k.shape
-    keys = cache.k[layer, blocks].reshape(p, bs * kh, dh)  # [P, T = BS*K, Dh], t = s*K + k
-    values = cache.v[layer, blocks].reshape(p, bs * kh, dh)
-    qp = q[:, 0][rows].astype(keys.dtype)  # [P, H, Dh]
-    scores = jnp.einsum("PHD,PTD->PHT", qp, keys,
-                        preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(dh))
-    t = jnp.arange(bs * kh, dtype=jnp.int32)  # [T]
-    own = (jnp.arange(h, dtype=jnp.int32) // (h // kh))[:, None] == (t % kh)[None]  # [H, T]
-    pos = starts[:, None] + t[None] // kh  # [P, T]
-    visible = (pos < meta.context_lens[rows][:, None])[:, None] & own[None]  # [P, H, T]
-    scores = jnp.where(visible, scores, MASK_VALUE)
-    row_max = jax.ops.segment_max(scores.max(-1), rows, num_segments=b)  # [B, H]
-    # Masked entries must be exactly 0: another head's tokens are summed over in the PV dot.
-    probs = jnp.where(visible, jnp.exp(scores - row_max[rows][..., None]), 0.0)  # [P, H, T]
-    denom = jax.ops.segment_sum(probs.sum(-1), rows, num_segments=b)  # [B, H]
-    out = jnp.einsum("PHT,PTD->PHD", probs.astype(values.dtype), values,
-                     preferred_element_type=jnp.float32)
-    # Idle batch rows own no blocks: keep them finite (0) rather than 0 / 0.
-    out = jax.ops.segment_sum(out, rows, num_segments=b) / jnp.maximum(denom, 1e-30)[..., None]
-    return out.reshape(b, 1, h, dh).astype(q.dtype)
-
-
-def _ragged_decode_attention_per_kv_head(q, cache: KVCache, layer, meta: PagedMeta):
-    """ragged_decode_attention with one `[G, Dh] x [Dh, BS]` dot per (block, KV head)."""
-    b, _, h, dh = q.shape
-    blocks, rows, starts = meta.ragged[0], meta.ragged[1], meta.ragged[2]  # [P] each
-    keys, values = cache.k[layer, blocks], cache.v[layer, blocks]  # [P, BS, K, Dh]
-    bs, kh = keys.shape[1], keys.shape[2]
-    qp = q[:, 0].reshape(b, kh, h // kh, dh)[rows].astype(keys.dtype)  # [P, K, G, Dh]
-    scores = jnp.einsum("PKGD,PSKD->PKGS", qp, keys,
-                        preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(dh))
-    pos = starts[:, None] + jnp.arange(bs, dtype=jnp.int32)  # [P, BS]
-    visible = pos < meta.context_lens[rows][:, None]  # [P, BS]
-    scores = jnp.where(visible[:, None, None], scores, MASK_VALUE)
-    row_max = jax.ops.segment_max(scores.max(-1), rows, num_segments=b)  # [B, K, G]
-    probs = jnp.exp(scores - row_max[rows][..., None])  # [P, K, G, BS]
-    denom = jax.ops.segment_sum(probs.sum(-1), rows, num_segments=b)  # [B, K, G]
-    out = jnp.einsum("PKGS,PSKD->PKGD", probs.astype(values.dtype), values,
-                     preferred_element_type=jnp.float32)
-    out = jax.ops.segment_sum(out, rows, num_segments=b) / jnp.maximum(denom, 1e-30)[..., None]
-    return out.reshape(b, 1, h, dh).astype(q.dtype)
-
-
-def paged_attention_xla(q, k, v, cache: KVCache, layer, meta: PagedMeta,
+def ragged_attention_xla(q, k, v, cache: KVCache, layer, meta: PagedMeta,
                         merge_kv_heads: bool = True):
-    """Writes this step's k/v into the cache, then attends over each row's paged context.
+    """Writes this step's k/v into the cache, then attends for every flat token of the step.
 
-    q `[B, T, H, Dh]`, k/v `[B, T, K, Dh]`; returns `[B, T, H, Dh]` and the updated cache.
-    Serves decode (T = 1, B = batch slots) and prefill chunks (B = 1, T = chunk) alike.
+    q `[1, T, H, Dh]`, k/v `[1, T, K, Dh]`; returns `[1, T, H, Dh]` and the updated cache.
+    Single-query rows (decodes) attend over the flat list of (query, block) pairs, so no row
+    pays for the longest context; multi-query rows (prefill chunks) attend in aligned chunks of
+    QUERY_CHUNK queries over key tiles of their row's pages. Both loop over tiles with an online
+    softmax, with a trip count set by the step's data: one compiled program per token bucket
+    serves any mix of rows and context lengths.
     """
     cache = write_kv(cache, layer, k, v, meta.slots)
-    if meta.ragged is not None:
-        return ragged_decode_attention(q, cache, layer, meta, merge_kv_heads), cache
-    keys, values = gather_context(cache, layer, meta.page_table)  # [B, S, K, Dh]
-    b, t, h, dh = q.shape
-    kh = keys.shape[2]
-    # In the cache's dtype: with a bf16 cache both dots run bf16 x bf16 -> f32 (AMX on CPU)
-    # instead of promoting the gathered K/V to f32.
-    qg = q.reshape(b, t, kh, h // kh, dh).astype(keys.dtype)  # [B, T, K, G, Dh]
-    scores = jnp.einsum("BTKGD,BSKD->BKGTS", qg, keys,
-                        preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(dh))
-    key_pos = jnp.arange(keys.shape[1], dtype=jnp.int32)  # [S]
-    visible = (key_pos[None, None, :] <= meta.positions[:, :, None]) & \
-        (key_pos[None, None, :] < meta.context_lens[:, None, None])  # [B, T, S]
-    scores = jnp.where(visible[:, None, None], scores, MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
-    out = jnp.einsum("BKGTS,BSKD->BTKGD", probs, values, preferred_element_type=jnp.float32)
-    return out.reshape(b, t, h, dh).astype(q.dtype), cache
+    qf = q[0]  # [T, H, Dh]
+    out = _single_query_attention(qf, cache, layer, meta, merge_kv_heads)
+    if qf.shape[0] >= QUERY_CHUNK:  # smaller steps hold no multi-query row
+        chunked = _chunked_attention(qf, cache, layer, meta)
+        out = jnp.where(meta.multi[:, None, None], chunked, out)
+    return out[None].astype(q.dtype), cache
+
+
+def _online_update(carry, scores, visible, values, segments, num_segments, pv_dims):
+    """One tile of a segment-wise online softmax. carry (m, l, acc) per segment."""
+    m, l, acc = carry
+    scores = jnp.where(visible, scores, MASK_VALUE)
+    tile_max = jax.ops.segment_max(scores.max(-1), segments, num_segments=num_segments)
+    m_new = jnp.maximum(m, tile_max)
+    # Masked entries must be exactly 0: the PV dot sums over them.
+    p = jnp.where(visible, jnp.exp(scores - m_new[segments][..., None]), 0.0)
+    corr = jnp.exp(m - m_new)
+    l = l * corr + jax.ops.segment_sum(p.sum(-1), segments, num_segments=num_segments)
+    pv = jnp.einsum(pv_dims, p.astype(values.dtype), values, preferred_element_type=jnp.float32)
+    acc = acc * corr[..., None] + jax.ops.segment_sum(pv, segments, num_segments=num_segments)
+    return m_new, l, acc
+
+
+def _single_query_attention(q, cache: KVCache, layer, meta: PagedMeta, merge_kv_heads: bool):
+    """Attention of each single-query token over its (query, block) pairs: `[T, H, Dh]`.
+
+    merge_kv_heads: each block's `[BS, K, Dh]` tile is used as one `[BS * K, Dh]` matrix against
+    all H query heads, scores against another KV head's tokens masked. That does K times the
+    (tiny) dot work but is one dot per block with no transpose: XLA:CPU runs a batched dot as a
+    loop over its batch, and per-(block, KV head) products cost more in loop overhead than they
+    save (docs/perf_attention.md). Under tensor parallelism (K split over devices by sharding
+    annotations) merging would make XLA all-gather the cache: False keeps K a batch axis.
+    """
+    t, h, dh = q.shape
+    _, _, bs, kh, _ = cache.k.shape
+    g = h // kh
+    tile = pair_tile(meta.context_lens.shape[0])
+    scale = 1.0 / jnp.sqrt(jnp.float32(dh))
+    qpos = meta.positions[0]  # [T]
+    own = (jnp.arange(h, dtype=jnp.int32) // g)[:, None] == \
+        (jnp.arange(bs * kh, dtype=jnp.int32) % kh)[None]  # [H, BS*K]: merged layout's mask
+
+    def body(i, carry):
+        blocks, toks, starts = lax.dynamic_slice_in_dim(meta.pairs, i * tile, tile, axis=1)
+        keys, values = cache.k[layer, blocks], cache.v[layer, blocks]  # [P, BS, K, Dh]
+        qp = q[toks].astype(keys.dtype)  # [P, H, Dh]
+        if merge_kv_heads:
+            keys = keys.reshape(tile, bs * kh, dh)  # [P, S = BS*K, Dh], s = slot*K + k
+            values = values.reshape(tile, bs * kh, dh)
+            scores = jnp.einsum("PHD,PSD->PHS", qp, keys,
+                                preferred_element_type=jnp.float32) * scale
+            kpos = starts[:, None] + jnp.arange(bs * kh, dtype=jnp.int32)[None] // kh
+            visible = (kpos <= qpos[toks][:, None])[:, None] & own[None]  # [P, H, S]
+            return _online_update(carry, scores, visible, values, toks, t, "PHS,PSD->PHD")
+        m, l, acc = carry
+        qg = qp.reshape(tile, kh, g, dh)  # [P, K, G, Dh]
+        scores = jnp.einsum("PKGD,PSKD->PKGS", qg, keys,
+                            preferred_element_type=jnp.float32) * scale
+        kpos = starts[:, None] + jnp.arange(bs, dtype=jnp.int32)[None]  # [P, BS]
+        visible = (kpos <= qpos[toks][:, None])[:, None, None]  # [P, 1, 1, BS]
+        carry = (m.reshape(t, kh, g), l.reshape(t, kh, g), acc.reshape(t, kh, g, dh))
+        m, l, acc = _online_update(carry, scores, visible, values, toks, t, "PKGS,PSKD->PKGD")
+        return m.reshape(t, h), l.reshape(t, h), acc.reshape(t, h, dh)
+
+    init = (jnp.full((t, h), MASK_VALUE, jnp.float32), jnp.zeros((t, h), jnp.float32),
+            jnp.zeros((t, h, dh), jnp.float32))
+    n_tiles = (meta.num_pairs + tile - 1) // tile
+    _, l, acc = lax.fori_loop(0, n_tiles, body, init)
+    # Tokens with no pairs (multi-query, idle) keep 0 rather than 0 / 0.
+    return acc / jnp.maximum(l, 1e-30)[..., None]
+
+
+def _chunked_attention(q, cache: KVCache, layer, meta: PagedMeta):
+    """Attention of multi-query rows in aligned chunks of QUERY_CHUNK queries: `[T, H, Dh]`.
+
+    Chunk c holds flat tokens [c * QUERY_CHUNK, (c + 1) * QUERY_CHUNK), all of one row (or
+    idle); it reads its row's pages `meta.chunk_pages[c]` one key tile at a time, causally
+    masked by position. The loop runs as many tiles as the furthest multi-query token needs.
+    """
+    t, h, dh = q.shape
+    _, _, bs, kh, _ = cache.k.shape
+    g, qc, c = h // kh, QUERY_CHUNK, t // QUERY_CHUNK
+    kt = kv_tile_blocks(bs)
+    width = kt * bs
+    scale = 1.0 / jnp.sqrt(jnp.float32(dh))
+    qpos = meta.positions[0, :c * qc].reshape(c, qc)  # [C, Q]
+    qg = q[:c * qc].reshape(c, qc, kh, g, dh).astype(cache.k.dtype)  # [C, Q, K, G, Dh]
+    far = jnp.where(meta.multi[:c * qc], meta.positions[0, :c * qc], -1).max()
+    n_tiles = jnp.where(far >= 0, far // width + 1, 0)
+
+    def body(j, carry):
+        m, l, acc = carry  # [C, K, G, Q], same, [C, K, G, Q, Dh]
+        blocks = lax.dynamic_slice_in_dim(meta.chunk_pages, j * kt, kt, axis=1)  # [C, kt]
+        keys = cache.k[layer, blocks].reshape(c, width, kh, dh)  # [C, S, K, Dh]
+        values = cache.v[layer, blocks].reshape(c, width, kh, dh)
+        scores = jnp.einsum("CQKGD,CSKD->CKGQS", qg, keys,
+                            preferred_element_type=jnp.float32) * scale
+        kpos = j * width + jnp.arange(width, dtype=jnp.int32)  # [S]
+        visible = (kpos[None, None] <= qpos[:, :, None])[:, None, None]  # [C, 1, 1, Q, S]
+        scores = jnp.where(visible, scores, MASK_VALUE)
+        m_new = jnp.maximum(m, scores.max(-1))
+        p = jnp.where(visible, jnp.exp(scores - m_new[..., None]), 0.0)
+        corr = jnp.exp(m - m_new)
+        pv = jnp.einsum("CKGQS,CSKD->CKGQD", p.astype(values.dtype), values,
+                        preferred_element_type=jnp.float32)
+        return m_new, l * corr + p.sum(-1), acc * corr[..., None] + pv
+
+    init = (jnp.full((c, kh, g, qc), MASK_VALUE, jnp.float32),
+            jnp.zeros((c, kh, g, qc), jnp.float32), jnp.zeros((c, kh, g, qc, dh), jnp.float32))
+    _, l, acc = lax.fori_loop(0, n_tiles, body, init)
+    out = acc / jnp.maximum(l, 1e-30)[..., None]  # [C, K, G, Q, Dh]
+    out = out.transpose(0, 3, 1, 2, 4).reshape(c * qc, h, dh)
+    return jnp.pad(out, ((0, t - c * qc), (0, 0), (0, 0)))

@@ -31,15 +31,27 @@ class KVCache:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PagedMeta:
-    """What paged attention needs besides q/k/v, for a batch of B rows of T tokens."""
+    """What paged attention needs besides q/k/v for one ragged step (step_layout.py).
 
-    positions: jax.Array    # [B, T] int32: absolute position of each query token
-    slots: jax.Array        # [B, T] int32: flat cache slot (block * block_size + offset) to write
-    page_table: jax.Array   # [B, n_blocks] int32: block ids of each row's context, 0-padded
-    context_lens: jax.Array  # [B] int32: tokens in each row's context after this step's writes
-    # [3, P] int32 (block id, row, position of the block's first token) of every block in use,
-    # padded with (0, 0, huge): the XLA decode path's flat page list. None elsewhere.
-    ragged: jax.Array | None = None
+    T flat tokens, R rows (scheduled sequences); row r's queries are the flat tokens
+    [query_start[r], query_start[r + 1]) at positions context_lens[r] - q_len + i.
+    """
+
+    positions: jax.Array     # [1, T] int32: absolute position of each query token
+    slots: jax.Array         # [1, T] int32: flat cache slot (block * block_size + offset) to write
+    query_start: jax.Array   # [R + 1] int32
+    context_lens: jax.Array  # [R] int32: keys of each row after this step's writes
+    # [R, max_blocks] int32: block ids of each row's context, 0-padded ("page_table" backends);
+    # [R, 1] zeros for the XLA path, which reads the two lists below instead.
+    page_table: jax.Array
+    # XLA path. pairs [3, W] int32: (block id, flat token, first position of the block) for every
+    # block a single-query row's query sees, padded with (0, 0, huge); num_pairs [] int32 in use.
+    pairs: jax.Array | None = None
+    num_pairs: jax.Array | None = None
+    # multi [T] bool: token in a multi-query row (aligned to QUERY_CHUNK, gaps included);
+    # chunk_pages [T / QUERY_CHUNK, Pc] int32: the blocks of each chunk's row.
+    multi: jax.Array | None = None
+    chunk_pages: jax.Array | None = None
 
 
 def plan_num_blocks(config: ModelConfig, block_size: int, dtype_bytes: int,

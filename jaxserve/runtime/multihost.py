@@ -5,7 +5,8 @@ launched by all of them with identical inputs. Only process 0 takes requests and
 scheduler; before each device call (`ModelRunner.run`: a model step, or a batch of
 copy-on-write block copies) it broadcasts what the call needs: a fixed-size header (command and
 the call's bucketed shape), then the call's arrays, which the other processes receive into a
-template of exactly that shape (`ModelRunner.step_template` / `copy_template`) and pass to the
+template of exactly that shape (`ModelRunner.step_template` / `slots_template` /
+`copy_template`) and pass to the
 same `ModelRunner.run`. They keep no scheduler, block manager or request state of their own, so
 there is nothing to drift out of sync.
 """
@@ -19,10 +20,11 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxserve.runtime.runner import CopyCall, StepCall
+from jaxserve.runtime.slot_state import SlotsCall
 
 log = logging.getLogger("jaxserve")
 
-_STOP, _STEP, _COPY = 0, 1, 2
+_STOP, _STEP, _COPY, _SLOTS = 0, 1, 2, 3
 
 
 def initialize(coordinator_address: str, num_processes: int, process_id: int) -> None:
@@ -68,12 +70,10 @@ class StepChannel:
     def __init__(self, runner):
         self.runner = runner
 
-    def send(self, call: StepCall | CopyCall) -> None:
-        if isinstance(call, CopyCall):
-            header = [_COPY, *call.pairs.shape, 0]
-        else:
-            header = [_STEP, *call.shape]
-        _broadcast_like(np.array(header, np.int32))
+    def send(self, call: StepCall | SlotsCall | CopyCall) -> None:
+        cmd = _COPY if isinstance(call, CopyCall) else _SLOTS if isinstance(call, SlotsCall) \
+            else _STEP
+        _broadcast_like(np.array([cmd, *call.shape, 0, 0][:4], np.int32))
         _broadcast_like(call)
 
     def stop(self) -> None:
@@ -81,18 +81,20 @@ class StepChannel:
             _broadcast_like(np.array([_STOP, 0, 0, 0], np.int32))
 
     def follow(self) -> dict[str, int]:
-        """Runs process 0's calls until it stops; returns how many steps and copies ran."""
-        runner, ran = self.runner, {"steps": 0, "copies": 0}
+        """Runs process 0's calls until it stops; returns how many of each kind ran."""
+        runner, ran = self.runner, {"steps": 0, "slots": 0, "copies": 0}
         while True:
             cmd, *shape = _broadcast_like(np.zeros(4, np.int32)).tolist()
             if cmd == _STOP:
                 return ran
             if cmd == _COPY:
                 template, kind = runner.copy_template(), "copies"
-                if template.pairs.shape != tuple(shape[:2]):
+                if template.pairs.shape[0] != shape[0]:
                     raise RuntimeError(f"process 0 copies {shape[0]} block pairs per call, this "
                                        f"process {template.pairs.shape[0]}: configs differ")
+            elif cmd == _SLOTS:
+                template, kind = runner.slots_template(shape[0]), "slots"
             else:
-                template, kind = runner.step_template(*shape), "steps"
+                template, kind = runner.step_template(shape[0]), "steps"
             runner.run(_broadcast_like(template))
             ran[kind] += 1

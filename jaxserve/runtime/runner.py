@@ -1,14 +1,19 @@
 """The model runner: the one place that turns scheduler decisions into device arrays.
 
-Two kinds of model step, both the same jitted step function at different shapes:
-- decode: all decoding sequences at once, `[batch_bucket, 1]` tokens, and the page table cut
-  to a bucket of blocks or the flat list of blocks in use, as the attention backend declares;
-- prefill: one sequence's chunk, `[1, token_bucket]` tokens, page table `[1, block_bucket]`.
-Sampling runs inside the step; only token ids (and logprobs when asked) come back.
+Every engine iteration is one ragged step: one jitted call over a flat token axis holding the
+decode token of every decoding sequence and prefill chunks of any number of sequences
+(step_layout.py), compiled once per token bucket. Sampling runs inside the step; only token ids
+(and logprobs when asked) come back. Per-slot state (sampling parameters, seeds, token history,
+the last sampled id) lives on the device (slot_state.py) and is written only when a sequence
+takes a slot.
 
-Every device call, a step or a batch of copy-on-write block copies, is a `StepCall` or a
-`CopyCall` run by `ModelRunner.run`: process 0 and multi-host followers (multihost.py) alike, so
-process 0's broadcast hook (`before_call`) sees each one.
+`launch` dispatches a step and returns at once; `collect` waits for its ids. Between the two the
+host can schedule and launch the next step, whose decode inputs the device takes from the slots'
+last sampled ids (step_layout.PLACEHOLDER marks them): the engine's asynchronous scheduling.
+
+Every device call, a step, a slot-state delta or a batch of copy-on-write block copies, is a
+`StepCall`, `SlotsCall` or `CopyCall` run by `ModelRunner.run`: process 0 and multi-host
+followers (multihost.py) alike, so process 0's broadcast hook (`before_call`) sees each one.
 """
 
 from __future__ import annotations
@@ -27,13 +32,15 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from jaxserve.runtime import buckets
+from jaxserve.runtime import buckets, slot_state, step_layout
 from jaxserve.runtime.attention_backends import AttentionBackend, XlaAttention
 from jaxserve.core.outputs import SampleResult
 from jaxserve.runtime.kv_cache import KVCache, PagedMeta
-from jaxserve.runtime.sampler import SamplerOutput, SamplingTensors, sample
+from jaxserve.runtime.sampler import SamplerOutput, sample
+from jaxserve.runtime.slot_state import SlotsCall, SlotState
 from jaxserve.core.scheduler import ScheduledSeq, SchedulerOutput
 from jaxserve.runtime.sharding import TensorParallel
+from jaxserve.runtime.step_layout import Row
 from models.model import Model
 
 log = logging.getLogger("jaxserve")
@@ -42,33 +49,27 @@ log = logging.getLogger("jaxserve")
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class StepInputs:
-    tokens: jax.Array        # [B, T] int32
-    meta: PagedMeta          # positions/slots [B, T], page_table [B, nb], context_lens [B]
-    logits_index: jax.Array  # [B] int32: which of the T tokens to sample after
-    history: jax.Array       # [B, max_model_len] int32: prompt + output ids, for penalties
-    prompt_lens: jax.Array   # [B] int32
-    sample_pos: jax.Array    # [B] int32: position of the token being sampled (for its RNG)
+    tokens: jax.Array        # [1, T] int32 (0 where fed from the device)
+    feed: jax.Array          # [T] bool: input id = the token's slot's last sampled id
+    token_slot: jax.Array    # [T] int32: batch slot of each token's row (idle: the idle slot)
+    meta: PagedMeta          # positions/slots [1, T], query_start [R+1], context_lens [R], ...
+    logits_index: jax.Array  # [R] int32: flat index of each row's last query
+    row_slot: jax.Array      # [R] int32
+    samples: jax.Array       # [R] bool: the row samples (its last chunk, or a decode)
     want_logprobs: jax.Array  # [] bool
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class StepCall:
-    """One model step: its inputs and sampling tensors, both padded to the step's buckets."""
+    """One model step: its inputs, padded to the step's token bucket."""
 
     inputs: StepInputs
-    sampling: SamplingTensors
 
     @property
-    def shape(self) -> tuple[int, int, int]:
-        """(rows, tokens, width): what `ModelRunner.step_template` rebuilds it from.
-
-        width counts the page table's columns, or the flat block list's entries (ragged decode).
-        """
-        rows, tokens = self.inputs.tokens.shape
-        meta = self.inputs.meta
-        width = meta.ragged.shape[1] if meta.ragged is not None else meta.page_table.shape[1]
-        return rows, tokens, width
+    def shape(self) -> tuple[int]:
+        """(flat tokens,): what `ModelRunner.step_template` rebuilds it from."""
+        return (self.inputs.tokens.shape[1],)
 
 
 @jax.tree_util.register_dataclass
@@ -78,12 +79,30 @@ class CopyCall:
 
     pairs: jax.Array
 
+    @property
+    def shape(self) -> tuple[int]:
+        return (self.pairs.shape[0],)
+
 
 def _copy_blocks(cache: KVCache, pairs: jax.Array) -> KVCache:
     """pairs [C, 2] int32 (src, dst). A dst is never another pair's src: dst blocks are fresh."""
     src, dst = pairs[:, 0], pairs[:, 1]
     return KVCache(k=cache.k.at[:, dst].set(cache.k[:, src]),
                    v=cache.v.at[:, dst].set(cache.v[:, src]))
+
+
+@dataclasses.dataclass(frozen=True)
+class Pending:
+    """A launched step: which items sample, their rows, and the device's (future) output."""
+
+    items: list[ScheduledSeq]
+    rows: list[int]
+    sampled: SamplerOutput
+    want_logprobs: bool
+
+
+def _nbytes(tree) -> int:
+    return sum(np.asarray(x).nbytes for x in jax.tree.leaves(tree))
 
 
 class ModelRunner:
@@ -102,88 +121,98 @@ class ModelRunner:
         self.tp = tp
         self.before_call = None  # multi-host: process 0 broadcasts each device call here
         self.num_slots = max_num_seqs
+        self.idle_slot = max_num_seqs  # padding rows and tokens read and write this slot
         self.max_blocks = -(-max_model_len // block_size)
         self.eos_ids = tuple(eos_ids)
         shape = (c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim)
         dtype = jnp.dtype(kv_cache_dtype or model.dtype)  # None: the model's dtype
         self.cache = (tp.new_cache(shape, dtype) if tp is not None else
                       KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype)))
-        self.page_table = np.zeros((self.num_slots, self.max_blocks), np.int32)  # [S, nb]
-        self.history = np.zeros((self.num_slots, max_model_len), np.int32)  # [S, L]
+        host_state = slot_state.new_state(max_num_seqs + 1, max_model_len)
+        self.state: SlotState = (tp.place(host_state, jax.tree.map(lambda _: tp.replicated,
+                                                                   host_state))
+                                 if tp is not None else jax.tree.map(jnp.asarray, host_state))
+        # Host copy of each slot's blocks [S + 1, nb]; the idle slot's row stays zeros.
+        self.page_table = np.zeros((max_num_seqs + 1, self.max_blocks), np.int32)
         self.slot_of: dict[str, int] = {}
         self.free_slots = list(range(self.num_slots - 1, -1, -1))
-        self.decode_buckets = buckets.decode_block_buckets(self.max_blocks)
-        self.batch_buckets = buckets.decode_batch_buckets(max_num_seqs)
-        self.token_buckets = buckets.prefill_token_buckets(max_num_batched_tokens)
+        self.token_buckets = step_layout.token_buckets(max_num_batched_tokens, max_num_seqs)
+        self.slot_buckets = buckets.decode_batch_buckets(max_num_seqs)
         if tp is not None:
             attention = tp.attention(attention)
         self.attention = attention
-        # Its decode reads the flat list of blocks in use, or the page table cut to a bucket.
-        self.ragged = attention.decode_layout == "ragged"
-        self._modules = step_modules(model, attention, linear)
-        self._step = jax.jit(self._step_impl, donate_argnums=(1,), **jit_kwargs)
+        self.ragged = attention.layout == "ragged"
+        self._module = step_module(model, attention, linear)
+        self._step = jax.jit(self._step_impl, donate_argnums=(1, 2), **jit_kwargs)
+        self._write_slots = jax.jit(slot_state.write_slots, donate_argnums=(0,))
         # Copy-on-write copies run in fixed batches of (src, dst) pairs, padded with (0, 0)
         # (the null block onto itself), so one compiled program serves every step.
         self.copy_batch = max_num_seqs
         self._copy = jax.jit(_copy_blocks, donate_argnums=(0,))
         self._compiles_at_warmup: int | None = None
+        self.h2d_bytes = 0  # host -> device bytes of every call run so far
 
     # ---- the jitted step ------------------------------------------------------------------
 
-    def _step_impl(self, params, cache, inp: StepInputs, st: SamplingTensors):
-        # Named scopes label the ops in a profile (prefill|decode / attention, mlp, sampling).
-        # A decode call has one token per row; prefill buckets start at 16 tokens (only a
-        # max_num_batched_tokens of 1 would make a 1-token prefill, which is a decode's math).
-        kind = "decode" if inp.tokens.shape[1] == 1 else "prefill"
-        with jax.named_scope(kind):
-            logits, cache = self._modules[kind].apply({"params": params}, inp.tokens,
-                                                      inp.meta.positions, cache, inp.meta,
-                                                      logits_index=inp.logits_index)
+    def _step_impl(self, params, cache, state: SlotState, inp: StepInputs):
+        # Named scopes label the ops in a profile (step / attention, mlp, sampling).
+        meta = inp.meta
+        with jax.named_scope("step"):
+            # Decode inputs not known on the host come from the slot's last sample.
+            tokens = jnp.where(inp.feed, state.last_tokens[inp.token_slot], inp.tokens[0])  # [T]
+            history = state.history.at[inp.token_slot, meta.positions[0]].set(tokens)
+            logits, cache = self._module.apply({"params": params}, tokens[None], meta.positions,
+                                               cache, meta, logits_index=inp.logits_index)
             if self.tp is not None:  # one gather of vocab-parallel logits; sampler replicated
                 logits = jax.lax.with_sharding_constraint(logits, self.tp.replicated)
             with jax.named_scope("sampling"):
-                out = sample(logits, st, inp.history, inp.meta.context_lens, inp.prompt_lens,
-                             inp.sample_pos, inp.want_logprobs)
-        return cache, out
+                st = slot_state.rows_sampling(state, inp.row_slot, meta.context_lens)
+                out = sample(logits, st, history[inp.row_slot], meta.context_lens,
+                             state.prompt_lens[inp.row_slot], meta.context_lens,
+                             inp.want_logprobs)
+            written = jnp.where(inp.samples, inp.row_slot, self.idle_slot)
+            state = dataclasses.replace(state, history=history,
+                                        last_tokens=state.last_tokens.at[written].set(out.tokens))
+        return cache, state, out
 
     @property
     def num_compiled(self) -> int:
-        return self._step._cache_size() + self._copy._cache_size()
+        return self._step._cache_size() + self._copy._cache_size() + \
+            self._write_slots._cache_size()
 
     @property
     def num_compiles_after_warmup(self) -> int:
         base = self._compiles_at_warmup
         return 0 if base is None else self.num_compiled - base
 
-    def shapes(self) -> list[tuple[int, int, int]]:
-        """Every (rows, tokens, page-table width) the runner can run: what warm-up compiles."""
-        out = [(rows, 1, nb) for rows in self.batch_buckets for nb in self._decode_widths(rows)]
-        for tb in self.token_buckets:
-            for nb in buckets.prefill_block_buckets(tb, self.block_size, self.max_blocks):
-                out.append((1, tb, nb))
-        return out
+    def shapes(self) -> list[tuple[int]]:
+        """Every step shape (flat tokens,) the runner can run: what warm-up compiles."""
+        return [(t,) for t in self.token_buckets]
 
     def warmup(self, progress: bool = True) -> float:
         """Compiles every bucket now, so serving never stops to compile. Returns seconds."""
         start = time.perf_counter()
-        for rows, tokens, nb in tqdm(self.shapes(), desc="jaxserve: compiling", unit="shape",
-                                     disable=not progress):
-            self._launch(self.step_template(rows, tokens, nb))
+        for shape in tqdm(self.shapes(), desc="jaxserve: compiling", unit="shape",
+                          disable=not progress):
+            self._launch(self.step_template(*shape))
         # Every process warms up itself (same programs in the same order): nothing to broadcast.
+        for d in self.slot_buckets:
+            self._launch(self.slots_template(d))
         self._launch(self.copy_template())
-        jax.block_until_ready(self.cache)
+        jax.block_until_ready((self.cache, self.state))
         self._compiles_at_warmup = self.num_compiled
         return time.perf_counter() - start
 
-    def _decode_widths(self, rows: int) -> list[int]:
-        if self.ragged:
-            return buckets.ragged_block_buckets(rows, self.max_blocks)
-        return self.decode_buckets
+    def step_template(self, tokens: int) -> StepCall:
+        """An idle step of `tokens` flat tokens: no rows, everything masked."""
+        lay = step_layout.build([], self.page_table, tokens=tokens, max_num_seqs=self.num_slots,
+                                block_size=self.block_size, idle_slot=self.idle_slot,
+                                ragged=self.ragged)
+        return self._call(lay, want_logprobs=False)
 
-    def step_template(self, rows: int, tokens: int, width: int) -> StepCall:
-        """An idle step of shape `StepCall.shape` (rows, tokens, width): empty rows, masked."""
-        return StepCall(self._idle_inputs(rows, tokens, width),
-                        SamplingTensors.from_params([], [], [], size=rows))
+    def slots_template(self, size: int) -> SlotsCall:
+        """A slot-state delta that writes idle state into the idle slot."""
+        return self._slots_call([], [], [], [], [], size)
 
     def copy_template(self) -> CopyCall:
         """A batch of copies that copies nothing (the null block onto itself)."""
@@ -191,34 +220,27 @@ class ModelRunner:
 
     # ---- the one entry point for device work ----------------------------------------------
 
-    def run(self, call: StepCall | CopyCall) -> SamplerOutput | None:
+    def run(self, call: StepCall | SlotsCall | CopyCall) -> SamplerOutput | None:
         """Runs one device call; a step returns its sampled tokens (on the device).
 
         Process 0's calls and a multi-host follower's replay of them both come through here, so
-        `before_call` (process 0's broadcast) sees every call that changes the cache.
+        `before_call` (process 0's broadcast) sees every call that changes device state.
         """
         if self.before_call is not None:
             self.before_call(call)
+        self.h2d_bytes += _nbytes(call)
         return self._launch(call)
 
-    def _launch(self, call: StepCall | CopyCall) -> SamplerOutput | None:
+    def _launch(self, call: StepCall | SlotsCall | CopyCall) -> SamplerOutput | None:
         if isinstance(call, CopyCall):
             self.cache = self._copy(self.cache, call.pairs)
             return None
-        self.cache, sampled = self._step(self.model.params, self.cache, call.inputs, call.sampling)
+        if isinstance(call, SlotsCall):
+            self.state = self._write_slots(self.state, call)
+            return None
+        self.cache, self.state, sampled = self._step(self.model.params, self.cache, self.state,
+                                                     call.inputs)
         return sampled
-
-    def _idle_inputs(self, rows: int, tokens: int, nb: int) -> StepInputs:
-        z = np.zeros((rows, tokens), np.int32)  # [B, T]
-        ragged = None
-        if self.ragged and tokens == 1:  # nb counts blocks in the flat list
-            ragged, nb = np.zeros((3, nb), np.int32), 1
-        meta = PagedMeta(positions=z, slots=z, page_table=np.zeros((rows, nb), np.int32),
-                         context_lens=np.ones((rows,), np.int32), ragged=ragged)
-        return StepInputs(tokens=z, meta=meta, logits_index=np.zeros((rows,), np.int32),
-                          history=np.zeros((rows, self.max_model_len), np.int32),
-                          prompt_lens=np.zeros((rows,), np.int32),
-                          sample_pos=np.zeros((rows,), np.int32), want_logprobs=np.bool_(False))
 
     # ---- host bookkeeping -----------------------------------------------------------------
 
@@ -227,19 +249,6 @@ class ModelRunner:
         if slot is not None:
             self.page_table[slot] = 0
             self.free_slots.append(slot)
-
-    def _prepare_slot(self, item: ScheduledSeq) -> int:
-        seq = item.seq
-        slot = self.slot_of.get(seq.request_id)
-        end = item.start_pos + item.num_new_tokens
-        if slot is None:
-            slot = self.slot_of[seq.request_id] = self.free_slots.pop()
-            self.history[slot, :end] = seq.token_ids_slice(0, end)
-        else:
-            self.history[slot, item.start_pos:end] = item.token_ids
-        table = seq.block_table
-        self.page_table[slot, :len(table)] = table
-        return slot
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copies each src block's K and V (all layers) onto its dst block, in place."""
@@ -250,108 +259,89 @@ class ModelRunner:
                 chunk[:len(part)] = part
             self.run(CopyCall(chunk))
 
-    def _flat_slots(self, slot: int, positions: np.ndarray) -> np.ndarray:
-        blocks = self.page_table[slot, positions // self.block_size]
-        return blocks * self.block_size + positions % self.block_size
+    def _slots_call(self, slots, params, seeds, prompt_lens, tokens, size) -> SlotsCall:
+        return slot_state.slots_call(slots, params, seeds, prompt_lens, tokens, size=size,
+                                     idle_slot=self.idle_slot, max_model_len=self.max_model_len,
+                                     eos_ids=self.eos_ids)
+
+    def _assign_slots(self, items: list[ScheduledSeq], seeds: dict[str, int]) -> set[str]:
+        """Gives each new sequence a slot and writes its state there (one delta call).
+        Returns the new sequences' ids."""
+        new = [i for i in items if i.request_id not in self.slot_of]
+        for i in range(0, len(new), self.slot_buckets[-1]):
+            part = new[i:i + self.slot_buckets[-1]]
+            slots = [self.free_slots.pop() for _ in part]
+            for item, slot in zip(part, slots):
+                self.slot_of[item.request_id] = slot
+            seqs = [item.seq for item in part]
+            self.run(self._slots_call(
+                slots, [s.sampling_params for s in seqs], [seeds[s.request_id] for s in seqs],
+                [s.num_prompt_tokens for s in seqs],
+                [s.token_ids_slice(0, item.start_pos + item.num_new_tokens)
+                 for s, item in zip(seqs, part)],
+                buckets.pick(self.slot_buckets, len(part))))
+        return {item.request_id for item in new}
+
+    def _update_page_table(self, item: ScheduledSeq, slot: int, new: bool) -> None:
+        # A new slot takes the whole table (prefix-cache hits precede start_pos); a held one
+        # from the block being written: copy-on-write may have replaced it, appends follow.
+        table = item.seq.block_table
+        first = 0 if new else item.start_pos // self.block_size
+        self.page_table[slot, first:len(table)] = table[first:]
 
     # ---- one engine step ------------------------------------------------------------------
 
-    def execute(self, out: SchedulerOutput, seeds: dict[str, int]) -> dict[str, SampleResult]:
-        """Runs the scheduled work; returns the sampled token of every item that samples."""
+    def launch(self, out: SchedulerOutput, seeds: dict[str, int]) -> Pending:
+        """Dispatches the scheduled work as one step; returns without waiting for the device."""
         if out.blocks_to_copy:
             self.copy_blocks(out.blocks_to_copy)
         for rid in out.preempted:
             self.release(rid)
-        # (items a call samples for, their rows in its output, its SamplerOutput): all calls are
-        # dispatched before any result is fetched, so host and device work overlap.
-        pending = []
-        for item in out.prefills:
-            sampled = self._prefill(item, seeds)
-            if item.is_last_chunk:
-                pending.append(([item], [0], sampled))
-        if out.decodes:
-            sampled = self._decode(out.decodes, seeds)
-            pending.append((out.decodes, list(range(len(out.decodes))), sampled))
-        results = {}
-        for items, rows, sampled in pending:
-            results.update(self._collect(items, rows, sampled))
-        return results
-
-    def _run_step(self, inp: StepInputs, params_per_row, seeds_per_row, generated, rows):
-        st = SamplingTensors.from_params(params_per_row, seeds_per_row, generated,
-                                         self.eos_ids, size=rows)
-        return self.run(StepCall(inp, st))
-
-    def _prefill(self, item: ScheduledSeq, seeds):
-        seq, n, start = item.seq, item.num_new_tokens, item.start_pos
-        slot = self._prepare_slot(item)
-        tb = buckets.pick(self.token_buckets, n)
-        nb = buckets.pick(buckets.prefill_block_buckets(tb, self.block_size, self.max_blocks),
-                          -(-(start + n) // self.block_size))
-        positions = np.full((1, tb), start + n - 1, np.int32)  # [1, T]; pads repeat the last
-        positions[0, :n] = np.arange(start, start + n)
-        slots = np.zeros((1, tb), np.int32)  # pads write into the null block
-        slots[0, :n] = self._flat_slots(slot, positions[0, :n])
-        tokens = np.zeros((1, tb), np.int32)
-        tokens[0, :n] = item.token_ids
-        meta = PagedMeta(positions=positions, slots=slots, page_table=self.page_table[slot:slot + 1, :nb],
-                         context_lens=np.array([start + n], np.int32))
-        p = seq.sampling_params
-        inp = StepInputs(tokens=tokens, meta=meta, logits_index=np.array([n - 1], np.int32),
-                         history=self.history[slot:slot + 1],
-                         prompt_lens=np.array([seq.num_prompt_tokens], np.int32),
-                         sample_pos=np.array([start + n], np.int32),
-                         want_logprobs=np.bool_(p.logprobs is not None))
-        return self._run_step(inp, [p], [seeds[seq.request_id]], [seq.num_output_tokens], 1)
-
-    def _decode(self, items: list[ScheduledSeq], seeds):
-        """Row r of the call is items[r]; rows past len(items) are idle padding."""
-        s = buckets.pick(self.batch_buckets, len(items))
-        tokens, positions = np.zeros((s, 1), np.int32), np.zeros((s, 1), np.int32)
-        slots, ctx = np.zeros((s, 1), np.int32), np.ones((s,), np.int32)
-        prompt_lens = np.zeros((s,), np.int32)
-        rows_slot = np.zeros((s,), np.int64)  # padding rows read slot 0's (unused) tables
-        params, row_seeds, generated = [None] * s, [None] * s, [0] * s
-        for r, item in enumerate(items):
-            seq, pos = item.seq, item.start_pos
-            slot = rows_slot[r] = self._prepare_slot(item)
-            tokens[r, 0], positions[r, 0], ctx[r] = item.token_ids[0], pos, pos + 1
-            slots[r, 0] = self._flat_slots(slot, np.array([pos]))[0]
-            prompt_lens[r] = seq.num_prompt_tokens
-            params[r], row_seeds[r] = seq.sampling_params, seeds[seq.request_id]
-            generated[r] = seq.num_output_tokens
-        meta = self._decode_pages(rows_slot, ctx, len(items))
-        meta = PagedMeta(positions=positions, slots=slots, context_lens=ctx, **meta)
+        items = out.scheduled
+        new = self._assign_slots(items, seeds)
+        rows = []
+        for item in items:
+            slot = self.slot_of[item.request_id]
+            self._update_page_table(item, slot, item.request_id in new)
+            rows.append(Row(slot=slot, start=item.start_pos, tokens=item.token_ids,
+                            samples=item.is_last_chunk))
+        need = step_layout.flat_tokens_needed([len(r.tokens) for r in rows])
+        lay = step_layout.build(rows, self.page_table, tokens=buckets.pick(self.token_buckets,
+                                                                            need),
+                                max_num_seqs=self.num_slots, block_size=self.block_size,
+                                idle_slot=self.idle_slot, ragged=self.ragged)
         want = any(i.seq.sampling_params.logprobs is not None for i in items)
-        inp = StepInputs(tokens=tokens, meta=meta, logits_index=np.zeros((s,), np.int32),
-                         history=self.history[rows_slot], prompt_lens=prompt_lens,
-                         sample_pos=ctx.copy(), want_logprobs=np.bool_(want))
-        return self._run_step(inp, params, row_seeds, generated, s)
+        sampled = self.run(self._call(lay, want))
+        sampling = [(item, lay.row_index[k]) for k, item in enumerate(items) if item.is_last_chunk]
+        return Pending([i for i, _ in sampling], [r for _, r in sampling], sampled, want)
 
-    def _decode_pages(self, rows_slot: np.ndarray, ctx: np.ndarray, n: int) -> dict:
-        """The page table cut to a bucket, or (XLA path) the flat list of blocks in use."""
-        counts = -(-ctx[:n] // self.block_size)  # [n] blocks per row
-        if not self.ragged:
-            nb = buckets.pick(self.decode_buckets, int(counts.max()))
-            return {"page_table": self.page_table[rows_slot, :nb]}
-        size = buckets.pick(buckets.ragged_block_buckets(len(rows_slot), self.max_blocks),
-                            int(counts.sum()))
-        ragged = np.zeros((3, size), np.int32)  # [3, P]; padding: block 0 of row 0, masked
-        ragged[2] = np.iinfo(np.int32).max // 2
-        rows = np.repeat(np.arange(n), counts)
-        first = np.concatenate([np.arange(c) for c in counts])  # block index within its row
-        ragged[0, :rows.size] = self.page_table[rows_slot[rows], first]
-        ragged[1, :rows.size] = rows
-        ragged[2, :rows.size] = first * self.block_size
-        return {"page_table": np.zeros((len(rows_slot), 1), np.int32), "ragged": ragged}
+    def execute(self, out: SchedulerOutput, seeds: dict[str, int]) -> dict[str, SampleResult]:
+        """launch + collect: runs the scheduled work and waits for its sampled tokens."""
+        return self.collect(self.launch(out, seeds))
 
-    def _collect(self, items, rows, sampled) -> dict[str, SampleResult]:
+    def _call(self, lay: step_layout.Layout, want_logprobs: bool) -> StepCall:
+        r = lay.context_lens.shape[0]
+        table = lay.page_table if lay.page_table is not None else np.zeros((r, 1), np.int32)
+        meta = PagedMeta(positions=lay.positions[None], slots=lay.write_slots[None],
+                         query_start=lay.query_start, context_lens=lay.context_lens,
+                         page_table=table, pairs=lay.pairs, num_pairs=lay.num_pairs,
+                         multi=lay.multi if self.ragged else None,
+                         chunk_pages=lay.chunk_pages)
+        return StepCall(StepInputs(tokens=lay.tokens[None], feed=lay.feed,
+                                   token_slot=lay.token_slot, meta=meta,
+                                   logits_index=lay.logits_index, row_slot=lay.row_slot,
+                                   samples=lay.samples, want_logprobs=np.bool_(want_logprobs)))
+
+    def collect(self, pending: Pending) -> dict[str, SampleResult]:
+        """Waits for a launched step's ids; returns the sampled token of every item that samples."""
+        if not pending.items:
+            return {}
+        sampled = pending.sampled
         tokens, logprob = np.asarray(sampled.tokens), np.asarray(sampled.logprob)
-        want = any(i.seq.sampling_params.logprobs is not None for i in items)
-        top_ids = np.asarray(sampled.top_ids) if want else None
-        top_lps = np.asarray(sampled.top_logprobs) if want else None
+        top_ids = np.asarray(sampled.top_ids) if pending.want_logprobs else None
+        top_lps = np.asarray(sampled.top_logprobs) if pending.want_logprobs else None
         results = {}
-        for item, row in zip(items, rows):
+        for item, row in zip(pending.items, pending.rows):
             k = item.seq.sampling_params.logprobs
             top = None
             if k is not None:
@@ -371,8 +361,7 @@ def _checked(attention, config, block_size: int) -> AttentionBackend:
     return attention
 
 
-def step_modules(model: Model, attention: AttentionBackend, linear=None) -> dict:
-    """The model with the backend's entry point for each step kind ("decode", "prefill")."""
+def step_module(model: Model, attention: AttentionBackend, linear=None):
+    """The model with the backend's attention (and linear) entry points."""
     kw = {"linear": linear} if linear else {}
-    return {"decode": model.module(attention=attention.decode, **kw),
-            "prefill": model.module(attention=attention.prefill, **kw)}
+    return model.module(attention=attention.attend, **kw)

@@ -291,14 +291,15 @@ class TensorParallel:
                 x.shape, s, lambda idx, x=np.asarray(x): x[idx]), tree, shardings)
 
     def step_jit_kwargs(self, param_shardings) -> dict:
-        """jit shardings of the runner's step(params, cache, inputs, sampling) -> (cache, out).
+        """jit shardings of the runner's step(params, cache, state, inputs) -> (cache, state,
+        out).
 
-        Inputs and outputs other than params and cache are replicated; the cache keeps its
-        sharding across the donation.
+        The slot state, inputs and outputs are replicated; the cache keeps its sharding across
+        the donation.
         """
         rep = self.replicated
         return dict(in_shardings=(param_shardings, self.cache_shardings, rep, rep),
-                    out_shardings=(self.cache_shardings, rep))
+                    out_shardings=(self.cache_shardings, rep, rep))
 
     def new_cache(self, shape: tuple[int, ...], dtype) -> KVCache:
         """Zeros allocated shard by shard: no device ever holds the whole cache."""
@@ -312,8 +313,7 @@ class TensorParallel:
         """The backend as it runs on this mesh, as it declares: per shard, or annotated."""
         backend = backend.for_tensor_parallel()
         wrap = self._per_shard if backend.per_shard else self._annotated
-        return WrappedAttention(inner=backend, decode_fn=wrap(backend.decode),
-                                prefill_fn=wrap(backend.prefill))
+        return WrappedAttention(inner=backend, attend_fn=wrap(backend.attend))
 
     def _per_shard(self, fn):
         # A pallas_call is opaque to the SPMD partitioner: run it on each device's heads.
