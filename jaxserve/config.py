@@ -91,6 +91,9 @@ class EngineConfig:
     seed: int = dataclasses.field(default=0, metadata=_help(
         "engine seed: a request without a seed of its own draws one from it (bench: also the "
         "workload's seed)"))
+    async_scheduling: bool = dataclasses.field(default=True, metadata=_help(
+        "schedule and prepare each step while the previous one runs on the device (outputs "
+        "are the same; off: the synchronous loop, for debugging)"))
     # Each command decides: a one-shot `generate` compiles only the shapes it meets; `serve`
     # compiles every bucket first.
     warmup: bool = dataclasses.field(default=True, metadata=_help(

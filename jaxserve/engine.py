@@ -27,7 +27,7 @@ from jaxserve.core.outputs import RequestOutput
 from jaxserve.tools.profiling import Profiler
 from jaxserve.quantization.paths import activation_bits, prepare_model
 from jaxserve.core.request_state import RequestState
-from jaxserve.runtime.runner import ModelRunner
+from jaxserve.runtime.runner import ModelRunner, Pending
 from jaxserve.core.sampling_params import SamplingParams, check_servable
 from jaxserve.core.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from jaxserve.core.sequence import Sequence, SequenceStatus
@@ -47,6 +47,17 @@ def _kv_budget(config: EngineConfig, model: Model) -> int:
         free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
         return int(free * config.gpu_memory_utilization)
     return CPU_KV_CACHE_BYTES
+
+
+@dataclasses.dataclass
+class _InFlight:
+    """A launched step: what was scheduled, the runner's handle, and its host-side costs."""
+
+    out: SchedulerOutput
+    pending: Pending
+    schedule_s: float
+    launch_s: float = 0.0
+    h2d_bytes: int = 0
 
 
 class LLMEngine:
@@ -101,6 +112,7 @@ class LLMEngine:
         self.last_step: StepStats | None = None
         self.step_totals = StepTotals()
         self.kv_tracker = kv_accounting.MemoryTracker()
+        self._inflight: _InFlight | None = None  # the step launched and not yet finished
         if config.warmup:
             self.warmup_seconds = self.runner.warmup()
             log.info("warm-up: %d programs compiled in %.1fs", self.runner.num_compiled,
@@ -180,7 +192,7 @@ class LLMEngine:
         return sid
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._inflight is not None
 
     def next_request_id(self) -> str:
         self._counter += 1
@@ -189,30 +201,82 @@ class LLMEngine:
     # ---- one step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedules, runs the model once, and returns outputs of requests that progressed.
+        """Schedules and launches one model step; returns outputs of requests that progressed.
 
-        A request that fails while its rows are prepared is finished with an error (its output
-        has finish_reason "error"); the others run on.
+        With `async_scheduling` (the default) the step launched here runs on the device while
+        the host returns the previous step's outputs and, on the next call, schedules the step
+        after it: a decoding sequence's next input is taken from the device, and the host
+        learns each id one call later, checking stops then (a sequence that stopped runs one
+        extra token, which is dropped). Outputs are token-for-token those of the synchronous
+        loop. A request that fails while its rows are prepared is finished with an error (its
+        output has finish_reason "error"); the others run on.
         """
         with jax.profiler.StepTraceAnnotation("engine_step", step_num=self.step_totals.num_steps):
             t0 = time.perf_counter()
+            prev, self._inflight = self._inflight, None
+            outputs, wait = [], 0.0
+            if prev is not None and not self._can_commit(prev.out):
+                # Forks and beams decide on the ids: finish the previous step first.
+                outputs, wait = self._finish(prev, committed=False)
+                prev = None
             with jax.profiler.TraceAnnotation("schedule"):
+                if prev is not None:
+                    self.scheduler.commit(prev.out)
                 out = self.scheduler.schedule()
                 for sid in out.preempted:  # also when nothing runs this step
                     self.runner.release(sid)
-            if out.is_empty:
-                return []
             t1 = time.perf_counter()
-            with jax.profiler.TraceAnnotation("execute"):
-                seeds, failed = self._prepare_rows(out)
-                out, errors = self._drop_failed(out, failed)
-                sampled = self.runner.execute(out, seeds)
-            t2 = time.perf_counter()
-            with jax.profiler.TraceAnnotation("postprocess"):
-                outputs = errors + self._postprocess(out, sampled)
-            self._record_step(out, len(sampled), t1 - t0, t2 - t1, time.perf_counter() - t2)
+            launched = None
+            if not out.is_empty:
+                with jax.profiler.TraceAnnotation("launch"):
+                    bytes0 = self.runner.h2d_bytes
+                    seeds, failed = self._prepare_rows(out)
+                    out, errors = self._drop_failed(out, failed)
+                    outputs += errors
+                    if not out.is_empty:
+                        launched = _InFlight(out, self.runner.launch(out, seeds),
+                                             schedule_s=t1 - t0)
+                        launched.h2d_bytes = self.runner.h2d_bytes - bytes0
+                        launched.launch_s = time.perf_counter() - t1
+            if prev is not None:
+                done, wait_prev = self._finish(prev, committed=True)
+                outputs += done
+                wait += wait_prev
+            if launched is not None:
+                if self.config.async_scheduling:
+                    self._inflight = launched
+                else:
+                    done, wait_now = self._finish(launched, committed=False)
+                    outputs += done
+                    wait += wait_now
         self.profiler.on_step()
         return outputs
+
+    def _can_commit(self, out: SchedulerOutput) -> bool:
+        """Whether the next step may be scheduled before `out`'s ids are known: not when a
+        request of it forks branches or searches beams on them."""
+        for item in out.scheduled:
+            state = self._owner.get(item.request_id)
+            if state is not None and (not isinstance(state, RequestState)
+                                      or state.num_pending_forks):
+                return False
+        return True
+
+    def _finish(self, step: _InFlight, committed: bool) -> tuple[list[RequestOutput], float]:
+        """Waits for a launched step's ids and applies them; returns (outputs, seconds waited)."""
+        t0 = time.perf_counter()
+        with jax.profiler.TraceAnnotation("wait"):
+            sampled = self.runner.collect(step.pending)
+        t1 = time.perf_counter()
+        with jax.profiler.TraceAnnotation("postprocess"):
+            if committed:
+                self.scheduler.retract(step.out)
+            # Requests aborted (or stopped by an earlier step) since the launch: dropped.
+            sampled = {sid: r for sid, r in sampled.items() if sid in self._owner}
+            outputs = self._postprocess(step.out, sampled, committed)
+        t2 = time.perf_counter()
+        self._record_step(step, len(sampled), wait_s=t1 - t0, postprocess_s=t2 - t1)
+        return outputs, t1 - t0
 
     def _prepare_rows(self, out: SchedulerOutput) -> tuple[dict[str, int], dict[str, str]]:
         """Per-row host work done before any device call, so that a failure names its request.
@@ -252,7 +316,7 @@ class LLMEngine:
             errors.append(state.output())
         return out, errors
 
-    def _postprocess(self, out: SchedulerOutput, sampled) -> list[RequestOutput]:
+    def _postprocess(self, out: SchedulerOutput, sampled, committed: bool) -> list[RequestOutput]:
         items = {i.request_id: i for i in out.scheduled}
         step, progressed = Decision(), {}
         for sid, result in sampled.items():
@@ -260,7 +324,7 @@ class LLMEngine:
             progressed[state.request_id] = state
             step.merge(state.on_sampled(items[sid], result, self._id_source(state.request_id)))
         left = self._apply(step)  # n > 1: forks off a prompt that just ran, before update
-        done = self.scheduler.update(out, step.tokens, step.finished, step.hold)
+        done = self.scheduler.update(out, step.tokens, step.finished, step.hold, committed)
         ended: dict[str, list[Sequence]] = {}
         for seq in done:
             ended.setdefault(self._owner[seq.request_id].request_id, []).append(seq)
@@ -290,17 +354,18 @@ class LLMEngine:
             self.scheduler.finish(seq, status)
         return [seq for seq, _ in decision.free]
 
-    def _record_step(self, out, num_sampled: int, schedule_s: float, device_s: float,
+    def _record_step(self, step: _InFlight, num_sampled: int, wait_s: float,
                      postprocess_s: float) -> None:
-        bm = self.scheduler.block_manager
+        bm, out = self.scheduler.block_manager, step.out
         self.last_step = StepStats(
             step=self.step_totals.num_steps, num_seqs=len(out.scheduled),
             num_prefill_seqs=len(out.prefills), num_decode_seqs=len(out.decodes),
             num_prefill_tokens=sum(i.num_new_tokens for i in out.prefills),
             num_decode_tokens=sum(i.num_new_tokens for i in out.decodes),
             num_sampled=num_sampled, num_preempted=len(out.preempted),
-            kv_blocks_used=bm.num_used_blocks, schedule_s=schedule_s, device_s=device_s,
-            postprocess_s=postprocess_s)
+            kv_blocks_used=bm.num_used_blocks, schedule_s=step.schedule_s,
+            device_s=step.launch_s + wait_s, postprocess_s=postprocess_s, wait_s=wait_s,
+            h2d_bytes=step.h2d_bytes)
         self.step_totals.record(self.last_step)
         self.kv_tracker.observe(self.memory())
 

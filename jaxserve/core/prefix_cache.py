@@ -32,10 +32,11 @@ def hash_block(parent: bytes, token_ids, extra: bytes = b"") -> bytes:
 def block_hashes(seq: Sequence, block_size: int) -> list[bytes]:
     """Hashes of `seq`'s full blocks (prompt + output), extended incrementally and kept on it.
 
-    Tokens are only ever appended, so earlier hashes stay valid (also across preemption).
+    Tokens are only ever appended, so earlier hashes stay valid (also across preemption). A
+    block holding a PLACEHOLDER (an id still on the device) is not hashed yet.
     """
     hashes = seq.block_hashes
-    full = seq.num_tokens // block_size
+    full = seq.num_known_tokens // block_size
     if len(hashes) < full:
         extra = seq.cache_salt.encode("utf-8") if seq.cache_salt else b""
         tokens = seq.token_ids_slice(len(hashes) * block_size, full * block_size)

@@ -23,6 +23,12 @@ A sequence with nothing uncomputed (a beam waiting for its group, see `update`'s
 `update()` applies the step's results: advances `num_computed_tokens`, appends
 sampled tokens, and frees finished sequences (whose slots the next
 `schedule()` refills).
+
+Asynchronous scheduling splits that in two, so the next step can be scheduled
+while this one runs: `commit()` applies a launched step's work before its ids
+are known (computed tokens advanced, a PLACEHOLDER appended for each token it
+samples), and, once the ids arrive, `retract()` takes the placeholders off again
+and `update(..., committed=True)` appends the real ids without advancing twice.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from collections import deque
 from collections.abc import Iterator, Mapping
 
 from jaxserve.core.block_manager import BlockManager, blocks_for_tokens
-from jaxserve.core.sequence import Sequence, SequenceStatus
+from jaxserve.core.sequence import PLACEHOLDER, Sequence, SequenceStatus
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -277,7 +283,10 @@ class Scheduler:
         i = 0
         while i < len(self.running):
             seq = self.running[i]
-            n = self._chunk_size(seq.num_uncomputed_tokens, budget)
+            # A committed step's placeholder that is its max_tokens-th output: it will finish
+            # when the id arrives, so it is not decoded again.
+            done = seq.num_output_tokens >= seq.max_tokens
+            n = 0 if done else self._chunk_size(seq.num_uncomputed_tokens, budget)
             if n == 0:
                 i += 1
                 continue
@@ -351,12 +360,38 @@ class Scheduler:
 
     # ---- post-step ------------------------------------------------------
 
+    def commit(self, output: SchedulerOutput) -> None:
+        """A launched step's work, applied before its sampled ids are known.
+
+        Its sequences advance as if `update` had run, each sampling one a PLACEHOLDER token,
+        so `schedule()` can plan the next step (a decode of the placeholder, whose id the
+        device supplies). Call `retract` and then `update(..., committed=True)` once the ids
+        arrive.
+        """
+        for item in output.scheduled:
+            seq = item.seq
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.register_computed(seq)
+            if item.is_last_chunk:
+                seq.append_token(PLACEHOLDER)
+
+    def retract(self, output: SchedulerOutput) -> None:
+        """Takes a committed step's placeholders off its live sequences (before update)."""
+        for item in output.scheduled:
+            seq = item.seq
+            if item.is_last_chunk and not seq.is_finished and seq.output_token_ids and \
+                    seq.output_token_ids[-1] == PLACEHOLDER:
+                seq.output_token_ids.pop()
+
     def update(
         self,
         output: SchedulerOutput,
         sampled: Mapping[str, int],
         finished: Mapping[str, SequenceStatus] | None = None,
         hold: frozenset[str] | set[str] = frozenset(),
+        committed: bool = False,
     ) -> list[Sequence]:
         """Apply a step's results; returns the sequences that finished.
 
@@ -366,15 +401,22 @@ class Scheduler:
         Items aborted since `schedule()` are skipped. Sequences in `hold` (beams)
         get no token: they stay running with nothing to compute, unscheduled,
         until the caller appends one (or forks or finishes them).
+        committed: the step went through `commit` and `retract` (asynchronous
+        scheduling); its sequences are not advanced again, and one preempted
+        since still gets its token.
         """
         finished = finished or {}
         done = []
         for item in output.scheduled:
             seq = item.seq
-            if seq.status is not SequenceStatus.RUNNING:
+            if committed:
+                if seq.is_finished:
+                    continue
+            elif seq.status is not SequenceStatus.RUNNING:
                 continue
-            seq.num_computed_tokens += item.num_new_tokens
-            self.block_manager.register_computed(seq)
+            else:
+                seq.num_computed_tokens += item.num_new_tokens
+                self.block_manager.register_computed(seq)
             if seq.request_id in hold:
                 continue
             if not item.is_last_chunk:

@@ -13,6 +13,9 @@ Token accounting (the contract the scheduler, block manager and runner share):
 * A sequence is in *prefill* while more than one token is uncomputed. In
   *decode* exactly one token is uncomputed: the last sampled one, whose KV is
   written in the same step that samples the next token.
+* With asynchronous scheduling the last token may be `PLACEHOLDER`: sampled by a
+  step still running on the device, whose id the host learns one step later
+  (the next step takes it from the device; see Scheduler.commit).
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable
 from typing import Any
+
+
+PLACEHOLDER = -1  # a sampled token id the host does not know yet
 
 
 class SequenceStatus(enum.Enum):
@@ -105,6 +111,12 @@ class Sequence:
         return self.prompt_token_ids + self.output_token_ids
 
     @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose ids the host knows: all but a trailing PLACEHOLDER."""
+        out = self.output_token_ids
+        return self.num_tokens - (1 if out and out[-1] == PLACEHOLDER else 0)
+
+    @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
 
@@ -121,6 +133,8 @@ class Sequence:
         n_prompt = len(self.prompt_token_ids)
         if stop <= n_prompt:
             return self.prompt_token_ids[start:stop]
+        if start >= n_prompt:  # a decode: no copy of the whole sequence
+            return self.output_token_ids[start - n_prompt:stop - n_prompt]
         return self.all_token_ids[start:stop]
 
     def append_token(self, token_id: int) -> None:

@@ -20,10 +20,10 @@ import dataclasses
 
 import numpy as np
 
+from jaxserve.core.sequence import PLACEHOLDER
 from jaxserve.runtime import buckets
 
 QUERY_CHUNK = 16
-PLACEHOLDER = -1  # a token id not known on the host yet: the step takes it from the device
 _FAR = np.iinfo(np.int32).max // 2  # a padding pair's first position: never visible
 
 

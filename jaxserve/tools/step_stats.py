@@ -5,9 +5,12 @@ Python, so /metrics can turn them into Prometheus histograms at scrape time).
 
 Time split of one `LLMEngine.step()`:
 - schedule: the scheduler building the batch (block allocation, preemption);
-- device: the runner turning the batch into arrays, running the jitted step(s) and fetching the
-  sampled ids (on the CPU this is compute; on a GPU mostly waiting for the device);
+- device: the runner turning the batch into arrays and launching the step, plus `wait`;
+- wait (part of device): blocked on the device for sampled ids. With asynchronous scheduling
+  that is the previous step's ids, fetched after this step was launched, so the host work of
+  this step overlapped the device work of the previous one;
 - postprocess: detokenizing, stop checks, scheduler update, building outputs.
+h2d_bytes: host-to-device bytes of the step's calls (inputs, slot-state deltas, block copies).
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ class StepStats:
     schedule_s: float
     device_s: float
     postprocess_s: float
+    wait_s: float = 0.0
+    h2d_bytes: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -76,7 +81,7 @@ class StepTotals:
     """Running sums over every step since the engine started."""
 
     SUMMED = ("num_prefill_tokens", "num_decode_tokens", "num_sampled", "num_preempted",
-              "schedule_s", "device_s", "postprocess_s")
+              "schedule_s", "device_s", "postprocess_s", "wait_s", "h2d_bytes")
 
     def __init__(self):
         self.num_steps = 0
