@@ -17,8 +17,10 @@ zeros. A program visits only the pages its last query can see (causal bound), op
 into page ranges whose partial (out, max, sum) a jnp combine merges, so a few long rows still fill
 the GPU.
 
-GPU (Triton) support: as the decode kernel: head_dim 64 or 128 (powers of 2), block sizes 8..256
-(powers of 2), bf16 and f32 (f32 dots at IEEE precision, not TF32).
+GPU (Triton) support: head_dim 64 or 128 (powers of 2), bf16 and f32 (f32 dots at IEEE
+precision, not TF32), block sizes 8..128 (powers of 2) and 256 in bf16: at 256 slots the f32
+pages overflow an H200's 227 KiB of shared memory (seen in deviceless sm_90a compiles, as is
+that the default tiles of every other combination fit).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from jax.experimental.pallas import triton as plgpu
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 _MIN_DOT_ROWS = 16       # tile rows: Triton's tensor-core dot wants M >= 16
 _PREFILL_DOT_ROWS = 64   # tile rows when the step is mostly prefill: fewer re-reads of the pages
+_MAX_PREFILL_TILE_BLOCK = 64  # largest block size that takes the taller prefill tile
 _TARGET_PROGRAMS = 264   # 2 x 132 SMs (H200)
 
 
@@ -157,11 +160,14 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def _default_queries_per_tile(num_tokens: int, num_rows: int, gp: int) -> int:
+def _default_queries_per_tile(num_tokens: int, num_rows: int, gp: int,
+                              block_size: int) -> int:
     # Decode-shaped steps (about one token per row) take the smallest tile; steps with more
     # tokens than that are mostly prefill, where a taller tile reads each page fewer times.
-    rows = _MIN_DOT_ROWS if num_tokens <= 2 * num_rows else _PREFILL_DOT_ROWS
-    return max(1, rows // gp)
+    # Pages of 128+ slots keep the small tile: a tall one overflows an H200's shared memory
+    # in f32.
+    prefill = num_tokens > 2 * num_rows and block_size <= _MAX_PREFILL_TILE_BLOCK
+    return max(1, (_PREFILL_DOT_ROWS if prefill else _MIN_DOT_ROWS) // gp)
 
 
 def _default_pages_per_split(num_tiles: int, num_kv_heads: int, num_pages: int) -> int:
@@ -172,8 +178,8 @@ def _default_pages_per_split(num_tiles: int, num_kv_heads: int, num_pages: int) 
 
 
 def _token_rows(query_start, num_tokens: int):
-    """Each flat token's row `[T]` and whether it belongs to one `[T]` (tokens before query_start[0] and from
-    query_start[R] on do not)."""
+    """Each flat token's row `[T]` and whether it belongs to one `[T]` (tokens before
+    query_start[0] and from query_start[R] on do not)."""
     tokens = jnp.arange(num_tokens, dtype=jnp.int32)  # [T]
     num_rows = query_start.shape[0] - 1
     # compare_all: one [T, R] fusion; the default (scan) is an XLA while loop, which on a GPU
@@ -215,7 +221,8 @@ def ragged_paged_attention(q, k_cache, v_cache, layer, page_table, query_start, 
         query sits at position `context_lens[r] - q_len_r + i` and sees keys at positions up to
         its own.
       queries_per_tile: Bq, a power of 2 with Bq * Gp >= 16 on GPU (any in interpret mode);
-        None picks 16 / Gp tile rows for decode-shaped steps (T <= 2R) and 64 / Gp otherwise.
+        None picks 16 / Gp tile rows for decode-shaped steps (T <= 2R) and 64 / Gp otherwise
+        (16 / Gp for block sizes over 64).
       pages_per_split: pages each program handles; None picks enough splits to give an H200
         about 264 programs (none when the tiles alone give that many).
       sm_scale: logit scale, default `1 / sqrt(Dh)`.
@@ -234,7 +241,7 @@ def ragged_paged_attention(q, k_cache, v_cache, layer, page_table, query_start, 
                          f"query_start {query_start.shape}, context_lens {context_lens.shape}")
     group = num_heads // num_kv_heads
     gp = _next_pow2(group)
-    bq = queries_per_tile or _default_queries_per_tile(num_tokens, num_rows, gp)
+    bq = queries_per_tile or _default_queries_per_tile(num_tokens, num_rows, gp, block_size)
     if bq & (bq - 1):
         raise ValueError(f"queries_per_tile must be a power of 2, got {queries_per_tile}")
     if not interpret and bq * gp < _MIN_DOT_ROWS:
