@@ -5,7 +5,8 @@ rest still runs; `--time-budget` skips what is left once exceeded):
 
   environment        python / jax / jaxlib / plugin versions, devices, device memory
   bandwidth          measured device copy and read bandwidth, dispatch floor, bf16 matmul rate
-  kernel_correctness paged attention and int4 matmul on the device vs their jnp references
+  kernel_correctness paged attention (decode and ragged) and int4 matmul on the device vs
+                     their jnp references
   kernel_timings     the same cases timed (warm, median) against the nominal 4.3 TB/s and the
                      measured bandwidth, side by side with the XLA paths the engine runs
                      (ragged decode attention, XLA int4 dequantize-matmul)
@@ -112,6 +113,8 @@ class Profile:
     new_tokens: int
     max_model_len: int
     block_size: int = 16
+    # Ragged steps (model, block_size, max_context, decode rows): one mixed step each.
+    ragged_cases: tuple = ()
 
 
 GPU_PROFILE = Profile(
@@ -122,7 +125,7 @@ GPU_PROFILE = Profile(
                      for m in (1, 64)),
     iters=20, reps=7, copy_bytes=2 << 30, matmul_n=8192, max_layers=32, max_copies=64,
     e2e_batches=(1, 64), e2e_variants=(None, "int4"), prompt_len=136, new_tokens=64,
-    max_model_len=256)
+    max_model_len=256, ragged_cases=(("llama3_8b", 16, 2048, 48),))
 
 # CPU: the same code paths through the Pallas interpreter, each at a fraction of a second of
 # work. Cases cover both head layouts, both block sizes, the split (batch 1) and batched paths;
@@ -133,7 +136,7 @@ DRY_PROFILE = Profile(
     int4_cases=(("smollm2", 128, 256, 1), ("llama3_8b", 256, 128, 4)),
     iters=2, reps=2, copy_bytes=8 << 20, matmul_n=256, max_layers=2, max_copies=2,
     e2e_batches=(2,), e2e_variants=(None, "int4"), prompt_len=20, new_tokens=6,
-    max_model_len=64)
+    max_model_len=64, ragged_cases=(("smollm2", 16, 64, 4),))
 
 
 
@@ -297,6 +300,33 @@ def attention_case(ctx: Ctx, model: str, block: int, batch: int) -> dict:
     return case
 
 
+def ragged_step_case(ctx: Ctx, model: str, block: int, max_ctx: int, decode: int) -> dict:
+    """One mixed engine step on the kernel tests' NaN-filled ragged case, bf16: `decode` rows of
+    1 query (lengths as context_lengths), 4 speculative rows of 4, a later prefill chunk of
+    max_ctx / 8 at context max_ctx / 2, a first chunk of max_ctx / 16, a padding row and a
+    padded tail; layers cycled to exceed 2x L2 as attention_case does."""
+    from kernel_cases import ragged_case
+    key = ("ragged", model, block, max_ctx, decode)
+    if key in ctx.cases:
+        return ctx.cases[key]
+    kh, g, dh = ATTN_HEADS[model]
+    rows = [(1, n) for n in context_lengths(decode, max_ctx, block, seed=decode)]
+    rows += [(4, max_ctx // 4 + i) for i in range(4)]
+    rows += [(max_ctx // 8, max_ctx // 2), (max_ctx // 16, max_ctx // 16), (0, 0)]
+    pages = [-(-c // block) for _, c in rows]
+    per_layer = sum(pages) * block * kh * dh * 2 * 2  # K + V pages, each read once, bf16
+    layers = int(min(ctx.prof.max_layers, max(2, math.ceil(2 * L2_BYTES / per_layer))))
+    q, k, v, table, qs, lens = ragged_case(
+        zlib.crc32(repr(key).encode()), dtype="bfloat16", block_size=block, num_kv_heads=kh,
+        group=g, head_dim=dh, rows=rows, num_pages=max(pages), tail=5, num_layers=layers)
+    case = {"args": (q, k, v, table, qs, lens), "layers": layers, "bytes_per_call": per_layer,
+            "desc": {"model": model, "kv_heads": kh, "group": g, "head_dim": dh,
+                     "block_size": block, "rows": len(rows), "tokens": int(q.shape[0]),
+                     "max_len": max_ctx, "pages": max(pages), "cache_shape": list(k.shape)}}
+    ctx.cases[key] = case
+    return case
+
+
 def int4_weights(ctx: Ctx, k: int, n: int) -> dict:
     """The kernel tests' random codes with per-group scales and offsets (asymmetric, the
     engine's RTN format), in as many copies as make > 2x L2, plus bf16 dense copies for the
@@ -342,6 +372,26 @@ def check_attention(ctx: Ctx, model: str, block: int, batch: int) -> dict:
     args = (c["q"], c["k"], c["v"], layer, c["page_table"], c["context_lens"])
     out = np.asarray(paged_attention(*args, interpret=ctx.prof.interpret), np.float32)
     ref = np.asarray(paged_attention_reference(*args), np.float32)
+    tol = ATTENTION_TOLERANCE["bfloat16"]
+    err = np.abs(out - ref)
+    finite = bool(np.isfinite(out).all())
+    ok = finite and bool(np.all(err <= tol["atol"] + tol["rtol"] * np.abs(ref)))
+    return {**c["desc"], "dtype": "bfloat16", "finite": finite,
+            "max_abs_err": float(np.nanmax(err)) if finite else float("nan"),
+            "max_rel_err": float(np.nanmax(err / np.maximum(np.abs(ref), tol["atol"]))),
+            "max_abs_ref": float(np.max(np.abs(ref))), "tolerance": tol, "within_tol": ok}
+
+
+def check_ragged(ctx: Ctx, model: str, block: int, max_ctx: int, decode: int) -> dict:
+    import jax.numpy as jnp
+    import numpy as np
+    from pallas_kernels.ragged_paged_attention import (ragged_paged_attention,
+                                                       ragged_paged_attention_reference)
+    c = ragged_step_case(ctx, model, block, max_ctx, decode)
+    q, k, v, table, qs, lens = c["args"]
+    args = (q, k, v, jnp.int32(c["layers"] - 1), table, qs, lens)
+    out = np.asarray(ragged_paged_attention(*args, interpret=ctx.prof.interpret), np.float32)
+    ref = np.asarray(ragged_paged_attention_reference(*args), np.float32)
     tol = ATTENTION_TOLERANCE["bfloat16"]
     err = np.abs(out - ref)
     finite = bool(np.isfinite(out).all())
@@ -401,15 +451,16 @@ def summarise_row(row: dict) -> str:
 def section_kernel_correctness(ctx: Ctx) -> dict:
     attn, s1 = run_cases(ctx, ctx.prof.attn_cases, check_attention, "attention")
     int4, s2 = run_cases(ctx, ctx.prof.int4_cases, check_int4, "int4")
-    rows = attn + int4
+    ragged, s3 = run_cases(ctx, ctx.prof.ragged_cases, check_ragged, "ragged attention")
+    rows = attn + int4 + ragged
     bad = [r for r in rows if "error" in r or not r.get("within_tol")]
-    res = {"paged_attention": attn, "int4_matmul": int4, "num_cases": len(rows),
-           "num_bad": len(bad)}
-    if s1 or s2:
-        res["skipped_cases"] = s1 + s2
+    res = {"paged_attention": attn, "int4_matmul": int4, "ragged_attention": ragged,
+           "num_cases": len(rows), "num_bad": len(bad)}
+    if s1 or s2 or s3:
+        res["skipped_cases"] = s1 + s2 + s3
     if bad:
         res["_status"] = "failed"
-    elif s1 or s2:
+    elif s1 or s2 or s3:
         res["_status"], res["_reason"] = "partial", "time budget exceeded"
     return res
 
@@ -496,6 +547,31 @@ def time_attention(ctx: Ctx, model: str, block: int, batch: int) -> dict:
     return row
 
 
+def time_ragged(ctx: Ctx, model: str, block: int, max_ctx: int, decode: int) -> dict:
+    """The kernel against the jitted f32 reference (the engine's XLA ragged path is not
+    wired to these inputs here); bytes = each visible page read once."""
+    import jax
+    import jax.numpy as jnp
+    from pallas_kernels.ragged_paged_attention import (ragged_paged_attention,
+                                                       ragged_paged_attention_reference)
+    c = ragged_step_case(ctx, model, block, max_ctx, decode)
+    q, k, v, table, qs, lens = c["args"]
+    sets = [(q, k, v, jnp.int32(i), table, qs, lens) for i in range(c["layers"])]
+
+    def kernel(*a):
+        return ragged_paged_attention(*a, interpret=ctx.prof.interpret)
+
+    row = {**c["desc"], "bytes_per_call": c["bytes_per_call"], "layers_cycled": c["layers"]}
+    for name, fn in (("kernel", kernel), ("reference_f32",
+                                          jax.jit(ragged_paged_attention_reference))):
+        t = time_calls(fn, sets, ctx.prof.iters, ctx.prof.reps)
+        row[name] = {**rates(ctx, t["median_s"], c["bytes_per_call"]),
+                     "first_call_s": t["first_call_s"]}
+    row["kernel_over_reference_f32"] = row["kernel"]["median_s"] / \
+        row["reference_f32"]["median_s"]
+    return row
+
+
 def time_int4(ctx: Ctx, model: str, k: int, n: int, m: int) -> dict:
     import jax
     import jax.numpy as jnp
@@ -529,14 +605,16 @@ def section_kernel_timings(ctx: Ctx) -> dict:
     try:
         attn, s1 = run_cases(ctx, ctx.prof.attn_cases, time_attention, "attention timing")
         int4, s2 = run_cases(ctx, ctx.prof.int4_cases, time_int4, "int4 timing")
+        ragged, s3 = run_cases(ctx, ctx.prof.ragged_cases, time_ragged, "ragged timing")
     finally:
         ctx.cases.clear()
         gc.collect()
-    res = {"paged_attention": attn, "int4_matmul": int4,
+    s2 += s3
+    res = {"paged_attention": attn, "int4_matmul": int4, "ragged_attention": ragged,
            "method": f"median of {ctx.prof.reps} samples of {ctx.prof.iters} back-to-back "
                      "calls (inputs cycled to exceed L2), one block_until_ready per sample; "
                      "bytes = K+V pages read (attention), packed + scales + offsets (int4)"}
-    if any("error" in r for r in attn + int4):
+    if any("error" in r for r in attn + int4 + ragged):
         res["_status"] = "failed"
     elif s1 or s2:
         res.update(_status="partial", _reason="time budget exceeded", skipped_cases=s1 + s2)
@@ -802,7 +880,8 @@ def section_hf_peer(ctx: Ctx) -> dict:
 
 # ---- the kernel test suite, compiled -----------------------------------------------------------
 
-KERNEL_TESTS = ("tests/test_paged_attention.py", "tests/test_int4_matmul.py")
+KERNEL_TESTS = ("tests/test_paged_attention.py", "tests/test_ragged_paged_attention.py",
+                "tests/test_int4_matmul.py")
 
 
 def section_kernel_tests(ctx: Ctx) -> dict:
@@ -864,13 +943,15 @@ def md_bandwidth(r: dict) -> list[str]:
 
 def md_correctness(r: dict) -> list[str]:
     out = ["| kernel | case | max abs err | max rel err | ok |", "|---|---|---|---|---|"]
-    for kind in ("paged_attention", "int4_matmul"):
+    for kind in ("paged_attention", "int4_matmul", "ragged_attention"):
         for row in r.get(kind, []):
             if "error" in row:
                 out.append(f"| {kind} | {row['case']} | ERROR: {row['error'][:120]} | | no |")
                 continue
             case = (f"{row['model']} bs{row['block_size']} B{row['batch']} "
                     f"maxlen {row['max_len']}" if kind == "paged_attention" else
+                    f"{row['model']} bs{row['block_size']} R{row['rows']} T{row['tokens']} "
+                    f"maxlen {row['max_len']}" if kind == "ragged_attention" else
                     f"{row['model']} {row['K']}->{row['N']} M{row['M']} g{row['group_size']}")
             out.append(f"| {kind} | {case} | {fmt(row['max_abs_err'])} | "
                        f"{fmt(row['max_rel_err'])} | {'yes' if row['within_tol'] else 'NO'} |")
@@ -900,6 +981,17 @@ def md_timings(r: dict) -> list[str]:
                        f"{fmt(k.get('vs_measured_read_bw'), '.2f')} | "
                        f"{x['median_s'] * 1e6:.1f} | {row['kernel_over_xla_engine_path']:.2f} | "
                        f"{extra} |")
+    for row in r.get("ragged_attention", []):  # no XLA engine path: the f32 reference instead
+        if "error" in row:
+            out.append(f"| ragged_attention | {row['case']} | ERROR: {row['error'][:120]} ||||||||")
+            continue
+        k, x = row["kernel"], row["reference_f32"]
+        out.append(f"| ragged_attention | {row['model']} bs{row['block_size']} R{row['rows']} "
+                   f"T{row['tokens']} | {row['bytes_per_call'] / 1e6:.2f} | "
+                   f"{k['median_s'] * 1e6:.1f} | {k['bytes_per_s'] / 1e12:.3f} | "
+                   f"{k['vs_nominal_bw']:.2f} | {fmt(k.get('vs_measured_copy_bw'), '.2f')} | "
+                   f"{fmt(k.get('vs_measured_read_bw'), '.2f')} | | | f32 ref "
+                   f"{x['median_s'] * 1e6:.1f} us ({row['kernel_over_reference_f32']:.2f}x) |")
     return out
 
 

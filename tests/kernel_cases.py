@@ -83,6 +83,40 @@ def paged_case(seed: int, *, dtype, block_size: int, num_kv_heads: int, group: i
     return q.astype(dtype), k, v, jnp.asarray(table), jnp.asarray(lens, jnp.int32)
 
 
+
+def ragged_layout(rows: Sequence[tuple[int, int]], head: int = 0,
+                  tail: int = 0) -> tuple[np.ndarray, int]:
+    """query_start `[R + 1]` int32 for rows of (q_len, context_len) laid out back to back on a
+    flat token axis after `head` unowned tokens and before `tail` more; and T. (Rows are
+    contiguous: a row's queries end where the next row's begin, so between rows the only
+    "gaps" are padding rows of q_len 0.)"""
+    query_start = head + np.concatenate([[0], np.cumsum([q for q, _ in rows])]).astype(np.int32)
+    return query_start, int(query_start[-1]) + tail
+
+
+def ragged_case(seed: int, *, dtype, block_size: int, num_kv_heads: int, group: int,
+                head_dim: int, rows: Sequence[tuple[int, int]], num_pages: int,
+                head: int = 0, tail: int = 0, num_layers: int = 2,
+                live_layers: Sequence[int] | None = None):
+    """`paged_case`'s NaN-filled caches for rows of (q_len, context_len), and q on a flat axis.
+
+    Row r's queries are its last q_len positions (context_len >= q_len; q_len 0 is a padding
+    row). Returns q `[T, K * G, Dh]` (unowned tokens hold random values too), k and v
+    `[L, NB, BS, K, Dh]`, page table `[R, P]`, query_start `[R + 1]` and context lengths `[R]`.
+    """
+    import jax
+    import jax.numpy as jnp
+    if any(c < q for q, c in rows):
+        raise ValueError(f"a row's context is shorter than its queries: {rows}")
+    query_start, num_tokens = ragged_layout(rows, head, tail)
+    _, k, v, table, lens = paged_case(seed, dtype=dtype, block_size=block_size,
+                                      num_kv_heads=num_kv_heads, group=group, head_dim=head_dim,
+                                      lens=[c for _, c in rows], num_pages=num_pages,
+                                      num_layers=num_layers, live_layers=live_layers)
+    q = jax.random.normal(jax.random.key(seed + 1), (num_tokens, num_kv_heads * group, head_dim),
+                          jnp.float32)
+    return q.astype(dtype), k, v, table, jnp.asarray(query_start), lens
+
 # ---- int4 (W4A16) matmul -----------------------------------------------------------------------
 
 # Errors normalised by max|reference| ("scale"):

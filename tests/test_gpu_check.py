@@ -77,6 +77,23 @@ def test_kernels_within_tolerance(dry_run):
 
 
 @pytest.mark.subprocess
+def test_ragged_step_within_tolerance_and_timed(dry_run):
+    _, report, _ = dry_run
+    cases = report["profile"]["ragged_cases"]
+    rows = report["sections"]["kernel_correctness"]["result"]["ragged_attention"]
+    assert len(rows) == len(cases) >= 1
+    for row in rows:
+        tol = row["tolerance"]
+        assert row["finite"] and row["within_tol"], row
+        assert 0 <= row["max_abs_err"] <= tol["atol"] + tol["rtol"] * row["max_abs_ref"]
+    timed = report["sections"]["kernel_timings"]["result"]["ragged_attention"]
+    assert len(timed) == len(cases)
+    for row in timed:
+        for impl in ("kernel", "reference_f32"):
+            assert row[impl]["median_s"] > 0 and row[impl]["bytes_per_s"] > 0, row
+
+
+@pytest.mark.subprocess
 def test_timings_and_engine_runs_are_complete(dry_run):
     _, report, _ = dry_run
     timings = report["sections"]["kernel_timings"]["result"]

@@ -1,0 +1,305 @@
+"""Ragged paged-attention kernel (Pallas, Triton GPU backend) and its jax.numpy reference.
+
+One call serves a whole engine step: a flat token axis holding rows of any number of queries
+(decode rows of 1, speculative-decoding rows of 2..k, prefill chunks of many), each row attending
+causally over its own pages of the engine's KV cache `[L, NB, BS, K, Dh]` (all layers;
+block-major; block 0 is the null block). The cache layout and Triton conventions are those of
+`paged_attention.py` (the decode-only kernel): whole-array refs with in-kernel indices, so no
+per-layer slice of the cache is ever materialised.
+
+Grid (tile, kv_head, split). A tile is Bq consecutive queries of one row times the G query heads
+sharing one KV head, padded to Gp = next power of 2: M = Bq * Gp rows (>= 16, Triton's dot).
+Packing heads into the rows lets a decode row fill a tile with its G heads as the decode kernel
+does. Tiles are numbered as vLLM's unified attention numbers them: row r's tiles start at
+`query_start[r] // Bq + r`, so `T // Bq + R` tiles always suffice and each program finds its row
+by a binary search over `query_start`; tiles past their row's queries run no page loop and write
+zeros. A program visits only the pages its last query can see (causal bound), optionally split
+into page ranges whose partial (out, max, sum) a jnp combine merges, so a few long rows still fill
+the GPU.
+
+GPU (Triton) support: head_dim 64 or 128 (powers of 2), bf16 and f32 (f32 dots at IEEE
+precision, not TF32), block sizes 8..128 (powers of 2) and 256 in bf16: at 256 slots the f32
+pages overflow an H200's 227 KiB of shared memory (seen in deviceless sm_90a compiles, as is
+that the default tiles of every other combination fit).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+# Finite, so a fully masked row never computes inf - inf.
+_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+_MIN_DOT_ROWS = 16       # tile rows: Triton's tensor-core dot wants M >= 16
+_PREFILL_DOT_ROWS = 64   # tile rows when the step is mostly prefill: fewer re-reads of the pages
+_MAX_PREFILL_TILE_BLOCK = 64  # largest block size that takes the taller prefill tile
+_TARGET_PROGRAMS = 264   # 2 x 132 SMs (H200)
+
+
+def _dot(a, b, b_contract: int, precision):
+    # Explicit f32 accumulation; HIGHEST keeps f32 inputs at IEEE precision (DEFAULT is TF32).
+    return lax.dot_general(a, b, (((1,), (b_contract,)), ((), ())), precision=precision,
+                           preferred_element_type=jnp.float32)
+
+
+def _find_row(qs_ref, tile, *, num_rows: int, block_q: int):
+    """The last row r with `query_start[r] // Bq + r <= tile` (r = 0 if none), by bisection."""
+    lo, hi = jnp.int32(0), jnp.int32(num_rows)
+    for _ in range(max(1, num_rows).bit_length()):  # static: ceil(log2(R)) + 1 halvings
+        mid = (lo + hi) // 2  # < hi <= R: always a row
+        ok = qs_ref[mid] // block_q + mid <= tile
+        lo, hi = jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+    return lo
+
+
+def _ragged_kernel(layer_ref, qs_ref, lens_ref, pt_ref, q_ref, k_ref, v_ref,  # inputs
+                   o_ref, m_ref, l_ref,  # outputs: one split's partial result for one tile
+                   *, block_q: int, gp: int, pages_per_split: int, sm_scale: float):
+    # layer_ref [1], qs_ref [R + 1], lens_ref [R], pt_ref [R, P]: whole arrays (scalars).
+    # q_ref [K, (T + Bq) * Gp, Dh] whole (token-major, heads of a group inner, zero padded).
+    # k_ref/v_ref [L, NB, BS, K, Dh] whole caches; o_ref [M, Dh]; m_ref/l_ref [M].
+    t, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    block_size, head_dim = k_ref.shape[2], k_ref.shape[4]
+    rows = block_q * gp
+    r = _find_row(qs_ref, t, num_rows=lens_ref.shape[0], block_q=block_q)
+    row_start = qs_ref[r]
+    q_len = qs_ref[r + 1] - row_start
+    first = (t - (row_start // block_q + r)) * block_q  # this tile's first query within the row
+    live = (first >= 0) & (first < q_len)
+    length = lens_ref[r]
+    offset = length - q_len  # position of the row's query 0
+    # The tile's last query sees the most keys; pages past it (or past the table) are not read.
+    last_pos = offset + jnp.minimum(first + block_q, q_len) - 1
+    n_pages = jnp.minimum(pl.cdiv(jnp.maximum(last_pos + 1, 0), block_size), pt_ref.shape[1])
+    first_page = s * pages_per_split
+    n_pages = jnp.clip(n_pages - first_page, 0, pages_per_split)
+    n_pages = jnp.where(live, n_pages, 0)
+
+    start = jnp.where(live, row_start + first, 0) * gp
+    q = q_ref[h, pl.ds(start, rows), pl.ds(0, head_dim)]  # [M, Dh]
+    precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    # Tile row i holds query first + i // Gp; rows past the row's queries are discarded later.
+    q_pos = offset + first + lax.broadcasted_iota(jnp.int32, (rows, 1), 0) // gp  # [M, 1]
+    slot = lax.broadcasted_iota(jnp.int32, (1, block_size), 1)  # [1, BS]
+
+    def body(i, carry):
+        acc, m_prev, l_prev = carry  # [M, Dh], [M], [M] float32
+        page = first_page + i
+        block = pt_ref[r, page]
+        k = k_ref[layer_ref[0], block, pl.ds(0, block_size), h, pl.ds(0, head_dim)]  # [BS, Dh]
+        v = v_ref[layer_ref[0], block, pl.ds(0, block_size), h, pl.ds(0, head_dim)]
+        key_pos = page * block_size + slot  # [1, BS]
+        # Slots past the context hold anything, NaN included: p = 0 alone would not cancel
+        # 0 * NaN in p @ v, so zero them.
+        v = jnp.where((key_pos < length).reshape(block_size, 1), v, jnp.zeros_like(v))
+        # Causal within the row; a query's own position is < length, so this also hides the
+        # slots past the context (from all but the tile rows past the row's queries, which
+        # are discarded).
+        visible = key_pos <= q_pos  # [M, BS]
+        logits = _dot(q, k, 1, precision) * sm_scale  # [M, BS] f32
+        logits = jnp.where(visible, logits, _MASK_VALUE)
+        m_next = jnp.maximum(m_prev, logits.max(axis=-1))
+        correction = jnp.exp(m_prev - m_next)
+        # A row that sees nothing in a split gets garbage (p = 1) there, but its mass l meets
+        # exp(_MASK_VALUE - max) = 0 in the combine; every real query sees key 0.
+        p = jnp.exp(logits - m_next[:, None])
+        l_next = l_prev * correction + p.sum(axis=-1)
+        pv = _dot(p.astype(v.dtype), v, 0, precision)  # [M, Dh] f32
+        return acc * correction[:, None] + pv, m_next, l_next
+
+    init = (jnp.zeros((rows, head_dim), jnp.float32),
+            jnp.full((rows,), _MASK_VALUE, jnp.float32),
+            jnp.zeros((rows,), jnp.float32))
+    acc, m, l = lax.fori_loop(0, n_pages, body, init)
+    o_ref[...] = acc / jnp.where(l > 0, l, 1.0)[:, None]
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+def _ragged_call(layer, query_start, context_lens, page_table, qp, k_cache, v_cache, *,
+                 num_tiles: int, block_q: int, gp: int, pages_per_split: int, num_splits: int,
+                 sm_scale: float, interpret):
+    """Partial results per split and tile: out `[S, NT, K, M, Dh]` f32, max and sum
+    `[S, NT, K, M]` f32."""
+    num_kv_heads, _, head_dim = qp.shape
+    rows = block_q * gp
+    kernel = functools.partial(_ragged_kernel, block_q=block_q, gp=gp,
+                               pages_per_split=pages_per_split, sm_scale=sm_scale)
+
+    # Whole arrays: on Triton a ref is a pointer into global memory, nothing is copied; the
+    # kernel computes its own indices (see paged_attention.py).
+    def whole(x):
+        return pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
+
+    part = (num_splits, num_tiles, num_kv_heads, rows)
+    row = pl.BlockSpec((None, None, None, rows), lambda t, h, s: (s, t, h, 0))
+    return pl.pallas_call(
+        kernel,
+        grid=(num_tiles, num_kv_heads, num_splits),
+        in_specs=[whole(layer), whole(query_start), whole(context_lens), whole(page_table),
+                  whole(qp), whole(k_cache), whole(v_cache)],
+        out_specs=[pl.BlockSpec((None, None, None, rows, head_dim),
+                                lambda t, h, s: (s, t, h, 0, 0)), row, row],
+        out_shape=[jax.ShapeDtypeStruct(part + (head_dim,), jnp.float32),
+                   jax.ShapeDtypeStruct(part, jnp.float32),
+                   jax.ShapeDtypeStruct(part, jnp.float32)],
+        # Interpreters ignore Triton params, and the strict (TPU) interpreter rejects them.
+        compiler_params=None if interpret else plgpu.CompilerParams(num_warps=4, num_stages=2),
+        interpret=interpret,
+        name="ragged_paged_attention",
+    )(layer, query_start, context_lens, page_table, qp, k_cache, v_cache)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _default_queries_per_tile(num_tokens: int, num_rows: int, gp: int,
+                              block_size: int) -> int:
+    # Decode-shaped steps (about one token per row) take the smallest tile; steps with more
+    # tokens than that are mostly prefill, where a taller tile reads each page fewer times.
+    # Pages of 128+ slots keep the small tile: a tall one overflows an H200's shared memory
+    # in f32.
+    prefill = num_tokens > 2 * num_rows and block_size <= _MAX_PREFILL_TILE_BLOCK
+    return max(1, (_PREFILL_DOT_ROWS if prefill else _MIN_DOT_ROWS) // gp)
+
+
+def _default_pages_per_split(num_tiles: int, num_kv_heads: int, num_pages: int) -> int:
+    # About two programs per SM of an H200; a step with enough tiles needs no split (and
+    # skips the combine's extra traffic).
+    splits = min(num_pages, max(1, pl.cdiv(_TARGET_PROGRAMS, num_tiles * num_kv_heads)))
+    return pl.cdiv(num_pages, splits)
+
+
+def _token_rows(query_start, num_tokens: int):
+    """Each flat token's row `[T]` and whether it belongs to one `[T]` (tokens before
+    query_start[0] and from query_start[R] on do not)."""
+    tokens = jnp.arange(num_tokens, dtype=jnp.int32)  # [T]
+    num_rows = query_start.shape[0] - 1
+    # compare_all: one [T, R] fusion; the default (scan) is an XLA while loop, which on a GPU
+    # reads its predicate back to the host every iteration.
+    row = jnp.searchsorted(query_start[1:], tokens, side="right", method="compare_all")
+    row = row.astype(jnp.int32)
+    row = jnp.minimum(row, num_rows - 1)
+    owned = (query_start[row] <= tokens) & (tokens < query_start[row + 1])
+    return row, owned
+
+
+def _merge_splits(o, m, l):
+    """One output per tile `[NT, K, M, Dh]` f32 from S partial ones: each split's normalised
+    output weighted by its share of the softmax mass."""
+    if o.shape[0] == 1:
+        return o[0]
+    w = l * jnp.exp(m - m.max(axis=0))  # [S, NT, K, M]; empty splits have l = 0
+    total = w.sum(axis=0)
+    return (o * w[..., None]).sum(axis=0) / jnp.where(total > 0, total, 1.0)[..., None]
+
+
+@functools.partial(jax.jit, static_argnames=("queries_per_tile", "pages_per_split", "sm_scale",
+                                             "interpret"))
+def ragged_paged_attention(q, k_cache, v_cache, layer, page_table, query_start, context_lens, *,
+                           queries_per_tile: int | None = None,
+                           pages_per_split: int | None = None, sm_scale: float | None = None,
+                           interpret=False) -> jax.Array:
+    """Causal attention of ragged rows of queries over their pages of the KV cache.
+
+    Args:
+      q: `[T, H, Dh]` in the cache's dtype (bf16 or f32), a flat token axis; H = K * G.
+      k_cache, v_cache: `[L, NB, BS, K, Dh]` the caches of all layers (block 0 = null block).
+      layer: int32 scalar, may be traced (e.g. inside `lax.scan` over layers).
+      page_table: `[R, P]` int32 block ids; position i of row r is at
+        `(page_table[r, i // BS], i % BS)`. Entries past the context may hold anything.
+      query_start: `[R + 1]` int32, non-decreasing: row r's queries are the flat tokens
+        `[query_start[r], query_start[r + 1])`. Rows with no query are padding.
+      context_lens: `[R]` int32: row r's keys are positions `[0, context_lens[r])`; its i-th
+        query sits at position `context_lens[r] - q_len_r + i` and sees keys at positions up to
+        its own.
+      queries_per_tile: Bq, a power of 2 with Bq * Gp >= 16 on GPU (any in interpret mode);
+        None picks 16 / Gp tile rows for decode-shaped steps (T <= 2R) and 64 / Gp otherwise
+        (16 / Gp for block sizes over 64).
+      pages_per_split: pages each program handles; None picks enough splits to give an H200
+        about 264 programs (none when the tiles alone give that many).
+      sm_scale: logit scale, default `1 / sqrt(Dh)`.
+      interpret: False on GPU; True (or an interpreter's params object) to run on CPU.
+    Returns:
+      `[T, H, Dh]` in q.dtype; tokens that belong to no row are zeros.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    _, _, block_size, num_kv_heads, _ = k_cache.shape
+    num_rows, num_pages = page_table.shape
+    if num_heads % num_kv_heads or k_cache.shape != v_cache.shape or \
+            k_cache.shape[-1] != head_dim or query_start.shape != (num_rows + 1,) or \
+            context_lens.shape != (num_rows,):
+        raise ValueError(f"incompatible shapes q {q.shape}, k {k_cache.shape}, "
+                         f"v {v_cache.shape}, page_table {page_table.shape}, "
+                         f"query_start {query_start.shape}, context_lens {context_lens.shape}")
+    group = num_heads // num_kv_heads
+    gp = _next_pow2(group)
+    bq = queries_per_tile or _default_queries_per_tile(num_tokens, num_rows, gp, block_size)
+    if bq & (bq - 1):
+        raise ValueError(f"queries_per_tile must be a power of 2, got {queries_per_tile}")
+    if not interpret and bq * gp < _MIN_DOT_ROWS:
+        raise ValueError(f"queries_per_tile {bq} x {gp} padded heads is under the "
+                         f"{_MIN_DOT_ROWS} rows Triton's dot needs: use at least "
+                         f"{_MIN_DOT_ROWS // gp}")
+    num_tiles = num_tokens // bq + num_rows
+    pps = pages_per_split or _default_pages_per_split(num_tiles, num_kv_heads, num_pages)
+    num_splits = pl.cdiv(num_pages, pps)
+    query_start = query_start.astype(jnp.int32)
+    # [K, (T + Bq) * Gp, Dh]: a tile starting at any token reads Bq tokens in bounds.
+    qp = q.reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
+    qp = jnp.pad(qp, ((0, 0), (0, bq), (0, gp - group), (0, 0)))
+    qp = qp.reshape(num_kv_heads, (num_tokens + bq) * gp, head_dim)
+    scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
+    o, m, l = _ragged_call(
+        jnp.asarray(layer, jnp.int32).reshape(1), query_start, context_lens.astype(jnp.int32),
+        page_table.astype(jnp.int32), qp, k_cache, v_cache, num_tiles=num_tiles, block_q=bq,
+        gp=gp, pages_per_split=pps, num_splits=num_splits, sm_scale=scale, interpret=interpret)
+    tiles = _merge_splits(o, m, l)  # [NT, K, Bq * Gp, Dh]
+    # Back to the flat token axis: token t of row r is query t - query_start[r] of the row.
+    row, owned = _token_rows(query_start, num_tokens)
+    local = jnp.arange(num_tokens, dtype=jnp.int32) - query_start[row]  # [T]
+    tile = jnp.where(owned, query_start[row] // bq + row + local // bq, 0)
+    slot = jnp.where(owned, local % bq, 0)
+    tiles = tiles.reshape(num_tiles, num_kv_heads, bq, gp, head_dim)
+    out = tiles[tile, :, slot, :group]  # [T, K, G, Dh]
+    out = jnp.where(owned[:, None, None, None], out, 0.0)
+    return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
+
+
+def ragged_paged_attention_reference(q, k_cache, v_cache, layer, page_table, query_start,
+                                     context_lens, *, sm_scale: float | None = None) -> jax.Array:
+    """Each token gathers its row's pages, masks causally, softmax in float32. Same shapes;
+    tokens that belong to no row are zeros."""
+    num_tokens, num_heads, head_dim = q.shape
+    _, _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
+    query_start = jnp.asarray(query_start, jnp.int32)
+    context_lens = jnp.asarray(context_lens, jnp.int32)
+    row, owned = _token_rows(query_start, num_tokens)  # [T], [T]
+    q_len = query_start[row + 1] - query_start[row]
+    pos = context_lens[row] - q_len + jnp.arange(num_tokens) - query_start[row]  # [T]
+    keys = k_cache[layer][page_table[row]].astype(jnp.float32)  # [T, P, BS, K, Dh]
+    values = v_cache[layer][page_table[row]].astype(jnp.float32)
+    keys = keys.reshape(num_tokens, -1, num_kv_heads, head_dim)  # [T, S, K, Dh]
+    values = values.reshape(num_tokens, -1, num_kv_heads, head_dim)
+    key_pos = jnp.arange(keys.shape[1])[None, :]  # [1, S]
+    visible = (key_pos <= pos[:, None]) & (key_pos < context_lens[row][:, None]) \
+        & owned[:, None]  # [T, S]
+    # Zero what is not visible, so NaN garbage there cannot leak through 0 * NaN.
+    keys = jnp.where(visible[:, :, None, None], keys, 0.0)
+    values = jnp.where(visible[:, :, None, None], values, 0.0)
+    qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
+    scores = jnp.einsum("tkgd,tskd->tkgs", qg, keys, precision=lax.Precision.HIGHEST) * scale
+    scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    probs = jnp.where(visible[:, None, None, :], probs, 0.0)  # tokens seeing nothing -> zeros
+    out = jnp.einsum("tkgs,tskd->tkgd", probs, values, precision=lax.Precision.HIGHEST)
+    return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
