@@ -18,13 +18,15 @@ from typing import Callable, ClassVar, Literal
 from jaxserve.runtime.attention import ragged_attention_xla, write_kv
 from jaxserve.runtime.kv_cache import KVCache, PagedMeta
 from models.config import ModelConfig
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
 Layout = Literal["ragged", "page_table"]
 AttentionFn = Callable[..., tuple]  # (q, k, v, cache, layer, meta) -> (out, cache)
 
-# What the Triton paged-attention kernel is built for (power-of-2 tiles, see its module).
+# What the Triton ragged paged-attention kernel is built for (power-of-2 tiles, see its module).
 KERNEL_HEAD_DIMS = (64, 128)
-KERNEL_BLOCK_SIZES = (8, 16, 32, 64, 128, 256)
+# 256 compiles in bf16 only (f32 tiles overflow shared memory), and supports() sees no dtype.
+KERNEL_BLOCK_SIZES = (8, 16, 32, 64, 128)
 
 
 class AttentionBackend(abc.ABC):
@@ -94,7 +96,6 @@ class PallasAttention(AttentionBackend):
         return "pallas-interpret" if self.interpret else "pallas"
 
     def attend(self, q, k, v, cache, layer, meta):
-        from pallas_kernels.ragged_paged_attention import ragged_paged_attention  # TODO top
         cache = write_kv(cache, layer, k, v, meta.slots)
         # The kernel takes q in the cache's dtype (kv_cache_dtype may differ from the model's).
         out = ragged_paged_attention(q[0].astype(cache.k.dtype), cache.k, cache.v, layer,

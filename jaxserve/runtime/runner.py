@@ -305,7 +305,7 @@ class ModelRunner:
             self._update_page_table(item, slot, item.request_id in new)
             rows.append(Row(slot=slot, start=item.start_pos, tokens=item.token_ids,
                             samples=item.is_last_chunk))
-        need = step_layout.flat_tokens_needed([len(r.tokens) for r in rows])
+        need = step_layout.flat_tokens_needed([len(r.tokens) for r in rows], self.ragged)
         lay = step_layout.build(rows, self.page_table, tokens=buckets.pick(self.token_buckets,
                                                                             need),
                                 max_num_seqs=self.num_slots, block_size=self.block_size,

@@ -4,9 +4,11 @@ A step is one jitted call over `T` flat tokens (a bucket) holding the decode tok
 decoding sequence and the prefill chunks of any number of sequences. Each scheduled sequence is
 one *row*; rows are laid out in order on the flat axis:
 
-- rows of more than one query (prefill chunks, k verified tokens) first, each starting at a
-  multiple of QUERY_CHUNK, so the XLA path can attend in aligned chunks of QUERY_CHUNK queries
-  that each belong to one row (the gap tokens after a row are idle);
+- rows of more than one query (prefill chunks, k verified tokens) first; for the XLA path
+  (`aligned`) each starts at a multiple of QUERY_CHUNK, so it can attend in aligned chunks of
+  QUERY_CHUNK queries that each belong to one row (the gap tokens after a row are idle), while
+  a kernel reading `query_start` takes them packed, row r owning [query_start[r],
+  query_start[r + 1]);
 - then rows of one query (decodes, 1-token chunks), packed.
 
 Idle tokens (gaps, the tail) write their K/V into the null block and belong to no row; idle
@@ -37,10 +39,13 @@ class Row:
     samples: bool            # a token is sampled after its last query
 
 
-def flat_tokens_needed(query_lens: list[int]) -> int:
-    """Flat tokens the rows take, with the multi-query rows' alignment gaps."""
-    multi = sum(-(-n // QUERY_CHUNK) * QUERY_CHUNK for n in query_lens if n > 1)
-    return multi + sum(1 for n in query_lens if n == 1)
+def _span(n: int, aligned: bool) -> int:
+    return -(-n // QUERY_CHUNK) * QUERY_CHUNK if aligned and n > 1 else n
+
+
+def flat_tokens_needed(query_lens: list[int], aligned: bool = True) -> int:
+    """Flat tokens the rows take (aligned: with the multi-query rows' alignment gaps)."""
+    return sum(_span(n, aligned) for n in query_lens)
 
 
 def max_flat_tokens(max_num_batched_tokens: int, max_num_seqs: int) -> int:
@@ -106,6 +111,8 @@ def build(rows: list[Row], page_table: np.ndarray, *, tokens: int, max_num_seqs:
     """Lays `rows` out on `tokens` flat tokens (a bucket >= flat_tokens_needed).
 
     page_table [slots, max_blocks]: each batch slot's blocks (the runner's host copy).
+    ragged: the XLA path's layout (aligned multi-query rows, the pair and chunk lists); else
+    packed rows and the page table.
     """
     r, t = num_rows(tokens, max_num_seqs), tokens
     if len(rows) > r:
@@ -131,7 +138,7 @@ def build(rows: list[Row], page_table: np.ndarray, *, tokens: int, max_num_seqs:
         qstart[i], tok[span], tslot[span] = at, row.tokens, row.slot
         pos[span] = np.arange(row.start, row.start + n)
         ctx[i], lidx[i], rslot[i], samples[i] = row.start + n, at + n - 1, row.slot, row.samples
-        at += -(-n // QUERY_CHUNK) * QUERY_CHUNK
+        at += _span(n, ragged)
     multi = np.zeros((t,), bool)
     multi[:at] = True  # gaps too: they are masked by belonging to no row's span
     m, n = len(multis), len(singles)
