@@ -35,9 +35,11 @@ def positive(x) -> bool:
 @pytest.mark.timeout(1000)  # the subprocess's own limit is 900 s
 def test_host_overhead_quick(tmp_path):
     out = tmp_path / "host"
-    # A long time budget, so the window is the 6 steps asked for even on a loaded machine.
+    # A long time budget, so the window is the 6 steps asked for even on a loaded machine;
+    # 3 prompts of 40 tokens take more than one step's 64 tokens: timing starts after them.
     proc = run_script("bench_host_overhead.py", "--quick", "--batch-sizes", "1", "3",
-                      "--steps", "6", "--time-budget", "600", "--out", str(out), timeout=900)
+                      "--prompt-len", "40", "--steps", "6", "--time-budget", "600",
+                      "--out", str(out), timeout=900)
     report = json.loads(out.with_suffix(".json").read_text())
     assert report["model_size"] == "tiny" and report["jax"]
     assert len(report["loadavg_start"]) == len(report["loadavg_end"]) == 3
