@@ -189,6 +189,10 @@ def replay(runner, calls: list) -> float:
             last = out if out is not None else last
         jax.block_until_ready(last)
         return time.perf_counter() - start
+    except Exception as e:
+        raise RuntimeError(
+            f"replaying a captured {type(calls[0]).__name__} failed ({type(e).__name__}: {e}); "
+            "the bare timing needs calls that can run twice (no donated inputs)") from e
     finally:
         runner.before_call = previous
 
