@@ -1,5 +1,5 @@
 """Attention backends as objects (jaxserve/runtime/attention_backends.py): the runner follows
-what a backend declares (decode metadata layout, per-shard under tensor parallel, supported
+what a backend declares (step metadata layout, per-shard under tensor parallel, supported
 shapes), whatever object carries the declaration."""
 
 import dataclasses
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxserve import EngineConfig, LLMEngine, SamplingParams
-from jaxserve.runtime.attention import paged_attention_xla
+from jaxserve.runtime.attention import ragged_attention_xla
 from jaxserve.runtime.attention_backends import PallasAttention, XlaAttention
 from jaxserve.runtime.backends import attention_backend
 from jaxserve.runtime.runner import ModelRunner, StepCall
@@ -35,7 +35,7 @@ def model():
 
 
 def decode_calls(model, attention):
-    """Greedy tokens of an engine whose runner uses `attention`, and its decode StepCalls."""
+    """Greedy tokens of an engine whose runner uses `attention`, and its StepCalls."""
     engine = LLMEngine(EngineConfig(model="tiny", warmup=False, max_num_seqs=4, block_size=16,
                                     max_model_len=64, max_num_batched_tokens=32,
                                     kv_cache_memory=64 * 16 * TINY.kv_bytes_per_token(4)),
@@ -52,38 +52,40 @@ def decode_calls(model, attention):
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out.outputs[0].token_ids
-    decodes = [c for c in calls if isinstance(c, StepCall) and c.inputs.tokens.shape[1] == 1]
-    assert decodes
-    return [done["0"], done["1"]], decodes
+    steps = [c for c in calls if isinstance(c, StepCall)]
+    assert steps
+    return [done["0"], done["1"]], steps
 
 
 @pytest.mark.parametrize("attention", [XlaAttention(merge_kv_heads=False), SubclassedXla()],
                          ids=["xla-no-merge", "subclass"])
-def test_decode_layout_follows_the_declaration(model, attention):
+def test_layout_follows_the_declaration(model, attention):
     want, base = decode_calls(model, XlaAttention())
     got, calls = decode_calls(model, attention)
     assert got == want
-    for c in base + calls:  # the flat block list, not a page table cut to a bucket
-        assert c.inputs.meta.ragged is not None and c.inputs.meta.page_table.shape[1] == 1
+    for c in base + calls:  # the flat pair and chunk lists, not the page table
+        meta = c.inputs.meta
+        assert meta.pairs is not None and meta.chunk_pages is not None
+        assert meta.page_table.shape[1] == 1
 
 
 def test_kernel_backend_gets_the_page_table(model):
     want, _ = decode_calls(model, XlaAttention())
     got, calls = decode_calls(model, PallasAttention(interpret=True))
     assert got == want
-    assert all(c.inputs.meta.ragged is None for c in calls)
-    assert {c.inputs.meta.page_table.shape[1] for c in calls} <= {1, 2, 4}  # block buckets
+    assert all(c.inputs.meta.pairs is None and c.inputs.meta.multi is None for c in calls)
+    assert {c.inputs.meta.page_table.shape[1] for c in calls} == {4}  # max_model_len / 16
 
 
 def test_a_bare_function_is_refused_not_run_on_a_slow_path(model):
     with pytest.raises(TypeError, match="must be an AttentionBackend"):
-        ModelRunner(model, attention=functools.partial(paged_attention_xla), **KW)
+        ModelRunner(model, attention=functools.partial(ragged_attention_xla), **KW)
 
 
 def test_supports_reports_what_the_kernel_cannot_run():
     odd = dataclasses.replace(TINY, head_dim=32)
     kernel_reasons = ("head_dim 32 (kernel: (64, 128))",
-                      "block_size 4 (kernel: (8, 16, 32, 64, 128, 256))")
+                      "block_size 4 (kernel: (8, 16, 32, 64, 128))")
     assert PallasAttention().supports(odd, 4) == kernel_reasons
     assert PallasAttention().supports(TINY, 16) == ()
     assert XlaAttention().supports(odd, 4) == ()
@@ -106,9 +108,9 @@ def test_tensor_parallel_wraps_as_each_backend_declares():
     tp = TensorParallel(make_mesh(1))
     xla = tp.attention(SubclassedXla())
     # Annotated, with K kept a batch axis (no all-gather of a K-split cache).
-    assert (xla.name, xla.decode_layout, xla.per_shard) == ("xla", "ragged", False)
+    assert (xla.name, xla.layout, xla.per_shard) == ("xla", "ragged", False)
     assert xla.inner == SubclassedXla(merge_kv_heads=False)
     kernel = tp.attention(PallasAttention(interpret=True))
-    assert (kernel.name, kernel.decode_layout, kernel.per_shard) == \
+    assert (kernel.name, kernel.layout, kernel.per_shard) == \
         ("pallas-interpret", "page_table", True)
     assert kernel.inner == PallasAttention(interpret=True)
