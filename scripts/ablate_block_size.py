@@ -116,7 +116,8 @@ def run_one(args, model, workload, block_size: int, budget: int) -> dict:
     mem = engine.kv_tracker.to_dict()
     stats = engine.stats()
     capacity = stats["kv_blocks_total"] * block_size
-    table = engine.runner.page_table  # [max_num_seqs, blocks per max_model_len] int32
+    # [max_num_seqs, blocks per max_model_len] int32: the slots' rows (not the idle slot's)
+    table = engine.runner.page_table[:engine.runner.num_slots]
     row = {
         "block_size": block_size, "num_blocks": stats["kv_blocks_total"] + 1,
         "output_tok_s": timed["output_tok_s"], "total_tok_s": timed["total_tok_s"],

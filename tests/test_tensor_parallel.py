@@ -272,7 +272,8 @@ def test_sharded_kernel_step_compiles_for_4_h200s():
     from jaxserve.runtime import backends
     from jaxserve.runtime.kv_cache import KVCache
     from jaxserve.quantization import quantize_params_int4
-    from jaxserve.runtime.runner import ModelRunner, step_modules
+    from jaxserve.runtime import slot_state
+    from jaxserve.runtime.runner import ModelRunner, step_module
     from jaxserve.runtime.sharding import TensorParallel
     from hlo_collectives import collectives_in_layer_loop
     from jax.experimental import topologies
@@ -297,29 +298,31 @@ def test_sharded_kernel_step_compiles_for_4_h200s():
     attention = backends.attention_backend("pallas", c, bs, "pallas")
     # The runner's own step body, without a runner's device arrays.
     runner = ModelRunner.__new__(ModelRunner)
-    runner.tp, runner.ragged, runner.max_model_len = tp, False, 64
-    runner._modules = step_modules(model, tp.attention(attention),
-                                   tp.linear(backends.linear_backend("pallas")))
+    runner.tp, runner.ragged, runner.max_model_len, runner.block_size = tp, False, 64, bs
+    runner.num_slots, runner.idle_slot = 4, 4
+    runner.page_table = np.zeros((5, 64 // bs), np.int32)
+    runner._module = step_module(model, tp.attention(attention),
+                                 tp.linear(backends.linear_backend("pallas")))
     cache_shape = jax.ShapeDtypeStruct((c.num_layers, 32, bs, c.num_kv_heads, c.head_dim),
                                        np.float32, sharding=tp.cache_shardings.k)
     rep = tp.replicated
-    idle = runner.step_template(4, 1, 4)
+    idle = runner.step_template(16)  # a ragged step of 16 flat tokens
 
     def spec(x, sharding=rep):
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
     args = (jax.tree.map(spec, params, shardings), KVCache(k=cache_shape, v=cache_shape),
-            jax.tree.map(spec, idle.inputs), jax.tree.map(spec, idle.sampling))
+            jax.tree.map(spec, slot_state.new_state(5, 64)), jax.tree.map(spec, idle.inputs))
     enabled = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)  # compile-only client
     try:
         with jax.set_mesh(tp.mesh):
-            step = jax.jit(runner._step_impl, donate_argnums=(1,),
+            step = jax.jit(runner._step_impl, donate_argnums=(1, 2),
                            **tp.step_jit_kwargs(shardings))
             compiled = step.trace(*args).lower().compile()
     finally:
         jax.config.update("jax_enable_compilation_cache", enabled)
     hlo = compiled.as_text()
-    # One Triton call per kernel in the layer body: 7 int4 linears and the attention decode.
+    # One Triton call per kernel in the layer body: 7 int4 linears and the ragged attention.
     assert hlo.count('custom_call_target="__gpu$xla.gpu.triton"') == 8
     assert collectives_in_layer_loop(hlo) == {"all-reduce": 2}

@@ -110,11 +110,10 @@ def case_hlo(n, **kw):
     model = random_model(GQA, seed=3)
     r = engine(model, n, **kw).runner
     out = {}
-    for rows, tokens, nb in [(2, 1, 4), (1, 32, 4)]:  # a decode and a prefill shape
-        idle = r.step_template(rows, tokens, nb)
-        hlo = r._step.lower(r.model.params, r.cache, idle.inputs,
-                            idle.sampling).compile().as_text()
-        out["decode" if tokens == 1 else "prefill"] = collectives_in_layer_loop(hlo)
+    for tokens in (2, 32):  # a decode-sized and a prefill-sized ragged step
+        idle = r.step_template(tokens)
+        hlo = r._step.lower(r.model.params, r.cache, r.state, idle.inputs).compile().as_text()
+        out["decode" if tokens == 2 else "prefill"] = collectives_in_layer_loop(hlo)
     return out
 
 
