@@ -52,12 +52,17 @@ class Decision:
     free: list[tuple[Sequence, SequenceStatus]] = dataclasses.field(default_factory=list)
 
     def merge(self, other: Decision) -> None:
-        for f in dataclasses.fields(self):
-            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+        for name in _DECISION_FIELDS:  # once per sampled sequence per step: no fields() call
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if not theirs:
+                continue
             if isinstance(mine, list):
                 mine.extend(theirs)
             else:  # dict or set
                 mine.update(theirs)
+
+
+_DECISION_FIELDS = tuple(f.name for f in dataclasses.fields(Decision))
 
 
 class RequestStateProtocol(Protocol):
