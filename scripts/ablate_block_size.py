@@ -116,7 +116,7 @@ def run_one(args, model, workload, block_size: int, budget: int) -> dict:
     mem = engine.kv_tracker.to_dict()
     stats = engine.stats()
     capacity = stats["kv_blocks_total"] * block_size
-    table = engine.runner.page_table  # [max_num_seqs, blocks per max_model_len] int32
+    table = engine.runner.page_table  # [max_num_seqs + 1 (the idle slot), max_blocks] int32
     row = {
         "block_size": block_size, "num_blocks": stats["kv_blocks_total"] + 1,
         "output_tok_s": timed["output_tok_s"], "total_tok_s": timed["total_tok_s"],
