@@ -475,8 +475,8 @@ def xla_step_inputs(page_table, context_lens, block_size: int, query_start=None,
     packed, the (query, block) pair list and each chunk's pages), over the same pages.
 
     page_table [R, P], context_lens [R]; query_start [R + 1] and num_tokens (N) for a ragged
-    case (packed rows), None for a decode case (one query per row). Rows of no query or no context, and tokens of
-    no row, go to idle flat tokens. Returns (PagedMeta as the runner builds it, flat_index
+    case (packed rows), None for a decode case (one query per row). Rows of no query or no
+    context, and tokens of no row, go to idle flat tokens. Returns (PagedMeta as the runner builds it, flat_index
     [N] int32: the flat token each case token is at, pairs in use).
     """
     import jax.numpy as jnp
