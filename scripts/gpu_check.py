@@ -9,7 +9,8 @@ rest still runs; `--time-budget` skips what is left once exceeded):
                      their jnp references
   kernel_timings     the same cases timed (warm, median) against the nominal 4.3 TB/s and the
                      measured bandwidth, side by side with the XLA paths the engine runs
-                     (ragged decode attention, XLA int4 dequantize-matmul)
+                     (its XLA ragged attention on the same rows and pages, laid out by
+                     step_layout.build; XLA int4 dequantize-matmul)
   e2e_llama3_8b      engine decode tok/s, random Llama-3-8B-shaped model, bf16 vs int4, batch 1/64
   e2e_smollm2        the same on SmolLM2-135M (from --gguf if loadable, else random weights)
   hf_peer            HF transformers `generate` on the same GPU, SmolLM2 shapes, bf16
@@ -467,44 +468,73 @@ def section_kernel_correctness(ctx: Ctx) -> dict:
 
 # ---- section: kernel timings -------------------------------------------------------------------
 
-def ragged_decode_meta(page_table, context_lens, block_size: int):
-    """PagedMeta for the XLA decode path: the flat list of blocks in use `[3, P]` (block, row,
-    first position), built as jaxserve/runtime/runner.py `_decode_pages` builds it and padded
-    to the engine's ragged bucket with (block 0, row 0, a huge position) entries, which are
-    masked. Returns (meta, number of blocks in use)."""
+def xla_step_inputs(page_table, context_lens, block_size: int, query_start=None,
+                    num_tokens: int | None = None):
+    """The kernel case's rows laid out as the engine lays out a step for its XLA attention
+    (step_layout.build with ragged=True: multi-query rows aligned to QUERY_CHUNK, decodes
+    packed, the (query, block) pair list and each chunk's pages), over the same pages.
+
+    page_table [R, P], context_lens [R]; query_start [R + 1] and num_tokens (N) for a ragged
+    case (packed rows), None for a decode case (one query per row). Rows of no query or no
+    context, and tokens of no row, go to idle flat tokens. Returns (PagedMeta as the runner builds it, flat_index
+    [N] int32: the flat token each case token is at, pairs in use).
+    """
     import jax.numpy as jnp
     import numpy as np
-    from jaxserve.runtime import buckets
+    from jaxserve.runtime import buckets, step_layout
     from jaxserve.runtime.kv_cache import PagedMeta
     table, lens = np.asarray(page_table), np.asarray(context_lens)
-    counts = -(-lens // block_size)  # [B] blocks per row
-    size = buckets.pick(buckets.ragged_block_buckets(len(lens), table.shape[1]),
-                        int(counts.sum()))
-    ragged = np.zeros((3, size), np.int32)  # [3, P]
-    ragged[2] = np.iinfo(np.int32).max // 2
-    rows = np.repeat(np.arange(len(lens)), counts)
-    first = np.concatenate([np.arange(c) for c in counts])  # block index within its row
-    ragged[0, :rows.size] = table[rows, first]
-    ragged[1, :rows.size] = rows
-    ragged[2, :rows.size] = first * block_size
-    zeros = jnp.zeros((len(lens), 1), jnp.int32)  # [B, 1]: positions and slots, not read
-    meta = PagedMeta(positions=zeros, slots=zeros, page_table=zeros,
-                     context_lens=jnp.asarray(lens, jnp.int32), ragged=jnp.asarray(ragged))
-    return meta, int(counts.sum())
+    qs = np.arange(len(lens) + 1) if query_start is None else np.asarray(query_start)
+    n_tokens = num_tokens or int(qs[-1])
+    live = [r for r in range(len(lens)) if qs[r + 1] > qs[r] and lens[r] > 0]
+    rows = [step_layout.Row(slot=r, start=int(lens[r] - qs[r + 1] + qs[r]),
+                            tokens=[0] * int(qs[r + 1] - qs[r]), samples=True) for r in live]
+    idle = np.zeros((1, table.shape[1]), table.dtype)  # the idle slot's row: the null block
+    slots = np.concatenate([table, idle])  # [R + 1, P]
+    owned = sum(len(row.tokens) for row in rows)
+    need = step_layout.flat_tokens_needed([len(row.tokens) for row in rows]) + n_tokens - owned
+    tokens = buckets.pick(step_layout.token_buckets(next_pow2(need), max(len(rows), 1)), need)
+    lay = step_layout.build(rows, slots, tokens=tokens, max_num_seqs=max(len(rows), 1),
+                            block_size=block_size, idle_slot=len(lens), ragged=True)
+    flat = np.full((n_tokens,), -1, np.int64)
+    for i, r in enumerate(live):
+        at = lay.query_start[lay.row_index[i]]
+        flat[qs[r]:qs[r + 1]] = np.arange(at, at + qs[r + 1] - qs[r])
+    orphans = np.flatnonzero(flat < 0)
+    flat[orphans] = lay.query_start[-1] + np.arange(orphans.size)
+    r_ = lay.context_lens.shape[0]
+    meta = PagedMeta(positions=jnp.asarray(lay.positions[None]),
+                     slots=jnp.asarray(lay.write_slots[None]),
+                     query_start=jnp.asarray(lay.query_start),
+                     context_lens=jnp.asarray(lay.context_lens),
+                     page_table=jnp.zeros((r_, 1), jnp.int32), pairs=jnp.asarray(lay.pairs),
+                     num_pairs=jnp.asarray(lay.num_pairs), multi=jnp.asarray(lay.multi),
+                     chunk_pages=jnp.asarray(lay.chunk_pages))
+    return meta, jnp.asarray(flat, jnp.int32), int(lay.num_pairs)
 
 
-def xla_decode_attention():
-    """The engine's XLA decode attention on the same inputs as the kernel: what
-    `paged_attention_xla` runs when `meta.ragged` is set (the KV write, which the kernel does
-    not do either, left out). Returns fn(q, k, v, layer, meta) -> `[B, H, Dh]`."""
+def xla_engine_attention():
+    """The engine's XLA attention (jaxserve/runtime/attention.py `ragged_attention_xla`, what
+    the XlaAttention backend runs) on the kernel's inputs, less its KV write (the kernel does
+    not write either, and a write into a cache that is not donated would copy all of it).
+    Returns fn(q, k, v, layer, meta, flat_index) -> the case's tokens' outputs `[N, H, Dh]`;
+    tests/test_gpu_check.py checks it against ragged_attention_xla itself."""
     import jax
-    from jaxserve.runtime.attention import ragged_decode_attention
+    import jax.numpy as jnp
+    from jaxserve.runtime import attention
     from jaxserve.runtime.kv_cache import KVCache
+    from jaxserve.runtime.step_layout import QUERY_CHUNK
 
     @jax.jit
-    def fn(q, k_cache, v_cache, layer, meta):
-        out = ragged_decode_attention(q[:, None], KVCache(k=k_cache, v=v_cache), layer, meta)
-        return out[:, 0]  # [B, H, Dh]
+    def fn(q, k_cache, v_cache, layer, meta, flat_index):
+        cache = KVCache(k=k_cache, v=v_cache)
+        qf = jnp.zeros((meta.positions.shape[1],) + q.shape[1:], q.dtype)  # [T, H, Dh]
+        qf = qf.at[flat_index].set(q)
+        out = attention._single_query_attention(qf, cache, layer, meta, True)
+        if qf.shape[0] >= QUERY_CHUNK:  # as ragged_attention_xla: no multi rows below
+            chunked = attention._chunked_attention(qf, cache, layer, meta)
+            out = jnp.where(meta.multi[:, None, None], chunked, out)
+        return out[flat_index].astype(q.dtype)  # [N, H, Dh]
     return fn
 
 
@@ -528,16 +558,17 @@ def time_attention(ctx: Ctx, model: str, block: int, batch: int) -> dict:
     p = ctx.prof
     sets = [(c["q"], c["k"], c["v"], jnp.int32(i), c["page_table"], c["context_lens"])
             for i in range(c["layers"])]
-    meta, in_use = ragged_decode_meta(c["page_table"], c["context_lens"], block)
-    xla_sets = [(c["q"], c["k"], c["v"], jnp.int32(i), meta) for i in range(c["layers"])]
+    meta, flat, in_use = xla_step_inputs(c["page_table"], c["context_lens"], block)
+    xla_sets = [(c["q"], c["k"], c["v"], jnp.int32(i), meta, flat) for i in range(c["layers"])]
 
     def kernel(*a):
         return paged_attention(*a, interpret=p.interpret)
 
-    impls = {"kernel": (kernel, sets), "xla_engine_path": (xla_decode_attention(), xla_sets),
+    impls = {"kernel": (kernel, sets), "xla_engine_path": (xla_engine_attention(), xla_sets),
              "reference_f32": (jax.jit(paged_attention_reference), sets)}
     row = {**c["desc"], "bytes_per_call": c["bytes_per_call"], "layers_cycled": c["layers"],
-           "xla_ragged_blocks": in_use, "xla_ragged_bucket": int(meta.ragged.shape[1])}
+           "xla_pairs": in_use, "xla_pair_capacity": int(meta.pairs.shape[1]),
+           "xla_flat_tokens": int(meta.positions.shape[1])}
     for name, (fn, args) in impls.items():
         t = time_calls(fn, args, p.iters, p.reps)
         row[name] = {**rates(ctx, t["median_s"], c["bytes_per_call"]),
@@ -548,8 +579,9 @@ def time_attention(ctx: Ctx, model: str, block: int, batch: int) -> dict:
 
 
 def time_ragged(ctx: Ctx, model: str, block: int, max_ctx: int, decode: int) -> dict:
-    """The kernel against the jitted f32 reference (the engine's XLA ragged path is not
-    wired to these inputs here); bytes = each visible page read once."""
+    """The kernel against the engine's XLA path on the same rows and pages (laid out as the
+    engine lays out a step for it) and the jitted f32 reference; bytes = each visible page
+    read once."""
     import jax
     import jax.numpy as jnp
     from pallas_kernels.ragged_paged_attention import (ragged_paged_attention,
@@ -557,18 +589,22 @@ def time_ragged(ctx: Ctx, model: str, block: int, max_ctx: int, decode: int) -> 
     c = ragged_step_case(ctx, model, block, max_ctx, decode)
     q, k, v, table, qs, lens = c["args"]
     sets = [(q, k, v, jnp.int32(i), table, qs, lens) for i in range(c["layers"])]
+    meta, flat, in_use = xla_step_inputs(table, lens, block, qs, q.shape[0])
+    xla_sets = [(q, k, v, jnp.int32(i), meta, flat) for i in range(c["layers"])]
 
     def kernel(*a):
         return ragged_paged_attention(*a, interpret=ctx.prof.interpret)
 
-    row = {**c["desc"], "bytes_per_call": c["bytes_per_call"], "layers_cycled": c["layers"]}
-    for name, fn in (("kernel", kernel), ("reference_f32",
-                                          jax.jit(ragged_paged_attention_reference))):
-        t = time_calls(fn, sets, ctx.prof.iters, ctx.prof.reps)
+    row = {**c["desc"], "bytes_per_call": c["bytes_per_call"], "layers_cycled": c["layers"],
+           "xla_pairs": in_use, "xla_flat_tokens": int(meta.positions.shape[1])}
+    impls = {"kernel": (kernel, sets), "xla_engine_path": (xla_engine_attention(), xla_sets),
+             "reference_f32": (jax.jit(ragged_paged_attention_reference), sets)}
+    for name, (fn, args) in impls.items():
+        t = time_calls(fn, args, ctx.prof.iters, ctx.prof.reps)
         row[name] = {**rates(ctx, t["median_s"], c["bytes_per_call"]),
                      "first_call_s": t["first_call_s"]}
-    row["kernel_over_reference_f32"] = row["kernel"]["median_s"] / \
-        row["reference_f32"]["median_s"]
+    for name in ("xla_engine_path", "reference_f32"):
+        row[f"kernel_over_{name}"] = row["kernel"]["median_s"] / row[name]["median_s"]
     return row
 
 
@@ -981,17 +1017,18 @@ def md_timings(r: dict) -> list[str]:
                        f"{fmt(k.get('vs_measured_read_bw'), '.2f')} | "
                        f"{x['median_s'] * 1e6:.1f} | {row['kernel_over_xla_engine_path']:.2f} | "
                        f"{extra} |")
-    for row in r.get("ragged_attention", []):  # no XLA engine path: the f32 reference instead
+    for row in r.get("ragged_attention", []):
         if "error" in row:
             out.append(f"| ragged_attention | {row['case']} | ERROR: {row['error'][:120]} ||||||||")
             continue
-        k, x = row["kernel"], row["reference_f32"]
+        k, x, ref = row["kernel"], row["xla_engine_path"], row["reference_f32"]
         out.append(f"| ragged_attention | {row['model']} bs{row['block_size']} R{row['rows']} "
                    f"T{row['tokens']} | {row['bytes_per_call'] / 1e6:.2f} | "
                    f"{k['median_s'] * 1e6:.1f} | {k['bytes_per_s'] / 1e12:.3f} | "
                    f"{k['vs_nominal_bw']:.2f} | {fmt(k.get('vs_measured_copy_bw'), '.2f')} | "
-                   f"{fmt(k.get('vs_measured_read_bw'), '.2f')} | | | f32 ref "
-                   f"{x['median_s'] * 1e6:.1f} us ({row['kernel_over_reference_f32']:.2f}x) |")
+                   f"{fmt(k.get('vs_measured_read_bw'), '.2f')} | {x['median_s'] * 1e6:.1f} | "
+                   f"{row['kernel_over_xla_engine_path']:.2f} | f32 ref "
+                   f"{ref['median_s'] * 1e6:.1f} us ({row['kernel_over_reference_f32']:.2f}x) |")
     return out
 
 

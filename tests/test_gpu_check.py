@@ -16,8 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxserve.runtime.attention_backends import XlaAttention
+from jaxserve.runtime.kv_cache import KVCache
 from pallas_kernels.paged_attention import paged_attention_reference
-from tests.kernel_cases import attention_tolerance, paged_case
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
+from tests.kernel_cases import attention_tolerance, paged_case, ragged_case
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "gpu_check.py"
@@ -132,18 +135,55 @@ def test_refuses_to_run_the_gpu_profile_without_a_gpu(tmp_path):
     assert "--dry-run" in proc.stderr
 
 
-def test_xla_baseline_is_the_engines_ragged_attention_over_the_same_pages():
-    """The timed XLA path reads the kernel's inputs through the engine's ragged block list; on
-    caches without NaN (the engine's never hold any) it equals the reference."""
+def load_gpu_check():
     spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
     gpu_check = importlib.util.module_from_spec(spec)
     sys.modules.setdefault("gpu_check", gpu_check)  # its dataclasses look their module up
     spec.loader.exec_module(gpu_check)
+    return gpu_check
+
+
+def engine_attention(q, k, v, meta, flat):
+    """What the XlaAttention backend computes for the case's tokens on this layout, with a KV
+    write of the values already in the cache (so the write changes nothing)."""
+    q_flat = jnp.zeros((meta.positions.shape[1],) + q.shape[1:], q.dtype).at[flat].set(q)
+    block_size = k.shape[2]
+    blk, off = meta.slots[0] // block_size, meta.slots[0] % block_size
+    cache = KVCache(k=k, v=v)
+    out, _ = XlaAttention().attend(q_flat[None], k[1, blk, off][None], v[1, blk, off][None],
+                                   cache, jnp.int32(1), meta)
+    return out[0, flat]
+
+
+def test_xla_baseline_is_the_engines_ragged_attention_over_the_same_pages():
+    """The timed XLA path reads the kernel's inputs through the engine's step layout (its
+    (query, block) pair list); on caches without NaN (the engine's never hold any) it equals
+    the reference and the XLA backend's own attention."""
+    gpu_check = load_gpu_check()
     q, k, v, table, lens = paged_case(3, dtype=jnp.float32, block_size=8, num_kv_heads=3,
                                       group=3, head_dim=64, lens=[1, 8, 9, 30, 0], num_pages=4)
     k, v = jnp.nan_to_num(k), jnp.nan_to_num(v)
-    meta, in_use = gpu_check.ragged_decode_meta(table, lens, 8)
-    assert in_use == 1 + 1 + 2 + 4 and meta.ragged.shape[1] >= in_use
-    out = gpu_check.xla_decode_attention()(q, k, v, jnp.int32(1), meta)
+    meta, flat, in_use = gpu_check.xla_step_inputs(table, lens, 8)
+    assert in_use == 1 + 1 + 2 + 4 and meta.pairs.shape[1] >= in_use
+    out = gpu_check.xla_engine_attention()(q, k, v, jnp.int32(1), meta, flat)
     ref = paged_attention_reference(q, k, v, 1, table, lens)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), **attention_tolerance("float32"))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(engine_attention(q, k, v, meta, flat)),
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_xla_baseline_takes_the_ragged_kernels_rows():
+    """Decodes, multi-query rows (aligned by the layout), a padding row and unowned tokens of
+    the ragged kernel's case: the baseline equals its reference and the XLA backend."""
+    gpu_check = load_gpu_check()
+    rows = [(1, 5), (4, 20), (1, 1), (19, 40), (0, 0), (3, 3)]
+    q, k, v, table, qs, lens = ragged_case(5, dtype=jnp.float32, block_size=8, num_kv_heads=3,
+                                           group=3, head_dim=64, rows=rows, num_pages=5, tail=3)
+    k, v = jnp.nan_to_num(k), jnp.nan_to_num(v)
+    meta, flat, _ = gpu_check.xla_step_inputs(table, lens, 8, qs, q.shape[0])
+    assert bool(meta.multi.any())  # the chunked path runs
+    out = gpu_check.xla_engine_attention()(q, k, v, jnp.int32(1), meta, flat)
+    ref = ragged_paged_attention_reference(q, k, v, 1, table, qs, lens)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), **attention_tolerance("float32"))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(engine_attention(q, k, v, meta, flat)),
+                               rtol=1e-6, atol=1e-6)
