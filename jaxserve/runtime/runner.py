@@ -136,12 +136,13 @@ class ModelRunner:
         self.page_table = np.zeros((max_num_seqs + 1, self.max_blocks), np.int32)
         self.slot_of: dict[str, int] = {}
         self.free_slots = list(range(self.num_slots - 1, -1, -1))
-        self.token_buckets = step_layout.token_buckets(max_num_batched_tokens, max_num_seqs)
+        self.ragged = attention.layout == "ragged"
+        self.token_buckets = step_layout.token_buckets(max_num_batched_tokens, max_num_seqs,
+                                                       self.ragged)
         self.slot_buckets = buckets.decode_batch_buckets(max_num_seqs)
         if tp is not None:
             attention = tp.attention(attention)
         self.attention = attention
-        self.ragged = attention.layout == "ragged"
         self._module = step_module(model, attention, linear)
         self._step = jax.jit(self._step_impl, donate_argnums=(1, 2), **jit_kwargs)
         self._write_slots = jax.jit(slot_state.write_slots, donate_argnums=(0,))

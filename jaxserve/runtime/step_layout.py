@@ -55,11 +55,22 @@ def max_flat_tokens(max_num_batched_tokens: int, max_num_seqs: int) -> int:
     return max_num_batched_tokens + (QUERY_CHUNK - 1) * rows
 
 
-def token_buckets(max_num_batched_tokens: int, max_num_seqs: int) -> list[int]:
-    """Flat-axis sizes a step can have: powers of two up to the budget, then the gap bound."""
+# Aligned multi-query rows a step just past the budget usually has (a chunk or two, a few short
+# prompts): the bucket above the budget covers their gaps, so such a step is not run at the
+# far larger worst-case size.
+TYPICAL_GAPS = 4
+
+
+def token_buckets(max_num_batched_tokens: int, max_num_seqs: int,
+                  aligned: bool = True) -> list[int]:
+    """Flat-axis sizes a step can have: powers of two up to the budget, then (aligned) a bucket
+    for a few rows' alignment gaps and the worst-case bound."""
     ladder = buckets.powers_of_two_up_to(max_num_batched_tokens)
+    if not aligned:
+        return ladder
     top = max_flat_tokens(max_num_batched_tokens, max_num_seqs)
-    return ladder + ([top] if top > ladder[-1] else [])
+    typical = min(top, max_num_batched_tokens + QUERY_CHUNK * TYPICAL_GAPS)
+    return ladder + sorted({typical, top} - {ladder[-1]})
 
 
 def num_rows(tokens: int, max_num_seqs: int) -> int:
