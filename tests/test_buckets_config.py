@@ -11,24 +11,12 @@ SMOLLM2 = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
                       num_heads=9, num_kv_heads=3, head_dim=64, max_position_embeddings=8192)
 
 
-def test_ragged_buckets_add_midpoints_and_cover_the_limit():
-    assert buckets.ragged_block_buckets(64, 64) == [64, 96, 128, 192, 256, 384, 512, 768, 1024,
-                                                    1536, 2048, 3072, 4096]
-    assert buckets.ragged_block_buckets(1, 5) == [1, 2, 3, 4, 5]
-    assert buckets.ragged_block_buckets(1, 1) == [1]
-    for rows, nb in [(1, 64), (4, 33), (16, 7)]:
-        b = buckets.ragged_block_buckets(rows, nb)
-        assert b == sorted(set(b)) and b[0] == rows and b[-1] == rows * nb
-        for n in range(rows, rows * nb + 1):  # every size fits with at most 50% padding
-            assert buckets.pick(b, n) <= max(rows, 1.5 * n)
-
-
 def test_powers_of_two_end_at_the_limit():
     assert buckets.powers_of_two_up_to(100, 16) == [16, 32, 64, 100]
     assert buckets.powers_of_two_up_to(64, 16) == [16, 32, 64]
     assert buckets.powers_of_two_up_to(1) == [1]
-    assert buckets.decode_batch_buckets(64) == [1, 4, 16, 64]
-    assert buckets.decode_batch_buckets(10) == [1, 4, 10]
+    assert buckets.slot_write_buckets(64) == [1, 4, 16, 64]
+    assert buckets.slot_write_buckets(10) == [1, 4, 10]
 
 
 @pytest.mark.parametrize("n,expected", [(1, 16), (16, 16), (17, 32), (100, 100)])
@@ -39,17 +27,6 @@ def test_pick_smallest_fitting_bucket(n, expected):
 def test_pick_beyond_largest_raises():
     with pytest.raises(ValueError, match="exceeds the largest bucket 100"):
         buckets.pick([16, 100], 101)
-
-
-@pytest.mark.parametrize("block_size", [1, 16, 256])
-def test_every_prefill_chunk_fits_some_bucket(block_size):
-    max_blocks = 2048 // block_size
-    for tokens in range(1, 513):
-        tb = buckets.pick(buckets.prefill_token_buckets(512), tokens)
-        widths = buckets.prefill_block_buckets(tb, block_size, max_blocks)
-        # A chunk starting at 0 fits the narrow width; any context fits the widest.
-        assert widths[0] * block_size >= min(tokens, max_blocks * block_size)
-        assert widths[-1] == max_blocks
 
 
 def test_kv_bytes_per_token_uses_kv_heads():

@@ -139,7 +139,7 @@ class ModelRunner:
         self.ragged = attention.layout == "ragged"
         self.token_buckets = step_layout.token_buckets(max_num_batched_tokens, max_num_seqs,
                                                        self.ragged)
-        self.slot_buckets = buckets.decode_batch_buckets(max_num_seqs)
+        self.slot_buckets = buckets.slot_write_buckets(max_num_seqs)
         if tp is not None:
             attention = tp.attention(attention)
         self.attention = attention

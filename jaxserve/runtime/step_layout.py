@@ -128,6 +128,9 @@ def build(rows: list[Row], page_table: np.ndarray, *, tokens: int, max_num_seqs:
     r, t = num_rows(tokens, max_num_seqs), tokens
     if len(rows) > r:
         raise ValueError(f"{len(rows)} rows do not fit a step of {r} rows")
+    need = flat_tokens_needed([len(row.tokens) for row in rows], ragged)
+    if need > t:
+        raise ValueError(f"the rows need {need} flat tokens, the step has {t}")
     multi_ids = [i for i, row in enumerate(rows) if len(row.tokens) > 1]
     single_ids = [i for i, row in enumerate(rows) if len(row.tokens) == 1]
     multis, singles = [rows[i] for i in multi_ids], [rows[i] for i in single_ids]
@@ -153,8 +156,6 @@ def build(rows: list[Row], page_table: np.ndarray, *, tokens: int, max_num_seqs:
     multi = np.zeros((t,), bool)
     multi[:at] = True  # gaps too: they are masked by belonging to no row's span
     m, n = len(multis), len(singles)
-    if at + n > t:
-        raise ValueError(f"the rows need {at + n} flat tokens, the step has {t}")
     if n:  # many (every decode): vectorised
         span, rows_ = slice(at, at + n), slice(m, m + n)
         tok[span] = [row.tokens[0] for row in singles]
