@@ -150,6 +150,9 @@ class ModelRunner:
         # (the null block onto itself), so one compiled program serves every step.
         self.copy_batch = max_num_seqs
         self._copy = jax.jit(_copy_blocks, donate_argnums=(0,))
+        # Ahead-of-time compiled programs by (kind, shape): warm-up compiles them without
+        # running them (running the largest token buckets once costs seconds of real compute).
+        self._executables: dict[tuple, jax.stages.Compiled] = {}
         self._compiles_at_warmup: int | None = None
         self.h2d_bytes = 0  # host -> device bytes of every call run so far
 
@@ -178,8 +181,7 @@ class ModelRunner:
 
     @property
     def num_compiled(self) -> int:
-        return self._step._cache_size() + self._copy._cache_size() + \
-            self._write_slots._cache_size()
+        return len(self._executables)
 
     @property
     def num_compiles_after_warmup(self) -> int:
@@ -193,14 +195,12 @@ class ModelRunner:
     def warmup(self, progress: bool = True) -> float:
         """Compiles every bucket now, so serving never stops to compile. Returns seconds."""
         start = time.perf_counter()
-        for shape in tqdm(self.shapes(), desc="jaxserve: compiling", unit="shape",
-                          disable=not progress):
-            self._launch(self.step_template(*shape))
         # Every process warms up itself (same programs in the same order): nothing to broadcast.
-        for d in self.slot_buckets:
-            self._launch(self.slots_template(d))
-        self._launch(self.copy_template())
-        jax.block_until_ready((self.cache, self.state))
+        calls = [self.step_template(*shape) for shape in self.shapes()]
+        calls += [self.slots_template(d) for d in self.slot_buckets] + [self.copy_template()]
+        for call in tqdm(calls, desc="jaxserve: compiling", unit="program",
+                         disable=not progress):
+            self._executable(call)
         self._compiles_at_warmup = self.num_compiled
         return time.perf_counter() - start
 
@@ -232,15 +232,33 @@ class ModelRunner:
         self.h2d_bytes += _nbytes(call)
         return self._launch(call)
 
-    def _launch(self, call: StepCall | SlotsCall | CopyCall) -> SamplerOutput | None:
+    def _arguments(self, call: StepCall | SlotsCall | CopyCall) -> tuple:
         if isinstance(call, CopyCall):
-            self.cache = self._copy(self.cache, call.pairs)
+            return self._copy, (self.cache, call.pairs)
+        if isinstance(call, SlotsCall):
+            return self._write_slots, (self.state, call)
+        return self._step, (self.model.params, self.cache, self.state, call.inputs)
+
+    def _executable(self, call: StepCall | SlotsCall | CopyCall) -> jax.stages.Compiled:
+        """The call's compiled program: compiled (from the persistent cache if it is there)
+        the first time its kind and shape are met, which after warm-up is a bucket missed."""
+        key = (type(call).__name__, call.shape)
+        exe = self._executables.get(key)
+        if exe is None:
+            fn, args = self._arguments(call)
+            exe = self._executables[key] = fn.lower(*args).compile()
+        return exe
+
+    def _launch(self, call: StepCall | SlotsCall | CopyCall) -> SamplerOutput | None:
+        exe = self._executable(call)
+        _, args = self._arguments(call)
+        if isinstance(call, CopyCall):
+            self.cache = exe(*args)
             return None
         if isinstance(call, SlotsCall):
-            self.state = self._write_slots(self.state, call)
+            self.state = exe(*args)
             return None
-        self.cache, self.state, sampled = self._step(self.model.params, self.cache, self.state,
-                                                     call.inputs)
+        self.cache, self.state, sampled = exe(*args)
         return sampled
 
     # ---- host bookkeeping -----------------------------------------------------------------
