@@ -69,6 +69,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="write OUT.json and OUT.md (default docs/bench_host_overhead; "
                     "--quick writes only when given)")
     ap.add_argument("--quick", action="store_true", help="a short smoke run")
+    ap.add_argument("--async-scheduling", choices=("default", "on", "off"), default="default",
+                    help="the engine's async_scheduling (an engine without it: default only)")
     args = ap.parse_args(argv)
     quick = args.quick
     if args.batch_sizes is None:
@@ -109,14 +111,16 @@ def token_budget(num_seqs: int) -> int:
     return max(64, 2 * num_seqs)
 
 
-def make_engine(model, num_seqs: int, max_len: int):
+def make_engine(model, num_seqs: int, max_len: int, async_scheduling: str = "default"):
     from jaxserve import EngineConfig, LLMEngine
+    extra = {} if async_scheduling == "default" else {
+        "async_scheduling": async_scheduling == "on"}
     blocks = num_seqs * -(-max_len // BLOCK_SIZE) + 2  # every sequence fits: no preemption
     kv_bytes = blocks * BLOCK_SIZE * model.config.kv_bytes_per_token(
         np.dtype(model.dtype).itemsize)
     config = EngineConfig(model=model.source, dtype=model.dtype, block_size=BLOCK_SIZE,
                           max_num_seqs=num_seqs, max_num_batched_tokens=token_budget(num_seqs),
-                          max_model_len=max_len, kv_cache_memory=kv_bytes)
+                          max_model_len=max_len, kv_cache_memory=kv_bytes, **extra)
     return LLMEngine(config, model=model)
 
 
@@ -228,7 +232,7 @@ def lengths(num_seqs: int, args) -> tuple[int, int, int]:
 def bench_one(model, num_seqs: int, args) -> dict:
     from jaxserve import SamplingParams
     settle_limit, max_tokens, max_len = lengths(num_seqs, args)
-    engine = make_engine(model, num_seqs, max_len)
+    engine = make_engine(model, num_seqs, max_len, args.async_scheduling)
     rng = np.random.default_rng(args.seed)
     params = SamplingParams(temperature=args.temperature, max_tokens=max_tokens,
                             ignore_eos=True, seed=args.seed)

@@ -33,8 +33,7 @@ import numpy as np
 from jaxserve.runtime import buckets, step_layout
 from jaxserve.runtime.attention import write_kv
 from jaxserve.runtime.attention_backends import XlaAttention
-from jaxserve.runtime.kv_cache import PagedMeta
-from jaxserve.runtime.runner import ModelRunner, StepCall, StepInputs
+from jaxserve.runtime.runner import ModelRunner, StepCall
 from jaxserve.runtime.sampler import SamplingTensors, sample
 from jaxserve.core.sampling_params import SamplingParams
 from models.config import ModelConfig
@@ -126,19 +125,11 @@ def step_call(runner: ModelRunner, rows, table) -> StepCall:
     lay = step_layout.build(rows, table, tokens=buckets.pick(runner.token_buckets, need),
                             max_num_seqs=runner.num_slots, block_size=runner.block_size,
                             idle_slot=runner.idle_slot, ragged=runner.ragged)
-    n = lay.context_lens.shape[0]
-    meta = PagedMeta(positions=lay.positions[None], slots=lay.write_slots[None],  # [1, T]
-                     query_start=lay.query_start, context_lens=lay.context_lens,
-                     page_table=np.zeros((n, 1), np.int32), pairs=lay.pairs,
-                     num_pairs=lay.num_pairs, multi=lay.multi, chunk_pages=lay.chunk_pages)
-    return StepCall(StepInputs(tokens=lay.tokens[None], feed=lay.feed,
-                               token_slot=lay.token_slot, meta=meta,
-                               logits_index=lay.logits_index, row_slot=lay.row_slot,
-                               samples=lay.samples, want_logprobs=np.bool_(False)))
+    return runner.step_call(lay, want_logprobs=False)
 
 
 def describe(name: str, call: StepCall) -> str:
-    meta = call.inputs.meta
+    meta = call.inputs.meta(ragged=True)
     return (f"{name} (T={call.shape[0]} flat tokens, {int(meta.num_pairs)} pairs of "
             f"{meta.pairs.shape[1]})")
 
@@ -167,7 +158,7 @@ def attention_alone_ms(runner, call, iters):
         return acc, cache
 
     def run():
-        acc, runner.cache = attn_all(runner.cache, call.inputs.meta)
+        acc, runner.cache = attn_all(runner.cache, call.inputs.meta(ragged=True))
         return acc
     return timed(run, iters)
 

@@ -35,7 +35,7 @@ def test_its_step_is_the_runners_step(profile_step):
     for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     decode = profile_step.step_call(runner, *steps.decode())
-    assert decode.shape == (4,) and int(decode.inputs.meta.num_pairs) == 4 * 2
+    assert decode.shape == (4,) and int(decode.inputs.meta(ragged=True).num_pairs) == 4 * 2
 
 
 def test_every_row_runs(profile_step, capsys):

@@ -46,17 +46,46 @@ from models.model import Model
 log = logging.getLogger("jaxserve")
 
 
+# Rows of StepInputs.per_token and per_row. Few arrays, not one per field: each host array a
+# call takes is a separate transfer with a fixed cost that dominates arrays this small.
+TOKEN_FIELDS = ("tokens", "feed", "positions", "write_slots", "token_slot", "multi")
+ROW_FIELDS = ("query_start", "context_lens", "logits_index", "row_slot", "samples", "scalars")
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class StepInputs:
-    tokens: jax.Array        # [1, T] int32 (0 where fed from the device)
-    feed: jax.Array          # [T] bool: input id = the token's slot's last sampled id
-    token_slot: jax.Array    # [T] int32: batch slot of each token's row (idle: the idle slot)
-    meta: PagedMeta          # positions/slots [1, T], query_start [R+1], context_lens [R], ...
-    logits_index: jax.Array  # [R] int32: flat index of each row's last query
-    row_slot: jax.Array      # [R] int32
-    samples: jax.Array       # [R] bool: the row samples (its last chunk, or a decode)
-    want_logprobs: jax.Array  # [] bool
+    """One ragged step's inputs (step_layout.Layout), packed.
+
+    per_token [6, T] int32: TOKEN_FIELDS (tokens are 0 where fed from the device; feed: take the
+    slot's last sampled id; token_slot: the idle slot for idle tokens; multi: XLA layout only).
+    per_row [6, R + 1] int32: ROW_FIELDS; query_start uses R + 1 entries, the others R; scalars
+    holds num_pairs and want_logprobs. pages: the page table [R, max_blocks] ("page_table"
+    backends) or the chunk pages [T / 16, Pc] (XLA); pairs [3, W] (XLA) or None.
+    """
+
+    per_token: jax.Array
+    per_row: jax.Array
+    pages: jax.Array
+    pairs: jax.Array | None = None
+
+    def field(self, name: str) -> jax.Array:
+        if name in TOKEN_FIELDS:
+            return self.per_token[TOKEN_FIELDS.index(name)]
+        r = self.per_row.shape[1] - 1
+        row = self.per_row[ROW_FIELDS.index(name)]
+        return row if name == "query_start" else row[:r]
+
+    def meta(self, ragged: bool) -> PagedMeta:
+        """The attention backends' view (positions and slots as [1, T])."""
+        f, scalars = self.field, self.per_row[ROW_FIELDS.index("scalars")]
+        r = self.per_row.shape[1] - 1
+        return PagedMeta(positions=f("positions")[None], slots=f("write_slots")[None],
+                         query_start=f("query_start"), context_lens=f("context_lens"),
+                         page_table=jnp.zeros((r, 1), jnp.int32) if ragged else self.pages,
+                         pairs=self.pairs, num_pairs=scalars[0] if ragged else None,
+                         multi=(f("multi") != 0) if ragged else None,
+                         chunk_pages=self.pages if ragged else None)
 
 
 @jax.tree_util.register_dataclass
@@ -69,7 +98,7 @@ class StepCall:
     @property
     def shape(self) -> tuple[int]:
         """(flat tokens,): what `ModelRunner.step_template` rebuilds it from."""
-        return (self.inputs.tokens.shape[1],)
+        return (self.inputs.per_token.shape[1],)
 
 
 @jax.tree_util.register_dataclass
@@ -160,21 +189,22 @@ class ModelRunner:
 
     def _step_impl(self, params, cache, state: SlotState, inp: StepInputs):
         # Named scopes label the ops in a profile (step / attention, mlp, sampling).
-        meta = inp.meta
+        meta, f = inp.meta(self.ragged), inp.field
+        token_slot, row_slot, ctx = f("token_slot"), f("row_slot"), meta.context_lens
         with jax.named_scope("step"):
             # Decode inputs not known on the host come from the slot's last sample.
-            tokens = jnp.where(inp.feed, state.last_tokens[inp.token_slot], inp.tokens[0])  # [T]
-            history = state.history.at[inp.token_slot, meta.positions[0]].set(tokens)
+            tokens = jnp.where(f("feed") != 0, state.last_tokens[token_slot], f("tokens"))  # [T]
+            history = state.history.at[token_slot, meta.positions[0]].set(tokens)
             logits, cache = self._module.apply({"params": params}, tokens[None], meta.positions,
-                                               cache, meta, logits_index=inp.logits_index)
+                                               cache, meta, logits_index=f("logits_index"))
             if self.tp is not None:  # one gather of vocab-parallel logits; sampler replicated
                 logits = jax.lax.with_sharding_constraint(logits, self.tp.replicated)
             with jax.named_scope("sampling"):
-                st = slot_state.rows_sampling(state, inp.row_slot, meta.context_lens)
-                out = sample(logits, st, history[inp.row_slot], meta.context_lens,
-                             state.prompt_lens[inp.row_slot], meta.context_lens,
-                             inp.want_logprobs)
-            written = jnp.where(inp.samples, inp.row_slot, self.idle_slot)
+                st = slot_state.rows_sampling(state, row_slot, ctx)
+                want = f("scalars")[1] != 0
+                out = sample(logits, st, history[row_slot], ctx, state.prompt_lens[row_slot], ctx,
+                             want)
+            written = jnp.where(f("samples") != 0, row_slot, self.idle_slot)
             state = dataclasses.replace(state, history=history,
                                         last_tokens=state.last_tokens.at[written].set(out.tokens))
         return cache, state, out
@@ -209,7 +239,7 @@ class ModelRunner:
         lay = step_layout.build([], self.page_table, tokens=tokens, max_num_seqs=self.num_slots,
                                 block_size=self.block_size, idle_slot=self.idle_slot,
                                 ragged=self.ragged)
-        return self._call(lay, want_logprobs=False)
+        return self.step_call(lay, want_logprobs=False)
 
     def slots_template(self, size: int) -> SlotsCall:
         """A slot-state delta that writes idle state into the idle slot."""
@@ -330,7 +360,7 @@ class ModelRunner:
                                 max_num_seqs=self.num_slots, block_size=self.block_size,
                                 idle_slot=self.idle_slot, ragged=self.ragged)
         want = any(i.seq.sampling_params.logprobs is not None for i in items)
-        sampled = self.run(self._call(lay, want))
+        sampled = self.run(self.step_call(lay, want))
         sampling = [(item, lay.row_index[k]) for k, item in enumerate(items) if item.is_last_chunk]
         return Pending([i for i, _ in sampling], [r for _, r in sampling], sampled, want)
 
@@ -338,18 +368,20 @@ class ModelRunner:
         """launch + collect: runs the scheduled work and waits for its sampled tokens."""
         return self.collect(self.launch(out, seeds))
 
-    def _call(self, lay: step_layout.Layout, want_logprobs: bool) -> StepCall:
-        r = lay.context_lens.shape[0]
-        table = lay.page_table if lay.page_table is not None else np.zeros((r, 1), np.int32)
-        meta = PagedMeta(positions=lay.positions[None], slots=lay.write_slots[None],
-                         query_start=lay.query_start, context_lens=lay.context_lens,
-                         page_table=table, pairs=lay.pairs, num_pairs=lay.num_pairs,
-                         multi=lay.multi if self.ragged else None,
-                         chunk_pages=lay.chunk_pages)
-        return StepCall(StepInputs(tokens=lay.tokens[None], feed=lay.feed,
-                                   token_slot=lay.token_slot, meta=meta,
-                                   logits_index=lay.logits_index, row_slot=lay.row_slot,
-                                   samples=lay.samples, want_logprobs=np.bool_(want_logprobs)))
+    def step_call(self, lay: step_layout.Layout, want_logprobs: bool) -> StepCall:
+        """The StepCall of a step layout (step_layout.build with this runner's settings)."""
+        t, r = lay.tokens.shape[0], lay.context_lens.shape[0]
+        per_token = np.empty((len(TOKEN_FIELDS), t), np.int32)  # [6, T]
+        for i, name in enumerate(TOKEN_FIELDS):
+            per_token[i] = getattr(lay, name)
+        per_row = np.zeros((len(ROW_FIELDS), r + 1), np.int32)  # [6, R + 1]
+        per_row[0] = lay.query_start
+        for i, name in enumerate(ROW_FIELDS[1:-1], start=1):
+            per_row[i, :r] = getattr(lay, name)
+        per_row[-1, :2] = (0 if lay.num_pairs is None else lay.num_pairs, want_logprobs)
+        pages = lay.chunk_pages if self.ragged else lay.page_table
+        return StepCall(StepInputs(per_token=per_token, per_row=per_row, pages=pages,
+                                   pairs=lay.pairs))
 
     def collect(self, pending: Pending) -> dict[str, SampleResult]:
         """Waits for a launched step's ids; returns the sampled token of every item that samples."""
