@@ -73,6 +73,8 @@ def workload():
         (5, "late", PREFIX + [3, 4, 5], SamplingParams(**sampled, seed=31, max_tokens=16,
                                                        min_tokens=16), None),
         (9, "later", [5, 4, 3, 2, 1], SamplingParams(temperature=0, max_tokens=18), None),
+        (10, "chunked", [(7 * i) % 250 + 3 for i in range(60)],  # > the 48-token budget
+         SamplingParams(temperature=0.7, seed=17, max_tokens=10), None),
     ]
     return reqs
 
