@@ -271,8 +271,11 @@ class LLMEngine:
         with jax.profiler.TraceAnnotation("postprocess"):
             if committed:
                 self.scheduler.retract(step.out)
-            # Requests aborted (or stopped by an earlier step) since the launch: dropped.
-            sampled = {sid: r for sid, r in sampled.items() if sid in self._owner}
+            # Requests aborted (or stopped by an earlier step) since the launch: dropped, also
+            # when a new request has taken the id since (its sequence is another one).
+            seqs = {item.request_id: item.seq for item in step.out.scheduled}
+            sampled = {sid: r for sid, r in sampled.items()
+                       if sid in self._owner and not seqs[sid].is_finished}
             outputs = self._postprocess(step.out, sampled, committed)
         t2 = time.perf_counter()
         self._record_step(step, len(sampled), wait_s=t1 - t0, postprocess_s=t2 - t1)
