@@ -69,6 +69,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--llama-cpp-python", default=None,
                     help="interpreter with llama_cpp importable; else the docs/peers.md figure")
     ap.add_argument("--threads", type=int, default=2, help="threads for the peers")
+    ap.add_argument("--async-scheduling", choices=("default", "on", "off"), default="default",
+                    help="jaxserve's async_scheduling (default: the engine's default)")
     ap.add_argument("--out", help="write the results as JSON here")
     ap.add_argument("--md", help="write the report as markdown here")
     args = ap.parse_args(argv)
@@ -92,7 +94,8 @@ def environment(args) -> dict:
             "dtype": args.dtype, "block_size": args.block_size,
             "max_num_seqs": args.max_num_seqs,
             "max_num_batched_tokens": args.max_num_batched_tokens,
-            "max_model_len": args.max_model_len, "kv_cache_dtype": args.kv_cache_dtype}
+            "max_model_len": args.max_model_len, "kv_cache_dtype": args.kv_cache_dtype,
+            "async_scheduling": args.async_scheduling}
 
 
 # ---- jaxserve ----------------------------------------------------------------------------------
@@ -103,7 +106,9 @@ def build_llm(args, dtype: str, quantization: str | None = None):
     llm = LLM(args.model, dtype=dtype, block_size=args.block_size,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
-              quantization=quantization, kv_cache_dtype=args.kv_cache_dtype)
+              quantization=quantization, kv_cache_dtype=args.kv_cache_dtype,
+              **({} if args.async_scheduling == "default" else
+                 {"async_scheduling": args.async_scheduling == "on"}))
     build_s = time.perf_counter() - t0
     label = dtype + (f" {quantization}" if quantization else "")
     print(f"  jaxserve {label}: constructed in {build_s:.1f}s "
