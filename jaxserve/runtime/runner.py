@@ -364,10 +364,6 @@ class ModelRunner:
         sampling = [(item, lay.row_index[k]) for k, item in enumerate(items) if item.is_last_chunk]
         return Pending([i for i, _ in sampling], [r for _, r in sampling], sampled, want)
 
-    def execute(self, out: SchedulerOutput, seeds: dict[str, int]) -> dict[str, SampleResult]:
-        """launch + collect: runs the scheduled work and waits for its sampled tokens."""
-        return self.collect(self.launch(out, seeds))
-
     def step_call(self, lay: step_layout.Layout, want_logprobs: bool) -> StepCall:
         """The StepCall of a step layout (step_layout.build with this runner's settings)."""
         t, r = lay.tokens.shape[0], lay.context_lens.shape[0]
