@@ -19,7 +19,7 @@ from jaxserve.core.scheduler import SchedulerConfig
 from models.config import Dtype
 
 # Which implementation runs inside the jitted step (jaxserve/runtime/backends.py).
-Backend = Literal["auto", "xla", "pallas", "pallas-interpret"]
+Backend = Literal["auto", "xla", "cpu", "pallas", "pallas-interpret"]
 # Inference paths (jaxserve/quantization/paths.py), and other names accepted for them.
 QuantizationPath = Literal["w8a16", "w4a16", "w8a8", "gguf"]
 QuantizationAlias = Literal["int4"]
@@ -79,8 +79,9 @@ class EngineConfig:
         "reuse cached KV blocks of shared prompt prefixes instead of recomputing them",
         aliases=("--prefix-caching",)))
     attention_backend: Backend = dataclasses.field(default="auto", metadata=_help(
-        "paged attention: pallas (GPU kernel), xla, pallas-interpret (kernel on CPU, for "
-        "tests); auto: pallas on GPU, else xla"))
+        "paged attention: pallas (GPU kernel), cpu (native CPU kernel), xla, pallas-interpret "
+        "(GPU kernel on CPU, for tests); auto: pallas on GPU, cpu on CPU where it builds, "
+        "else xla"))
     linear_backend: Backend = dataclasses.field(default="auto", metadata=_help(
         "quantized linears: pallas (int4 GPU kernel), xla, pallas-interpret; auto: pallas on "
         "GPU, else xla"))

@@ -96,8 +96,9 @@ class LLMEngine:
             self.model, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, block_size=bs,
             num_blocks=num_blocks, max_model_len=max_len, eos_ids=sorted(self.eos_ids),
-            attention=backends.attention_backend(backends.resolve(config.attention_backend), mc,
-                                                 bs, config.attention_backend),
+            attention=backends.attention_backend(
+                backends.resolve(config.attention_backend, attention=True), mc, bs,
+                config.attention_backend),
             linear=linear, tp=tp, kv_cache_dtype=kv_dtype)
         self.model = self.runner.model  # with TP, the placed shards: no unsharded copy is kept
         # Multi-host: process 0 schedules and broadcasts every step; the others follow().

@@ -38,6 +38,9 @@ if [ "$(cat .venv/.jaxserve-stamp 2>/dev/null)" != "$(stamp)" ]; then
   stamp > .venv/.jaxserve-stamp
 fi
 .venv/bin/jaxserve download smollm2-135m
+# The native CPU attention kernel, compiled here for this machine (a first use would build it
+# too; without a C++ compiler the engine falls back to XLA attention).
+.venv/bin/python -m jaxserve.native >/dev/null || echo "setup: native CPU kernels not built (see above); XLA attention will serve" >&2
 
 if [ "$WITH_TEST" = 1 ]; then
   if [ ! -x .venv-ref/bin/python ]; then

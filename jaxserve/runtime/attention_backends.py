@@ -15,6 +15,8 @@ import abc
 import dataclasses
 from typing import Callable, ClassVar, Literal
 
+from jaxserve import native
+from jaxserve.native.attention import ragged_paged_attention_cpu
 from jaxserve.runtime.attention import ragged_attention_xla, write_kv
 from jaxserve.runtime.kv_cache import KVCache, PagedMeta
 from models.config import ModelConfig
@@ -78,6 +80,36 @@ class XlaAttention(AttentionBackend):
 
     def for_tensor_parallel(self) -> XlaAttention:
         return dataclasses.replace(self, merge_kv_heads=False)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CpuAttention(AttentionBackend):
+    """The native CPU kernel (jaxserve/native/cpu_attention.cc) through the XLA FFI: the whole
+    step, decodes and chunks, reading each row's pages in place. CPU only; the XLA path is its
+    reference."""
+
+    layout: ClassVar[Layout] = "page_table"
+    # An FFI call is opaque to the SPMD partitioner, as a pallas_call is.
+    per_shard: ClassVar[bool] = True
+
+    @property
+    def name(self) -> str:
+        return "cpu"
+
+    def attend(self, q, k, v, cache, layer, meta):
+        cache = write_kv(cache, layer, k, v, meta.slots)
+        out = ragged_paged_attention_cpu(q[0], cache.k, cache.v, layer, meta.page_table,
+                                         meta.query_start, meta.context_lens)  # [T, H, Dh]
+        return out[None].astype(q.dtype), cache
+
+    def supports(self, config: ModelConfig, block_size: int) -> tuple[str, ...]:
+        reasons = []
+        if config.head_dim % 16:
+            reasons.append(f"head_dim {config.head_dim} (kernel: a multiple of 16)")
+        why = native.unavailable_reason()
+        if why:
+            reasons.append(f"the native library: {why}")
+        return tuple(reasons)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

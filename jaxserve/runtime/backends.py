@@ -1,8 +1,10 @@
 """Attention and linear backends: which implementation runs inside the jitted step.
 
-`xla` is pure jax.numpy and runs everywhere (the CPU path and the oracle); `pallas` runs the
-Pallas kernels (GPU); `pallas-interpret` runs the same kernels through the Pallas interpreter
-on CPU, for tests. `auto` picks pallas on GPU and xla elsewhere.
+`xla` is pure jax.numpy and runs everywhere (the oracle, and the CPU fallback); `cpu` is the
+native CPU attention kernel (jaxserve/native, attention only); `pallas` runs the Pallas kernels
+(GPU); `pallas-interpret` runs the same kernels through the Pallas interpreter on CPU, for
+tests. `auto` picks pallas on GPU; on CPU, cpu for attention where the native library builds
+and xla otherwise.
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ import logging
 
 import jax
 
-from jaxserve.runtime.attention_backends import AttentionBackend, PallasAttention, XlaAttention
+from jaxserve import native
+from jaxserve.runtime.attention_backends import (AttentionBackend, CpuAttention, PallasAttention,
+                                                 XlaAttention)
 from jaxserve.config import BACKENDS
 from jaxserve.quantization.linear import ACTIVATION_BITS, quantized_linear
 from models.config import ModelConfig
@@ -21,11 +25,23 @@ from models.quantized import Int8Weight, is_quantized
 log = logging.getLogger("jaxserve")
 
 
-def resolve(kind: str) -> str:
+def resolve(kind: str, attention: bool = False) -> str:
+    """The backend `kind` means here: `auto` resolved for this platform (and, for attention,
+    whether the native CPU library is available)."""
     if kind not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {kind!r}")
+    if kind == "cpu" and not attention:
+        raise ValueError("'cpu' is an attention backend (the native CPU kernel); "
+                         "linear_backend takes auto, xla, pallas or pallas-interpret")
     if kind == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "xla"
+        if jax.default_backend() == "gpu":
+            return "pallas"
+        if attention and jax.default_backend() == "cpu":
+            why = native.unavailable_reason()
+            if why is None:
+                return "cpu"
+            log.warning("native CPU attention unavailable (%s): using XLA attention", why)
+        return "xla"
     return kind
 
 
@@ -34,13 +50,14 @@ def attention_backend(kind: str, config: ModelConfig, block_size: int,
     """The attention backend for `kind` (resolved); falls back to XLA where the kernel cannot run."""
     if kind == "xla":
         return XlaAttention()
-    backend = PallasAttention(interpret=kind == "pallas-interpret")
+    backend = (CpuAttention() if kind == "cpu"
+               else PallasAttention(interpret=kind == "pallas-interpret"))
     unsupported = backend.supports(config, block_size)
     if unsupported:
         if requested != "auto":
             raise ValueError(f"attention_backend={requested!r} cannot run {', '.join(unsupported)}"
                              "; use attention_backend='xla'")
-        log.info("paged-attention kernel unsupported for %s: using XLA attention",
+        log.info("%s attention unsupported for %s: using XLA attention", backend.name,
                  list(unsupported))
         return XlaAttention()
     return backend

@@ -1,0 +1,295 @@
+// Ragged paged attention for the CPU, called from JAX through the XLA FFI.
+//
+// Why native: XLA:CPU runs the pure-XLA path (jaxserve/runtime/attention.py) as gathers and
+// batched dots over tiles of a few dozen keys, and pays per-op overhead far above the bytes and
+// flops the step needs (docs/performance.md). This loop reads each row's pages once, in place.
+//
+// Semantics are those of PagedMeta's page-table layout (jaxserve/runtime/kv_cache.py): row r's
+// queries are the flat tokens [query_start[r], query_start[r + 1]) at positions
+// context_lens[r] - q_len + i, and query i sees the row's keys at positions <= its own.
+// Flat tokens of no row get zeros. Work items are (row, KV head, block of kQueryBlock queries),
+// taken from a shared counter by the calling thread and by tasks on XLA's intra-op pool.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kKeyTile = 16;     // keys scored together: one AVX-512 register of f32 lanes
+constexpr int kQueryBlock = 16;  // queries of one row in one work item
+constexpr float kMask = -1e30f;  // finite, as attention.py's MASK_VALUE
+
+// 16 float lanes (GCC/Clang vector extensions: one AVX-512 register, or two AVX2 ones).
+typedef float V16 __attribute__((vector_size(64)));
+typedef float V16u __attribute__((vector_size(64), aligned(4)));  // unaligned loads
+typedef int32_t I16 __attribute__((vector_size(64)));
+const V16 kLanes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+
+inline V16 load16(const float* p) { return *reinterpret_cast<const V16u*>(p); }
+inline float hmax(V16 x) {
+  float r = x[0];
+  for (int i = 1; i < 16; ++i) r = std::max(r, x[i]);
+  return r;
+}
+inline float hsum(V16 x) {
+  float r = 0.0f;
+  for (int i = 0; i < 16; ++i) r += x[i];
+  return r;
+}
+// exp(x) for x <= 0 (scores minus their running max): 2^n * 2^f, n = round(x log2 e),
+// |f| <= 1/2, 2^f by its degree-6 Taylor series (relative error ~1e-7). Inputs below -87
+// (where float32 exp underflows) give ~1e-38, which the softmax sums treat as 0.
+inline V16 vexp(V16 x) {
+  x = x < -87.0f ? V16{} - 87.0f : x;
+  const V16 t = x * 1.4426950408889634f;
+  const V16 nf = __builtin_convertvector(__builtin_convertvector(t + (t < 0 ? -0.5f : 0.5f), I16), V16);
+  const V16 f = (t - nf) * 0.6931471805599453f;
+  V16 p = 1.0f / 720 + f * 0;
+  p = p * f + 1.0f / 120;
+  p = p * f + 1.0f / 24;
+  p = p * f + 1.0f / 6;
+  p = p * f + 0.5f;
+  p = p * f + 1.0f;
+  p = p * f + 1.0f;
+  const I16 bits = (__builtin_convertvector(nf, I16) + 127) << 23;
+  V16 scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+inline float to_f32(float x) { return x; }
+inline float to_f32(uint16_t bits) {  // bfloat16: the high half of a float32
+  uint32_t u = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+struct Problem {
+  const void* q;
+  const void* k;
+  const void* v;
+  const int32_t* query_start;   // [R + 1]
+  const int32_t* context_lens;  // [R]
+  const int32_t* page_table;    // [R, max_blocks]
+  float* out;                   // [T, H, Dh]
+  int64_t layer, num_blocks, block_size, kv_heads, heads, head_dim, max_blocks;
+  float scale;
+};
+
+struct Item {
+  int32_t row, kv_head, first_query;
+};
+
+// Query vectors scored together against one key tile: each key row is loaded once for all of
+// them, and their accumulators stay in registers (4 vectors x 16 lanes per head-dim chunk).
+constexpr int kVecs = 4;
+
+// Scores, online-softmax update and PV of query vectors [v0, v0 + kVecs) against one tile of
+// keys: kt `[Dh, kKeyTile]` (transposed), vt `[kKeyTile, Dh]`. visible[u]: keys of the tile
+// vector u sees (<= 0: none).
+inline void tile_update(int64_t dh, int64_t v0, const int32_t* visible, const float* qv,
+                        const float* kt, const float* vt, float* acc, float* m, float* l) {
+  V16 sc[kVecs] = {};
+  const float* qr[kVecs];
+  for (int u = 0; u < kVecs; ++u) qr[u] = qv + (v0 + u) * dh;
+  for (int64_t d = 0; d < dh; ++d) {
+    const V16 kd = load16(kt + d * kKeyTile);
+    for (int u = 0; u < kVecs; ++u) sc[u] += qr[u][d] * kd;
+  }
+  V16 pr[kVecs];
+  float corr[kVecs];
+  int32_t span = 0;
+  for (int u = 0; u < kVecs; ++u) {
+    const int64_t vi = v0 + u;
+    const I16 live = kLanes < float(visible[u]);  // lanes of keys vector u sees
+    const V16 s = live ? sc[u] : V16{} + kMask;
+    const float m_new = std::max(m[vi], hmax(s));
+    corr[u] = std::exp(m[vi] - m_new);
+    pr[u] = live ? vexp(s - m_new) : V16{};
+    l[vi] = l[vi] * corr[u] + hsum(pr[u]);
+    m[vi] = m_new;
+    span = std::max(span, visible[u]);
+  }
+  for (int64_t c = 0; c < dh; c += 16) {
+    V16 a[kVecs];
+    for (int u = 0; u < kVecs; ++u) a[u] = load16(acc + (v0 + u) * dh + c) * corr[u];
+    for (int32_t s = 0; s < span; ++s) {
+      const V16 vv = load16(vt + s * dh + c);
+      for (int u = 0; u < kVecs; ++u) a[u] += pr[u][s] * vv;
+    }
+    for (int u = 0; u < kVecs; ++u) {
+      std::memcpy(acc + (v0 + u) * dh + c, &a[u], sizeof a[u]);
+    }
+  }
+}
+
+// One work item: queries [first_query, first_query + n) of `row` (n <= kQueryBlock), the G query
+// heads of `kv_head`, over the keys the last of them sees, in tiles of kKeyTile keys. Query
+// vector i * G + j is query i's head j of the group; vectors past n * G (rounding up to kVecs)
+// are zero padding that sees no key.
+template <typename QT, typename KT>
+void attend_item(const Problem& p, const Item& it, std::vector<float>& scratch) {
+  const int64_t g = p.heads / p.kv_heads, dh = p.head_dim;
+  const int32_t q0 = p.query_start[it.row], q_len = p.query_start[it.row + 1] - q0;
+  const int32_t ctx = p.context_lens[it.row];
+  const int32_t n = std::min<int32_t>(kQueryBlock, q_len - it.first_query);
+  const int32_t base = ctx - q_len + it.first_query;  // position of the item's first query
+  const int64_t nv = int64_t(n) * g;
+  const int64_t nvp = (nv + kVecs - 1) / kVecs * kVecs;
+  scratch.assign(size_t(nvp * dh * 2 + nvp * 2 + dh * kKeyTile * 2), 0.0f);
+  float* qv = scratch.data();   // [nvp, Dh], scaled
+  float* acc = qv + nvp * dh;   // [nvp, Dh]
+  float* m = acc + nvp * dh;    // [nvp]
+  float* l = m + nvp;           // [nvp]
+  float* kt = l + nvp;          // [Dh, kKeyTile]: keys transposed, lanes over keys
+  float* vt = kt + dh * kKeyTile;  // [kKeyTile, Dh]
+  const QT* q = static_cast<const QT*>(p.q);
+  for (int64_t vi = 0; vi < nv; ++vi) {
+    const int64_t i = vi / g, j = vi % g;
+    const QT* src = q + ((int64_t(q0 + it.first_query + i) * p.heads) + it.kv_head * g + j) * dh;
+    for (int64_t d = 0; d < dh; ++d) qv[vi * dh + d] = to_f32(src[d]) * p.scale;
+  }
+  std::fill(m, m + nvp, kMask);
+  const KT* kc = static_cast<const KT*>(p.k);
+  const KT* vc = static_cast<const KT*>(p.v);
+  const int32_t* table = p.page_table + int64_t(it.row) * p.max_blocks;
+  const int32_t key_end = base + n;  // keys [0, key_end) are seen by some query of the item
+  for (int32_t s0 = 0; s0 < key_end; s0 += kKeyTile) {
+    const int32_t ns = std::min<int32_t>(kKeyTile, key_end - s0);
+    const KT* krows[kKeyTile];
+    for (int32_t j = 0; j < kKeyTile; ++j) {  // lanes past the context repeat the last key
+      const int32_t pos = s0 + std::min(j, ns - 1);
+      const int64_t blk = table[pos / p.block_size], off = pos % p.block_size;
+      const int64_t at = (((p.layer * p.num_blocks + blk) * p.block_size + off) * p.kv_heads +
+                          it.kv_head) * dh;
+      krows[j] = kc + at;
+      for (int64_t d = 0; d < dh; ++d) vt[j * dh + d] = to_f32(vc[at + d]);
+    }
+    for (int64_t d = 0; d < dh; ++d) {  // transposed: written in order, read from 16 rows
+      for (int32_t j = 0; j < kKeyTile; ++j) kt[d * kKeyTile + j] = to_f32(krows[j][d]);
+    }
+    for (int64_t v0 = 0; v0 < nvp; v0 += kVecs) {
+      int32_t visible[kVecs];
+      int32_t any = 0;
+      for (int u = 0; u < kVecs; ++u) {  // causal: query i sees keys at positions <= its own
+        const int64_t vi = v0 + u;
+        visible[u] = vi < nv ? std::min<int32_t>(ns, base + int32_t(vi / g) - s0 + 1) : 0;
+        any = std::max(any, visible[u]);
+      }
+      if (any > 0) tile_update(dh, v0, visible, qv, kt, vt, acc, m, l);
+    }
+  }
+  for (int64_t vi = 0; vi < nv; ++vi) {
+    const int64_t i = vi / g, j = vi % g;
+    float* dst = p.out + ((int64_t(q0 + it.first_query + i) * p.heads) + it.kv_head * g + j) * dh;
+    const float inv = 1.0f / std::max(l[vi], 1e-30f);
+    for (int64_t d = 0; d < dh; ++d) dst[d] = acc[vi * dh + d] * inv;
+  }
+}
+
+// Items shared by the caller and pool tasks. A task that starts after the work ran out does
+// nothing; the caller waits only for items already claimed, so it never waits on a task the
+// pool has not started (the pool's threads may all be busy, e.g. in another such call).
+struct Shared {
+  Problem problem;
+  std::vector<Item> items;
+  void (*fn)(const Problem&, const Item&, std::vector<float>&);
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  std::mutex mu;
+  std::condition_variable cv;
+
+  void drain() {
+    std::vector<float> scratch;
+    int64_t ran = 0;
+    for (int64_t i; (i = next.fetch_add(1)) < int64_t(items.size());) {
+      fn(problem, items[i], scratch);
+      ++ran;
+    }
+    if (ran && done.fetch_add(ran) + ran == int64_t(items.size())) {
+      std::lock_guard<std::mutex> lock(mu);
+      cv.notify_all();
+    }
+  }
+};
+
+template <typename QT, typename KT>
+void run_item(const Problem& p, const Item& it, std::vector<float>& scratch) {
+  attend_item<QT, KT>(p, it, scratch);
+}
+
+using ItemFn = void (*)(const Problem&, const Item&, std::vector<float>&);
+
+ItemFn pick(ffi::DataType q, ffi::DataType kv) {
+  using D = ffi::DataType;
+  if (q == D::F32 && kv == D::F32) return run_item<float, float>;
+  if (q == D::F32 && kv == D::BF16) return run_item<float, uint16_t>;
+  if (q == D::BF16 && kv == D::F32) return run_item<uint16_t, float>;
+  if (q == D::BF16 && kv == D::BF16) return run_item<uint16_t, uint16_t>;
+  return nullptr;
+}
+
+ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> query_start,
+                ffi::Buffer<ffi::S32> context_lens, ffi::Buffer<ffi::S32> page_table,
+                ffi::ResultBuffer<ffi::F32> out, float scale) {
+  auto qd = q.dimensions(), kd = k.dimensions(), td = page_table.dimensions();
+  if (qd.size() != 3 || kd.size() != 5 || td.size() != 2 || k.element_type() != v.element_type())
+    return ffi::Error::InvalidArgument(
+        "expected q [T, H, Dh], k/v [L, N, BS, K, Dh], table [R, M]; got ranks " +
+        std::to_string(qd.size()) + ", " + std::to_string(kd.size()) + ", " +
+        std::to_string(td.size()));
+  ItemFn fn = pick(q.element_type(), k.element_type());
+  if (!fn) return ffi::Error::InvalidArgument("q and the cache must be float32 or bfloat16");
+  auto shared = std::make_shared<Shared>();
+  Problem& p = shared->problem;
+  p = Problem{q.untyped_data(), k.untyped_data(), v.untyped_data(), query_start.typed_data(),
+              context_lens.typed_data(), page_table.typed_data(), out->typed_data(),
+              layer.typed_data()[0], kd[1], kd[2], kd[3], qd[1], qd[2], td[1], scale};
+  if (kd[4] != qd[2] || qd[1] % kd[3] != 0 || qd[2] % 16 != 0)
+    return ffi::Error::InvalidArgument(
+        "head_dim (a multiple of 16) or head counts of q and the cache disagree");
+  std::fill(p.out, p.out + qd[0] * qd[1] * qd[2], 0.0f);
+  const int64_t rows = td[0];
+  for (int32_t r = 0; r < rows; ++r) {
+    const int32_t q_len = p.query_start[r + 1] - p.query_start[r];
+    for (int32_t first = 0; first < q_len; first += kQueryBlock)
+      for (int32_t h = 0; h < p.kv_heads; ++h) shared->items.push_back({r, h, first});
+  }
+  if (shared->items.empty()) return ffi::Error::Success();
+  shared->fn = fn;
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), int64_t(shared->items.size()) - 1);
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared] { shared->drain(); });
+  shared->drain();
+  std::unique_lock<std::mutex> lock(shared->mu);
+  shared->cv.wait(lock, [&] { return shared->done.load() == int64_t(shared->items.size()); });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedPagedAttention, Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // q [T, H, Dh]
+                                  .Arg<ffi::AnyBuffer>()  // k cache [L, N, BS, K, Dh]
+                                  .Arg<ffi::AnyBuffer>()  // v cache
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer []
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // query_start [R + 1]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // context_lens [R]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // page_table [R, M]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out [T, H, Dh]
+                                  .Attr<float>("scale"));
