@@ -74,7 +74,8 @@ class StepInputs:
             return self.per_token[TOKEN_FIELDS.index(name)]
         r = self.per_row.shape[1] - 1
         row = self.per_row[ROW_FIELDS.index(name)]
-        return row if name == "query_start" else row[:r]
+        # query_start has R + 1 entries; scalars two, which need not fit R (a 1-row step).
+        return row if name in ("query_start", "scalars") else row[:r]
 
     def meta(self, ragged: bool) -> PagedMeta:
         """The attention backends' view (positions and slots as [1, T])."""
