@@ -14,6 +14,7 @@ backend shards a layer by what it is declared, not by its name.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Literal
 
 import flax.linen as nn
@@ -46,6 +47,12 @@ def dense_linear(x, w, parallel: Parallel = None):
     (models/quantized.py) in place of w; `parallel` is for sharding wrappers (unused here).
     """
     del parallel
+    if x.dtype == jnp.bfloat16 and math.prod(x.shape[:-1]) == 1:
+        # XLA:CPU runs a one-row bf16 product as a matrix-vector kernel several times slower
+        # than its two-row matrix product (docs/performance.md); elsewhere the row is free.
+        two = jnp.concatenate([x.reshape(1, -1), jnp.zeros_like(x.reshape(1, -1))])  # [2, K]
+        y = jnp.einsum("ri,io->ro", two, w, preferred_element_type=jnp.float32)
+        return y[:1].reshape(*x.shape[:-1], w.shape[-1])
     return jnp.einsum("...i,io->...o", x, w, preferred_element_type=jnp.float32)
 
 

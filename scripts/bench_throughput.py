@@ -55,6 +55,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="jaxserve K/V storage (auto: the model's dtype)")
     ap.add_argument("--batch1-dtypes", default="float32,bfloat16",
                     help="jaxserve dtypes for the batch-1 decode row (comma separated, or '')")
+    ap.add_argument("--also-dtypes", default="",
+                    help="comma-separated further jaxserve dtypes run on the full workload "
+                    "(float weights, no quantization), e.g. bfloat16 beside --dtype float32")
     ap.add_argument("--quantization", default="",
                     help="comma-separated jaxserve weight paths (w8a8,w8a16,w4a16,gguf) also "
                          "measured, each on the full workload and batch 1, in --dtype")
@@ -179,6 +182,12 @@ def run_jaxserve(args, workload: list[dict], b1_prompt: list[int]) -> dict:
         print(f"  jaxserve {dtype}: batch 1 ...", flush=True)
         result["batch1"][dtype] = jaxserve_batch1(llm, b1_prompt, args.batch1_new_tokens,
                                                   args.batch1_repeats)
+    result["also"] = {}
+    for dtype in [d for d in args.also_dtypes.split(",") if d and d != args.dtype]:
+        del llm
+        llm, result["build"][dtype] = build_llm(args, dtype)
+        print(f"  jaxserve {dtype}: {len(workload)} requests ...", flush=True)
+        result["also"][dtype] = jaxserve_throughput(llm, workload)
     result["quantized"] = {}
     for quant in [q for q in args.quantization.split(",") if q]:
         del llm
@@ -266,6 +275,9 @@ def table_rows(args, workload, js: dict, hf: dict | None, lc: dict) -> list[dict
         rows.append({"system": f"jaxserve {args.dtype}", "kind": "throughput",
                      "workload": f"HF subset: {sub}",
                      "tok_s": js["throughput_hf_subset"]["output_tok_s"]})
+    for dtype, r in js.get("also", {}).items():
+        rows.append({"system": f"jaxserve {dtype}", "kind": "throughput", "workload": full,
+                     "tok_s": r["output_tok_s"]})
     for quant, r in js.get("quantized", {}).items():
         rows.append({"system": f"jaxserve {args.dtype} {quant}", "kind": "throughput",
                      "workload": full, "tok_s": r["throughput"]["output_tok_s"]})
