@@ -337,14 +337,18 @@ class LLMEngine:
         for seq in done:
             ended.setdefault(owner[seq.request_id].request_id, []).append(seq)
         for rid, state in progressed.items():
-            left += self._apply(state.on_updated(ended.get(rid, []), self._id_source(rid)))
+            seqs = ended.get(rid)
+            if seqs is None and type(state) is RequestState:
+                continue  # its on_updated acts only on ended branches: skipped, per request
+            left += self._apply(state.on_updated(seqs or [], self._id_source(rid)))
         for seq in done + left:
             self.runner.release(seq.request_id)
-            self._owner.pop(seq.request_id, None)
+            owner.pop(seq.request_id, None)
         outputs = []
         for rid, state in progressed.items():
-            outputs.append(state.output())
-            if state.finished:
+            output = state.output()
+            outputs.append(output)
+            if output.finished:
                 del self.requests[rid]
         return outputs
 

@@ -184,6 +184,7 @@ class RequestState:
         return decision
 
     def on_updated(self, finished: list[Sequence], new_id: NewId) -> Decision:
+        # Acts only on `finished` (the engine skips the call when it is empty).
         for seq in finished:
             self.by_seq[seq.request_id].finished = True
         return Decision()
