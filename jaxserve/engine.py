@@ -256,9 +256,10 @@ class LLMEngine:
     def _can_commit(self, out: SchedulerOutput) -> bool:
         """Whether the next step may be scheduled before `out`'s ids are known: not when a
         request of it forks branches or searches beams on them."""
-        for item in out.scheduled:
-            state = self._owner.get(item.request_id)
-            if state is not None and (not isinstance(state, RequestState)
+        owner = self._owner
+        for item in out.scheduled:  # every scheduled sequence, every step: kept lean
+            state = owner.get(item.seq.request_id)
+            if state is not None and (type(state) is not RequestState
                                       or state.num_pending_forks):
                 return False
         return True
@@ -274,10 +275,11 @@ class LLMEngine:
                 self.scheduler.retract(step.out)
             # Requests aborted (or stopped by an earlier step) since the launch: dropped, also
             # when a new request has taken the id since (its sequence is another one).
-            seqs = {item.request_id: item.seq for item in step.out.scheduled}
+            items = {item.seq.request_id: item for item in step.out.scheduled}
+            owner = self._owner
             sampled = {sid: r for sid, r in sampled.items()
-                       if sid in self._owner and not seqs[sid].is_finished}
-            outputs = self._postprocess(step.out, sampled, committed)
+                       if sid in owner and not items[sid].seq.is_finished}
+            outputs = self._postprocess(step.out, items, sampled, committed)
         t2 = time.perf_counter()
         self._record_step(step, len(sampled), wait_s=t1 - t0, postprocess_s=t2 - t1)
         return outputs, t1 - t0
@@ -287,13 +289,14 @@ class LLMEngine:
 
         Returns each row's seed, and request id -> error message for the requests that failed.
         """
-        seeds, failed = {}, {}
+        seeds, failed, owner = {}, {}, self._owner
         for item in out.scheduled:
-            state = self._owner[item.request_id]
+            sid = item.seq.request_id
+            state = owner[sid]
             if state.request_id in failed:
                 continue
             try:
-                seeds[item.request_id] = self._prepare_row(state, item)
+                seeds[sid] = self._prepare_row(state, item)
             except Exception as e:  # noqa: BLE001 - any failure here is this request's alone
                 log.exception("request %r failed preparing its step", state.request_id)
                 failed.setdefault(state.request_id, f"{type(e).__name__}: {e}")
@@ -320,33 +323,41 @@ class LLMEngine:
             errors.append(state.output())
         return out, errors
 
-    def _postprocess(self, out: SchedulerOutput, sampled, committed: bool) -> list[RequestOutput]:
-        items = {i.request_id: i for i in out.scheduled}
-        step, progressed = Decision(), {}
+    def _postprocess(self, out: SchedulerOutput, items: dict[str, ScheduledSeq], sampled,
+                     committed: bool) -> list[RequestOutput]:
+        """items: `out`'s scheduled items by sequence id; sampled: their results to apply."""
+        step, progressed, owner = Decision(), {}, self._owner
         for sid, result in sampled.items():
-            state = self._owner[sid]
-            progressed[state.request_id] = state
-            step.merge(state.on_sampled(items[sid], result, self._id_source(state.request_id)))
+            state = owner[sid]
+            rid = state.request_id
+            progressed[rid] = state
+            state.on_sampled(items[sid], result, self._id_source(rid), into=step)
         left = self._apply(step)  # n > 1: forks off a prompt that just ran, before update
         done = self.scheduler.update(out, step.tokens, step.finished, step.hold, committed)
         ended: dict[str, list[Sequence]] = {}
         for seq in done:
-            ended.setdefault(self._owner[seq.request_id].request_id, []).append(seq)
+            ended.setdefault(owner[seq.request_id].request_id, []).append(seq)
         for rid, state in progressed.items():
-            left += self._apply(state.on_updated(ended.get(rid, []), self._id_source(rid)))
+            seqs = ended.get(rid)
+            if seqs is None and type(state) is RequestState:
+                continue  # its on_updated acts only on ended branches: skipped, per request
+            left += self._apply(state.on_updated(seqs or [], self._id_source(rid)))
         for seq in done + left:
             self.runner.release(seq.request_id)
-            self._owner.pop(seq.request_id, None)
+            owner.pop(seq.request_id, None)
         outputs = []
         for rid, state in progressed.items():
-            outputs.append(state.output())
-            if state.finished:
+            output = state.output()
+            outputs.append(output)
+            if output.finished:
                 del self.requests[rid]
         return outputs
 
     def _apply(self, decision: Decision) -> list[Sequence]:
         """Applies a decision's structural part (see Decision for the order) through the
         scheduler; its tokens / finished / hold go to Scheduler.update. Returns the freed."""
+        if not (decision.reserve or decision.forks or decision.append or decision.free):
+            return []  # the common case, once per request per step
         for seq, num_slots in decision.reserve:
             self.scheduler.set_reserved_slots(seq, num_slots)
         for fork in decision.forks:
@@ -365,7 +376,7 @@ class LLMEngine:
             step=self.step_totals.num_steps, num_seqs=len(out.scheduled),
             num_prefill_seqs=len(out.prefills), num_decode_seqs=len(out.decodes),
             num_prefill_tokens=sum(i.num_new_tokens for i in out.prefills),
-            num_decode_tokens=sum(i.num_new_tokens for i in out.decodes),
+            num_decode_tokens=len(out.decodes),  # a decode runs one token
             num_sampled=num_sampled, num_preempted=len(out.preempted),
             kv_blocks_used=bm.num_used_blocks, schedule_s=step.schedule_s,
             device_s=step.launch_s + wait_s, postprocess_s=postprocess_s, wait_s=wait_s,

@@ -251,3 +251,65 @@ def test_bad_block_size_rejected(bad):
 def test_too_few_blocks_rejected(bad):
     with pytest.raises(ValueError, match="num_blocks must be at least 2"):
         BlockManager(num_blocks=bad, block_size=4)
+
+
+
+def _computed(bm, rid, n_prompt, allocate=None):
+    seq = make_seq(rid, n_prompt=n_prompt)
+    bm.allocate(seq, allocate)
+    compute_all(seq)
+    return seq
+
+
+def _decode_inside_block(bm):
+    seq = _computed(bm, "mid", 6)  # the 7th token is written into block 1
+    seq.append_token(1)
+    return seq, 1
+
+
+def _decode_at_boundary(bm):
+    seq = _computed(bm, "full", 8)  # position 8 starts a new block
+    seq.append_token(1)
+    return seq, 1
+
+
+def _decode_into_shared_tail(bm):
+    parent = _computed(bm, "p", 10)
+    child = make_seq("c", n_prompt=10)
+    compute_all(child)
+    bm.fork(parent, child)
+    child.append_token(1)
+    return child, 1
+
+
+def _write_into_cached_block(bm):
+    seq = _computed(bm, "o", 8)
+    bm.register_computed(seq)  # both full blocks cached, held by seq alone
+    seq.num_computed_tokens = 7  # recompute the last prompt token (as a fork child does)
+    return seq, 1
+
+
+def _chunk(n):
+    def case(bm):
+        seq = make_seq("chunk", n_prompt=12)
+        bm.allocate(seq, 4)  # blocks for positions 0..3
+        seq.num_computed_tokens = 2
+        return seq, n
+    return case
+
+
+@pytest.mark.parametrize("case, fits", [
+    (_decode_inside_block, True), (_decode_at_boundary, False),
+    (_decode_into_shared_tail, False), (_write_into_cached_block, False),
+    (_chunk(2), True), (_chunk(6), False)],
+    ids=["inside-block", "boundary", "shared-tail", "cached", "chunk-inside", "chunk-past"])
+def test_fits_in_place_is_exactly_allocate_doing_nothing(case, fits):
+    """The scheduler's decode fast path skips allocate when fits_in_place: it must hold exactly
+    when allocate would take no block and copy nothing."""
+    bm = BlockManager(num_blocks=1 + 16, block_size=4, enable_caching=True)
+    seq, n = case(bm)
+    assert bm.fits_in_place(seq, n) == fits
+    table, free = list(seq.block_table), bm.num_free_blocks
+    copies = bm.allocate(seq, n)
+    assert fits == (copies == [] and seq.block_table == table and bm.num_free_blocks == free)
+    bm.check_invariants()

@@ -82,3 +82,34 @@ def test_merge_keeps_order_and_unions():
     d.merge(Decision(tokens={"b": 2}, hold={"y"}, append=[(b, 2)]))
     assert d.tokens == {"a": 1, "b": 2} and d.hold == {"x", "y"}
     assert d.append == [(a, 1), (b, 2)]
+
+
+def test_on_sampled_adds_into_the_step_decision():
+    """The engine gathers one Decision per step (`into=`) instead of merging one per sequence:
+    the gathered one is what merging the separate answers gives."""
+    params = SamplingParams(n=2, temperature=1.0, seed=1, max_tokens=4, stop_token_ids=(9,))
+    beam_params = SamplingParams(use_beam_search=True, beam_width=2, n=2, max_tokens=4)
+
+    def answers(into):
+        a, b = Sequence("a", [1, 2], params), Sequence("b", [3], search_params(beam_params))
+        states = [(RequestState(a, None, None, 1, 0.0, set()), a, SampleResult(9, -0.1, None)),
+                  (BeamRequestState(b, None, None, beam_params, 0.0, set()), b,
+                   SampleResult(5, -0.1, {5: -0.1, 6: -0.2}))]
+        out = []
+        for state, seq, result in states:
+            item = ScheduledSeq(seq, seq.num_tokens, 0, seq.num_tokens > 1, True)
+            d = state.on_sampled(item, result, ids(), into=into)
+            assert into is None or d is into
+            out.append(d)
+        return out
+
+    merged = Decision()
+    for d in answers(None):
+        merged.merge(d)
+    into = Decision()
+    answers(into)
+    assert into.tokens == merged.tokens == {"a": 9}
+    assert into.finished == merged.finished == {"a": SequenceStatus.FINISHED_STOPPED}
+    assert into.hold == merged.hold == {"b"}
+    assert [f.child.request_id for f in into.forks] == [f.child.request_id for f in merged.forks]
+    assert len(into.forks) == 1 and not into.reserve and not into.append and not into.free

@@ -84,13 +84,16 @@ class BeamRequestState:
     def seed_of(self, seq_id: str) -> int:
         return 0
 
-    def on_sampled(self, item: ScheduledSeq, result: SampleResult, new_id: NewId) -> Decision:
+    def on_sampled(self, item: ScheduledSeq, result: SampleResult, new_id: NewId,
+                   into: Decision | None = None) -> Decision:
         """Records the beam's candidates; it is held until its whole group has them."""
         if self.metrics.first_token_time is None:
             self.metrics.first_token_time = time.monotonic()
         beam = self._beam(item.request_id)
         beam.candidates = list((result.top or {}).items())[:2 * self.width]
-        return Decision(hold={item.request_id})
+        decision = Decision() if into is None else into
+        decision.hold.add(item.request_id)
+        return decision
 
     def on_updated(self, finished: list[Sequence], new_id: NewId) -> Decision:
         return self._advance(new_id) if self.ready else Decision()

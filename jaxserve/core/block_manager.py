@@ -147,6 +147,20 @@ class BlockManager:
         missing = max(0, target - len(seq.block_table))
         return missing + len(self._written_blocks_to_copy(seq, n))
 
+    def fits_in_place(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Whether the next `num_new_tokens` writes land in blocks `seq` already holds alone and
+        uncached, so `allocate` would change nothing (most decodes): checked per sequence every
+        step, without building the copy list."""
+        start, table = seq.num_computed_tokens, seq.block_table
+        last = (start + num_new_tokens - 1) // self.block_size
+        if last >= len(table):
+            return False
+        refs, cached = self._ref_counts, self.cache.hash_of
+        for block in table[start // self.block_size:last + 1]:
+            if refs[block] > 1 or block in cached:
+                return False
+        return True
+
     def can_allocate(self, seq: Sequence, num_new_tokens: int | None = None,
                      cached: list[int] = ()) -> bool:
         return self.blocks_needed(seq, num_new_tokens, cached) <= self.num_free_blocks

@@ -80,8 +80,12 @@ class RequestStateProtocol(Protocol):
     def seed_of(self, seq_id: str) -> int:
         """The sampling seed of one of the request's sequences."""
 
-    def on_sampled(self, item: ScheduledSeq, result: SampleResult, new_id: NewId) -> Decision:
-        """`item` ran and sampled `result` (before Scheduler.update applies the step)."""
+    def on_sampled(self, item: ScheduledSeq, result: SampleResult, new_id: NewId,
+                   into: Decision | None = None) -> Decision:
+        """`item` ran and sampled `result` (before Scheduler.update applies the step).
+
+        Adds to `into` when given (the engine gathers one decision per step, instead of one
+        per sequence merged into it) and returns it; else returns a new Decision."""
 
     def on_updated(self, finished: list[Sequence], new_id: NewId) -> Decision:
         """After Scheduler.update: `finished` are the request's sequences it ended."""

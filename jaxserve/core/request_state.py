@@ -62,14 +62,13 @@ class BranchState:
 
         eos_ids: the engine's end-of-sequence ids (tokenizer stop tokens, else the config's).
         """
-        now = time.monotonic()
         if self.metrics.first_token_time is None:
-            self.metrics.first_token_time = now
+            self.metrics.first_token_time = time.monotonic()
         token, p = result.token, self.params
         self.cumulative_logprob += result.logprob
         if self.logprobs is not None:
             self.logprobs.append({token: result.logprob, **(result.top or {})})
-        n_out = self.seq.num_output_tokens + 1  # counting this token
+        n_out = len(self.seq.output_token_ids) + 1  # counting this token
         min_reached = n_out >= p.min_tokens
         if token in self._stop_ids and min_reached:
             self.stop_reason = token
@@ -165,17 +164,19 @@ class RequestState:
     def seed_of(self, seq_id: str) -> int:
         return self.by_seq[seq_id].seed
 
-    def on_sampled(self, item: ScheduledSeq, result: SampleResult, new_id: NewId) -> Decision:
+    def on_sampled(self, item: ScheduledSeq, result: SampleResult, new_id: NewId,
+                   into: Decision | None = None) -> Decision:
         """Records the token; once branch 0's prompt has run, forks the other branches off it.
 
         Each branch recomputes only the last prompt token (copy-on-write of the tail block) to
-        sample its own first token.
+        sample its own first token. Adds to `into` (the step's decision) when given.
         """
-        sid, decision = item.request_id, Decision()
-        if self.num_pending_forks and item.seq is self.seq:
+        sid = item.seq.request_id
+        decision = Decision() if into is None else into
+        if len(self.branches) < self.params.n and item.seq is self.seq:
             end = item.start_pos + item.num_new_tokens
-            decision.forks = [Fork(parent=item.seq, child=child, num_computed_tokens=end - 1)
-                              for child in self._fork_sequences(new_id)]
+            decision.forks.extend(Fork(parent=item.seq, child=child, num_computed_tokens=end - 1)
+                                  for child in self._fork_sequences(new_id))
         decision.tokens[sid] = result.token
         reason = self.by_seq[sid].on_token(result, self.eos_ids)
         if reason is not None:
@@ -183,6 +184,7 @@ class RequestState:
         return decision
 
     def on_updated(self, finished: list[Sequence], new_id: NewId) -> Decision:
+        # Acts only on `finished` (the engine skips the call when it is empty).
         for seq in finished:
             self.by_seq[seq.request_id].finished = True
         return Decision()
@@ -196,7 +198,13 @@ class RequestState:
     def finished(self) -> bool:
         if self.error is not None:
             return True
-        return len(self.branches) == self.params.n and all(b.finished for b in self.branches)
+        branches = self.branches
+        if len(branches) != self.params.n:
+            return False
+        for branch in branches:  # read twice per request per step: no generator
+            if not branch.finished:
+                return False
+        return True
 
     def output(self) -> RequestOutput:
         finished = self.finished

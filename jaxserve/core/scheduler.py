@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 from collections import deque
 from collections.abc import Iterator, Mapping
+from typing import NamedTuple
 
 from jaxserve.core.block_manager import BlockManager, blocks_for_tokens
 from jaxserve.core.sequence import PLACEHOLDER, Sequence, SequenceStatus
@@ -78,13 +79,14 @@ class SchedulerConfig:
                 f"max_model_len to <= {have * self.block_size}")
 
 
-@dataclasses.dataclass(frozen=True)
-class ScheduledSeq:
+class ScheduledSeq(NamedTuple):
     """One sequence's work this step: tokens at positions [start_pos, start_pos + n).
 
     `start_pos` is `seq.num_computed_tokens` when scheduled (update() advances it).
     `is_last_chunk` means the chunk reaches the sequence's last token, so the
     runner samples one token from its final position; decodes always sample.
+    Immutable; a named tuple rather than a frozen dataclass because one is built for every
+    scheduled sequence every step, and a tuple builds several times faster.
     """
 
     seq: Sequence
@@ -280,18 +282,23 @@ class Scheduler:
         # sequence can still be mid-prefill (it took all the budget left when
         # admitted), so every decode is handled, one token each, before it, and
         # the config guarantees budget >= max_num_seqs.
-        i = 0
+        bm, i = self.block_manager, 0
         while i < len(self.running):
             seq = self.running[i]
             # A committed step's placeholder that is its max_tokens-th output: it will finish
             # when the id arrives, so it is not decoded again.
-            done = seq.num_output_tokens >= seq.max_tokens
+            done = len(seq.output_token_ids) >= seq.sampling_params.max_tokens
             n = 0 if done else self._chunk_size(seq.num_uncomputed_tokens, budget)
             if n == 0:
                 i += 1
                 continue
+            if bm.fits_in_place(seq, n):  # most decodes: no block to take, nobody to preempt
+                self._emit(out, seq, n)
+                budget -= n
+                i += 1
+                continue
             preempted_self = False
-            while not self.block_manager.can_allocate(seq, n):
+            while not bm.can_allocate(seq, n):
                 # Everything after index i is newer and not yet scheduled.
                 victim = self.running[-1]
                 self._preempt(victim, out)
@@ -300,7 +307,7 @@ class Scheduler:
                     break
             if preempted_self:
                 break  # seq was the last one
-            out.blocks_to_copy.extend(self.block_manager.allocate(seq, n))
+            out.blocks_to_copy.extend(bm.allocate(seq, n))
             self._emit(out, seq, n)
             budget -= n
             i += 1
@@ -350,12 +357,14 @@ class Scheduler:
             budget -= n
 
     def _emit(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
+        # Once per scheduled sequence per step: plain attribute reads, not the properties.
         self.num_computed_tokens += n
-        start = seq.num_computed_tokens
-        self.num_computed_prompt_tokens += max(0, min(start + n, seq.num_prompt_tokens) - start)
-        is_prefill = seq.is_prefill
-        item = ScheduledSeq(seq, n, seq.num_computed_tokens, is_prefill,
-                            n == seq.num_uncomputed_tokens)
+        start, num_prompt = seq.num_computed_tokens, len(seq.prompt_token_ids)
+        if start < num_prompt:
+            self.num_computed_prompt_tokens += min(start + n, num_prompt) - start
+        uncomputed = num_prompt + len(seq.output_token_ids) - start
+        is_prefill = uncomputed > 1
+        item = ScheduledSeq(seq, n, start, is_prefill, n == uncomputed)
         (out.prefills if is_prefill else out.decodes).append(item)
 
     # ---- post-step ------------------------------------------------------
@@ -368,22 +377,23 @@ class Scheduler:
         device supplies). Call `retract` and then `update(..., committed=True)` once the ids
         arrive.
         """
+        register = self.block_manager.enable_caching
         for item in output.scheduled:
             seq = item.seq
             if seq.status is not SequenceStatus.RUNNING:
                 continue
             seq.num_computed_tokens += item.num_new_tokens
-            self.block_manager.register_computed(seq)
+            if register:
+                self.block_manager.register_computed(seq)
             if item.is_last_chunk:
                 seq.append_token(PLACEHOLDER)
 
     def retract(self, output: SchedulerOutput) -> None:
         """Takes a committed step's placeholders off its live sequences (before update)."""
         for item in output.scheduled:
-            seq = item.seq
-            if item.is_last_chunk and not seq.is_finished and seq.output_token_ids and \
-                    seq.output_token_ids[-1] == PLACEHOLDER:
-                seq.output_token_ids.pop()
+            seq, out = item.seq, item.seq.output_token_ids
+            if item.is_last_chunk and out and out[-1] == PLACEHOLDER and not seq.is_finished:
+                out.pop()
 
     def update(
         self,
@@ -407,26 +417,31 @@ class Scheduler:
         """
         finished = finished or {}
         done = []
-        for item in output.scheduled:
+        for item in output.scheduled:  # every scheduled sequence, every step: kept lean
             seq = item.seq
             if committed:
-                if seq.is_finished:
+                if seq.status.is_finished:
                     continue
             elif seq.status is not SequenceStatus.RUNNING:
                 continue
             else:
                 seq.num_computed_tokens += item.num_new_tokens
                 self.block_manager.register_computed(seq)
-            if seq.request_id in hold:
+            rid = seq.request_id
+            if hold and rid in hold:
                 continue
             if not item.is_last_chunk:
-                if seq.request_id in sampled:
-                    raise ValueError(f"{seq.request_id!r} sampled before its last prefill chunk")
+                if rid in sampled:
+                    raise ValueError(f"{rid!r} sampled before its last prefill chunk")
                 continue
-            if seq.request_id not in sampled:
-                raise ValueError(f"no sampled token for {seq.request_id!r}, which was due one")
-            seq.append_token(sampled[seq.request_id])
-            status = self._finish_status(seq, finished.get(seq.request_id))
+            token = sampled.get(rid)
+            if token is None:
+                raise ValueError(f"no sampled token for {rid!r}, which was due one")
+            seq.output_token_ids.append(token)
+            reason = finished.get(rid) if finished else None
+            if reason is None and len(seq.output_token_ids) < seq.sampling_params.max_tokens:
+                continue  # runs on: the common case
+            status = self._finish_status(seq, reason)
             if status is not None:
                 self._finish(seq, status)
                 done.append(seq)

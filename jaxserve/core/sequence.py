@@ -41,15 +41,17 @@ class SequenceStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
+        # A tuple, compared by identity: hashing an enum member (a set lookup) runs Python
+        # code, and this is read for every sequence several times a step.
         return self in _FINISHED
 
 
-_FINISHED = frozenset({
+_FINISHED = (
     SequenceStatus.FINISHED_STOPPED,
     SequenceStatus.FINISHED_LENGTH,
     SequenceStatus.FINISHED_ABORTED,
     SequenceStatus.FINISHED_ERROR,
-})
+)
 
 
 class Sequence:
