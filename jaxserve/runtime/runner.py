@@ -227,11 +227,13 @@ class ModelRunner:
         """Compiles every bucket now, so serving never stops to compile. Returns seconds."""
         start = time.perf_counter()
         # Every process warms up itself (same programs in the same order): nothing to broadcast.
-        calls = [self.step_template(*shape) for shape in self.shapes()]
-        calls += [self.slots_template(d) for d in self.slot_buckets] + [self.copy_template()]
         # Tracing and lowering are Python and hold the GIL; XLA's compile (or its read from the
         # persistent cache) does not. One worker compiles each program while this thread lowers
-        # the next, in the same order on every process.
+        # the next, in the same order on every process. The small programs go first: they lower
+        # in a moment and compile under the steps' lowering, so only one step's compile is left
+        # at the end.
+        calls = [self.slots_template(d) for d in self.slot_buckets] + [self.copy_template()]
+        calls += [self.step_template(*shape) for shape in self.shapes()]
         todo = {_key(c): c for c in calls if _key(c) not in self._executables}
         with tqdm(total=len(todo), desc="jaxserve: compiling", unit="program",
                   disable=not progress) as bar, ThreadPoolExecutor(max_workers=1) as pool:
