@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import jax
 # Pallas imports its fuser lazily, the first time a kernel is lowered, and that import adds a
@@ -227,22 +226,11 @@ class ModelRunner:
         """Compiles every bucket now, so serving never stops to compile. Returns seconds."""
         start = time.perf_counter()
         # Every process warms up itself (same programs in the same order): nothing to broadcast.
-        # Tracing and lowering are Python and hold the GIL; XLA's compile (or its read from the
-        # persistent cache) does not. One worker compiles each program while this thread lowers
-        # the next, in the same order on every process. The small programs go first: they lower
-        # in a moment and compile under the steps' lowering, so only one step's compile is left
-        # at the end.
-        calls = [self.slots_template(d) for d in self.slot_buckets] + [self.copy_template()]
-        calls += [self.step_template(*shape) for shape in self.shapes()]
-        todo = {_key(c): c for c in calls if _key(c) not in self._executables}
-        with tqdm(total=len(todo), desc="jaxserve: compiling", unit="program",
-                  disable=not progress) as bar, ThreadPoolExecutor(max_workers=1) as pool:
-            compiling = {}
-            for key, call in todo.items():
-                compiling[key] = pool.submit(self._lowered(call).compile)
-                compiling[key].add_done_callback(lambda _: bar.update())
-            for key, future in compiling.items():
-                self._executables[key] = future.result()
+        calls = [self.step_template(*shape) for shape in self.shapes()]
+        calls += [self.slots_template(d) for d in self.slot_buckets] + [self.copy_template()]
+        for call in tqdm(calls, desc="jaxserve: compiling", unit="program",
+                         disable=not progress):
+            self._executable(call)
         self._compiles_at_warmup = self.num_compiled
         return time.perf_counter() - start
 
@@ -284,15 +272,12 @@ class ModelRunner:
     def _executable(self, call: StepCall | SlotsCall | CopyCall) -> jax.stages.Compiled:
         """The call's compiled program: compiled (from the persistent cache if it is there)
         the first time its kind and shape are met, which after warm-up is a bucket missed."""
-        key = _key(call)
+        key = (type(call).__name__, call.shape)
         exe = self._executables.get(key)
         if exe is None:
-            exe = self._executables[key] = self._lowered(call).compile()
+            fn, args = self._arguments(call)
+            exe = self._executables[key] = fn.lower(*args).compile()
         return exe
-
-    def _lowered(self, call: StepCall | SlotsCall | CopyCall) -> jax.stages.Lowered:
-        fn, args = self._arguments(call)
-        return fn.lower(*args)
 
     def _launch(self, call: StepCall | SlotsCall | CopyCall) -> SamplerOutput | None:
         exe = self._executable(call)
@@ -410,11 +395,6 @@ class ModelRunner:
                 top = {int(t): float(lp) for t, lp in zip(top_ids[row, :k], top_lps[row, :k])}
             results[item.request_id] = SampleResult(int(tokens[row]), float(logprob[row]), top)
         return results
-
-
-def _key(call: StepCall | SlotsCall | CopyCall) -> tuple:
-    """What a compiled program is looked up by: the call's kind and shape."""
-    return (type(call).__name__, call.shape)
 
 
 def _checked(attention, config, block_size: int) -> AttentionBackend:
