@@ -5,9 +5,10 @@ Reading a GGUF file means parsing its metadata (the tokenizer's vocabulary and m
 tree. A start that finds this cache reads the finished tree (safetensors, memory-mapped,
 no pickle), the raw quantized blocks and the tokenizer files instead.
 
-An entry lives in `<cache root>/converted/<file stem>-<key>/` and its key covers the GGUF
-file (resolved path, size, modification time), the dtype, this format's version and the
-source of the modules that do the conversion, so editing the file or the loader misses.
+An entry lives in `<cache root>/converted/<file stem>-<dtype>-<key>/` and its key covers the
+GGUF file (resolved path, size, modification time), the dtype, this format's version and the
+source of the modules that do the conversion, so editing the file or the loader misses; the
+entry written then replaces the older ones of the same file stem and dtype.
 An entry that cannot be read is removed with a warning and rebuilt; a cache directory that
 cannot be written only costs the speed-up.
 """
@@ -64,8 +65,12 @@ def cache_key(path: pathlib.Path, dtype) -> str:
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:24]
 
 
+def _prefix(path: pathlib.Path, dtype) -> str:
+    return f"{pathlib.Path(path).stem}-{np.dtype(dtype).name}-"
+
+
 def entry_dir(path: pathlib.Path, dtype, root: pathlib.Path) -> pathlib.Path:
-    return pathlib.Path(root) / "converted" / f"{pathlib.Path(path).stem}-{cache_key(path, dtype)}"
+    return pathlib.Path(root) / "converted" / (_prefix(path, dtype) + cache_key(path, dtype))
 
 
 def load_gguf(path: pathlib.Path, dtype, root: pathlib.Path | None) -> Converted:
@@ -81,7 +86,7 @@ def load_gguf(path: pathlib.Path, dtype, root: pathlib.Path | None) -> Converted
                                                 source=str(path)),
                           tokenizer=Tokenizer.from_gguf(ckpt.reader), raw=ckpt.raw)
     if entry is not None:
-        _write(entry, converted, dtype)
+        _write(entry, converted, dtype, _prefix(path, dtype))
     return converted
 
 
@@ -133,7 +138,15 @@ def _flat(tree: dict, prefix: str = "") -> dict[str, np.ndarray]:
     return out
 
 
-def _write(entry: pathlib.Path, c: Converted, dtype) -> None:
+def _remove_older(entry: pathlib.Path, prefix: str) -> None:
+    """Removes the entries of the same file and dtype that an edit of the file or of the
+    loader left behind (each is the size of the model)."""
+    for old in entry.parent.iterdir():
+        if old.name.startswith(prefix) and old != entry and old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _write(entry: pathlib.Path, c: Converted, dtype, prefix: str) -> None:
     """Writes the entry into a temporary directory, then renames it into place (atomic, so
     a concurrent start sees the whole entry or none)."""
     arrays = {f"params/{k}": np.ascontiguousarray(v) for k, v in _flat(c.params).items()}
@@ -156,6 +169,7 @@ def _write(entry: pathlib.Path, c: Converted, dtype) -> None:
             raise
         tmp = None
         log.info("jaxserve: cached converted weights in %s", entry)
+        _remove_older(entry, prefix)
     except OSError as e:
         log.warning("jaxserve: could not write the converted-weights cache %s (%s); the next "
                     "start converts the GGUF file again", entry, e)

@@ -65,6 +65,8 @@ def test_changed_file_misses(tmp_path):
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # even on a coarse clock
     assert entry_dir(path, np.float32, root) != old_entry
     _assert_same(load_gguf(path, np.float32, root), load_gguf(path, np.float32, None))
+    # The new entry replaced the stale one (each is the size of the model).
+    assert not old_entry.exists() and entry_dir(path, np.float32, root).is_dir()
 
 
 @pytest.mark.parametrize("damage", ["truncate", "garbage", "delete"])
@@ -96,6 +98,7 @@ def test_dtype_is_part_of_the_key(tmp_path):
     first = load_gguf(path, ml_dtypes.bfloat16, root)  # a miss, not the float32 entry
     assert first.params["embedding"].dtype == ml_dtypes.bfloat16
     assert entry_dir(path, np.float32, root) != entry_dir(path, ml_dtypes.bfloat16, root)
+    assert entry_dir(path, np.float32, root).is_dir()  # another dtype's entry stays
     _assert_same(load_gguf(path, ml_dtypes.bfloat16, root), first)
     assert load_gguf(path, np.float32, root).params["embedding"].dtype == np.float32
 
