@@ -99,6 +99,9 @@ class EngineConfig:
     # compiles every bucket first.
     warmup: bool = dataclasses.field(default=True, metadata=_help(
         "compile every shape bucket at start-up", cli=False))
+    weights_cache: bool = dataclasses.field(default=True, metadata=_help(
+        "keep a GGUF file's converted weights in the cache directory so the next start skips "
+        "dequantizing it (models/weights_cache.py)"))
     profile_dir: str | None = dataclasses.field(default=None, metadata=_help(
         "write jax.profiler traces here for TensorBoard/Perfetto (jaxserve/tools/profiling.py); "
         "serve: enables POST /start_profile and /stop_profile"))

@@ -63,7 +63,8 @@ class _InFlight:
 class LLMEngine:
     def __init__(self, config: EngineConfig, model: Model | None = None):
         self.config = config
-        self.model = model if model is not None else load_model(config.model, config.dtype)
+        self.model = model if model is not None else load_model(
+            config.model, config.dtype, weights_cache=config.weights_cache)
         # Tensor parallel: a mesh, and heads padded for it (float weights: before quantization).
         tp, self.model = sharding.setup(config.tensor_parallel_size, self.model)
         self.model, self.quantization = prepare_model(self.model, config.quantization)

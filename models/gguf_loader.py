@@ -265,7 +265,9 @@ def _load_tensor(t, name: str, cfg: ModelConfig, expected, dtype, path):
         raise GGUFError(f"{path}: tensor {t.name!r} ({name}) has shape {shape}, but the "
                         f"metadata implies {expected}")
     try:
-        values = gguf.quants.dequantize(t.data, qtype).reshape(shape)
+        # A plain view of the memory map: gguf dequantizes in groups of rows, and slicing a
+        # np.memmap subclass costs more per group than the decoding itself.
+        values = gguf.quants.dequantize(np.asarray(t.data), qtype).reshape(shape)
     except Exception as e:
         raise GGUFError(f"{path}: tensor {t.name!r} ({qtype.name}) cannot be decoded: {e}") from e
     order = _row_order(t.name, shape[0], cfg)

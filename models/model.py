@@ -97,8 +97,12 @@ def _to_device(params_np, dtype: str):
 
 
 def load_model(name_or_path: str | pathlib.Path = registry.DEFAULT_MODEL, dtype: str = "float32",
-               *, compilation_cache: bool = True) -> Model:
-    """Loads a named model (e.g. "smollm2-135m"), a .gguf file, an HF dir or an orbax save."""
+               *, compilation_cache: bool = True, weights_cache: bool = True) -> Model:
+    """Loads a named model (e.g. "smollm2-135m"), a .gguf file, an HF dir or an orbax save.
+
+    weights_cache: keep a GGUF file's converted weights under the cache directory
+    (models/weights_cache.py) and read them from there on the next start.
+    """
     check_dtype(dtype)
     if compilation_cache:
         enable_compilation_cache()
@@ -112,10 +116,9 @@ def load_model(name_or_path: str | pathlib.Path = registry.DEFAULT_MODEL, dtype:
     quantization = None
     np_dtype = jnp.dtype(dtype)
     if path.is_file():
-        from models.gguf_loader import read_gguf
-        ckpt = read_gguf(path)
-        config, tokenizer, raw = ckpt.config, Tokenizer.from_gguf(ckpt.reader), ckpt.raw
-        params = params_from_hf(ckpt.tensors, config, np_dtype, source=str(path))
+        from models.weights_cache import load_gguf
+        c = load_gguf(path, np_dtype, registry.cache_dir() if weights_cache else None)
+        config, params, tokenizer, raw = c.config, c.params, c.tokenizer, c.raw
     elif checkpoint.is_orbax_dir(path):
         config, params, tokenizer, quantization = checkpoint.restore(path, np_dtype)
     else:

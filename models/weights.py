@@ -96,3 +96,21 @@ def params_from_hf(tensors: Mapping[str, np.ndarray], config: ModelConfig, dtype
     if not config.tie_word_embeddings:
         params["lm_head"] = {"kernel": get("lm_head.weight", transpose=True)}
     return params
+
+
+def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The shape of every leaf `params_from_hf` builds, by "/"-joined Flax path."""
+    hf = expected_hf_shapes(config)
+    items = [(path, tmpl, tr) for path, (tmpl, tr) in _LAYER_TENSORS.items()]
+    if config.attention_bias:
+        items += [(path, tmpl, False) for path, tmpl in _BIAS_TENSORS.items()]
+    shapes = {}
+    for path, tmpl, transpose in items:
+        one = hf[tmpl.format(i=0)]
+        shapes["/".join(("layers",) + path)] = (config.num_layers,
+                                                 *(one[::-1] if transpose else one))
+    shapes["embedding"] = hf["model.embed_tokens.weight"]
+    shapes["final_norm/scale"] = hf["model.norm.weight"]
+    if not config.tie_word_embeddings:
+        shapes["lm_head/kernel"] = hf["lm_head.weight"][::-1]
+    return shapes

@@ -88,7 +88,7 @@ def child(args) -> None:
     marks = {"imports": time.time()}
     config = EngineConfig(**engine_kwargs(args))
     # What LLMEngine(config) does first, done here so that the load is timed on its own.
-    model = load_model(config.model, config.dtype)
+    model = load_model(config.model, config.dtype, weights_cache=config.weights_cache)
     marks["model_load"] = time.time()
     engine = LLMEngine(config, model=model)
     marks["engine_ready"] = time.time()
