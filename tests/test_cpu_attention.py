@@ -10,12 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve import EngineConfig, LLMEngine, SamplingParams, native
+from jaxserve import native
 from jaxserve.native.attention import ragged_paged_attention_cpu
 from jaxserve.runtime import backends, step_layout
 from jaxserve.runtime.attention_backends import CpuAttention, XlaAttention
 from models.config import ModelConfig
 from models.random_init import random_model
+from test_backends import TINY, greedy
 from test_ragged_attention_xla import make_case, oracle
 
 # The kernel reads bf16 exactly (a widening) and does all its arithmetic in float32, so one
@@ -121,28 +122,8 @@ def test_library_is_keyed_by_its_source(monkeypatch, tmp_path):
         native.build()
 
 
-TINY = ModelConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=2,
-                   num_heads=6, num_kv_heads=2, head_dim=64, max_position_embeddings=256)
-
-
-def greedy(model, prompts, **kw):
-    engine = LLMEngine(EngineConfig(model="tiny", block_size=16, max_num_seqs=4,
-                                    max_model_len=128, max_num_batched_tokens=64,
-                                    warmup=False, **kw), model=model)
-    assert engine.runner.attention.name == kw["attention_backend"]
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, params)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-    return [done[str(i)] for i in range(len(prompts))]
-
-
 def test_engine_with_the_kernel_matches_xla_and_the_dense_model():
-    model = random_model(TINY, seed=7)
+    model = random_model(TINY, seed=7)  # head_dim 64: test_backends' engine set-up
     rng = np.random.default_rng(0)
     prompts = [rng.integers(1, 256, n).tolist() for n in (3, 17, 40, 9, 70)]  # 70: chunked
     cpu = greedy(model, prompts, attention_backend="cpu")
