@@ -173,7 +173,7 @@ class RequestState:
         """
         sid = item.seq.request_id
         decision = Decision() if into is None else into
-        if len(self.branches) < self.params.n and item.seq is self.seq:
+        if self.num_pending_forks and item.seq is self.seq:
             end = item.start_pos + item.num_new_tokens
             decision.forks.extend(Fork(parent=item.seq, child=child, num_computed_tokens=end - 1)
                                   for child in self._fork_sequences(new_id))

@@ -287,7 +287,7 @@ class Scheduler:
             seq = self.running[i]
             # A committed step's placeholder that is its max_tokens-th output: it will finish
             # when the id arrives, so it is not decoded again.
-            done = len(seq.output_token_ids) >= seq.sampling_params.max_tokens
+            done = seq.num_output_tokens >= seq.max_tokens
             n = 0 if done else self._chunk_size(seq.num_uncomputed_tokens, budget)
             if n == 0:
                 i += 1
@@ -437,11 +437,8 @@ class Scheduler:
             token = sampled.get(rid)
             if token is None:
                 raise ValueError(f"no sampled token for {rid!r}, which was due one")
-            seq.output_token_ids.append(token)
-            reason = finished.get(rid) if finished else None
-            if reason is None and len(seq.output_token_ids) < seq.sampling_params.max_tokens:
-                continue  # runs on: the common case
-            status = self._finish_status(seq, reason)
+            seq.append_token(token)
+            status = self._finish_status(seq, finished.get(rid) if finished else None)
             if status is not None:
                 self._finish(seq, status)
                 done.append(seq)
