@@ -21,6 +21,7 @@ _EXPORTS = {
     "LLMEngine": "jaxserve.engine",
     "EngineConfig": "jaxserve.config",
     "SamplingParams": "jaxserve.core.sampling_params",
+    "RequestOutputKind": "jaxserve.core.sampling_params",
     "RequestOutput": "jaxserve.core.outputs",
     "CompletionOutput": "jaxserve.core.outputs",
 }
@@ -31,7 +32,7 @@ __version__ = "0.1.0"
 if TYPE_CHECKING:
     from jaxserve.config import EngineConfig
     from jaxserve.core.outputs import CompletionOutput, RequestOutput
-    from jaxserve.core.sampling_params import SamplingParams
+    from jaxserve.core.sampling_params import RequestOutputKind, SamplingParams
     from jaxserve.engine import LLMEngine
     from jaxserve.llm import LLM
 

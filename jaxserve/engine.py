@@ -28,7 +28,7 @@ from jaxserve.tools.profiling import Profiler
 from jaxserve.quantization.paths import activation_bits, prepare_model
 from jaxserve.core.request_state import RequestState
 from jaxserve.runtime.runner import ModelRunner, Pending
-from jaxserve.core.sampling_params import SamplingParams, check_servable
+from jaxserve.core.sampling_params import RequestOutputKind, SamplingParams, check_servable
 from jaxserve.core.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from jaxserve.core.sequence import Sequence, SequenceStatus
 from jaxserve.tools.step_stats import StepStats, StepTotals
@@ -348,6 +348,8 @@ class LLMEngine:
             owner.pop(seq.request_id, None)
         outputs = []
         for rid, state in progressed.items():
+            if state.params.output_kind is RequestOutputKind.FINAL_ONLY and not state.finished:
+                continue  # LLM.generate's requests: no output built until the last step
             output = state.output()
             outputs.append(output)
             if output.finished:
@@ -383,7 +385,10 @@ class LLMEngine:
             device_s=step.launch_s + wait_s, postprocess_s=postprocess_s, wait_s=wait_s,
             h2d_bytes=step.h2d_bytes)
         self.step_totals.record(self.last_step)
-        self.kv_tracker.observe(self.memory())
+        self.kv_tracker.observe(kv_accounting.totals(
+            self.scheduler.running, block_size=self.config.block_size,
+            num_usable_blocks=bm.num_usable_blocks, max_model_len=self.max_model_len,
+            num_used_blocks=bm.num_used_blocks))
 
     def reset_prefix_cache(self) -> int:
         """Drops the cached KV blocks no request holds; returns how many were dropped."""

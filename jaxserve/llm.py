@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from typing import Sequence
 
@@ -10,7 +11,7 @@ from tqdm import tqdm
 from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine
 from jaxserve.core.outputs import RequestOutput
-from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.core.sampling_params import RequestOutputKind, SamplingParams
 from models import Model
 
 
@@ -46,6 +47,7 @@ class LLM:
             params = list(sampling_params)
         else:
             params = [sampling_params or SamplingParams()] * len(prompts)
+        params = _final_only(params)
         engine = self.engine
         ids = []
         try:
@@ -85,3 +87,15 @@ class LLM:
 
     def stats(self) -> dict:
         return self.engine.stats()
+
+
+def _final_only(params: list[SamplingParams]) -> list[SamplingParams]:
+    """generate() keeps only final outputs: its requests ask for nothing else (as vLLM's LLM
+    does), so no step builds an output for an unfinished request."""
+    kind, replaced = RequestOutputKind.FINAL_ONLY, {}
+    out = []
+    for p in params:
+        if p.output_kind is not kind and id(p) not in replaced:
+            replaced[id(p)] = dataclasses.replace(p, output_kind=kind)
+        out.append(replaced.get(id(p), p))
+    return out

@@ -49,6 +49,14 @@ def check(sched, max_model_len):
     holding = [s for s in sched.running if s.block_table]
     assert snap.contiguous_request_reserved == sum(s.num_prompt_tokens + s.max_tokens
                                                    for s in holding)
+    # The engine's per-step totals (no per-request list) against the same brute force.
+    tot = kv_accounting.totals(sched.running, block_size=bs,
+                               num_usable_blocks=bm.num_usable_blocks,
+                               max_model_len=max_model_len, num_used_blocks=bm.num_used_blocks)
+    assert (tot.reserved, tot.tokens, tot.blocks_used) == (held, used, bm.num_used_blocks)
+    assert tot.num_requests == snap.num_requests == len(holding) and tot.requests == ()
+    assert tot.contiguous_max_len_reserved == len(holding) * max_model_len
+    assert tot.contiguous_request_reserved == snap.contiguous_request_reserved
     return snap
 
 

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from jaxserve.core.outputs import RequestOutput, SampleResult
+from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.scheduler import ScheduledSeq
 from jaxserve.core.sequence import Sequence, SequenceStatus
 
@@ -69,6 +70,7 @@ class RequestStateProtocol(Protocol):
     """What the engine asks of a request's host state."""
 
     request_id: str
+    params: SamplingParams  # its output_kind says whether an unfinished step is reported
 
     @property
     def num_slots(self) -> int:

@@ -15,7 +15,7 @@ import time
 from jaxserve.core.decision import Decision, Fork, NewId
 from jaxserve.core.outputs import (CompletionOutput, RequestMetrics, RequestOutput,
                                    SampleResult)
-from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.core.sampling_params import RequestOutputKind, SamplingParams
 from jaxserve.core.scheduler import ScheduledSeq
 from jaxserve.core.sequence import Sequence, SequenceStatus
 from models.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -107,15 +107,23 @@ class BranchState:
         # While running, hold back a tail that could still grow into a stop string.
         visible = len(self.text) if finished else max(self.emitted_chars,
                                                       len(self.text) - self._hold)
-        token_ids = list(self.seq.output_token_ids)
+        all_ids = self.seq.output_token_ids
         delta_text = self.text[self.emitted_chars:visible]
-        delta_ids = token_ids[self.emitted_tokens:]
-        self.emitted_chars, self.emitted_tokens = visible, len(token_ids)
+        delta_ids = all_ids[self.emitted_tokens:]
+        logprobs = self.logprobs
+        if self.params.output_kind is RequestOutputKind.DELTA:
+            # Only what is new: no step copies the whole output.
+            text, token_ids = delta_text, delta_ids
+            if logprobs is not None:
+                logprobs = logprobs[self.emitted_tokens:]
+        else:
+            text, token_ids = self.text[:visible], list(all_ids)
+        self.emitted_chars, self.emitted_tokens = visible, len(all_ids)
         status = self.seq.status
         return CompletionOutput(
-            index=self.index, text=self.text[:visible], token_ids=token_ids,
+            index=self.index, text=text, token_ids=token_ids,
             finish_reason=FINISH_REASONS.get(status) if finished else None,
-            stop_reason=self.stop_reason, logprobs=self.logprobs,
+            stop_reason=self.stop_reason, logprobs=logprobs,
             cumulative_logprob=self.cumulative_logprob, delta_text=delta_text,
             delta_token_ids=delta_ids)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 
 MAX_LOGPROBS = 20
@@ -15,6 +16,19 @@ MAX_BEAM_WIDTH = MAX_LOGPROBS // 2
 # (the request's stop_token_ids plus the engine's EOS ids). Declared here so the engine checks
 # it when a request is added, without importing the (jax) sampler.
 MAX_STOP_IDS = 16
+
+
+class RequestOutputKind(enum.Enum):
+    """Which outputs a request's steps hand back (vLLM's names).
+
+    CUMULATIVE: every step that advances the request returns everything generated so far (the
+    `delta_*` fields hold what is new). DELTA: only what is new (`text` and `token_ids` are the
+    delta), so no step copies the whole output. FINAL_ONLY: nothing until the request finishes,
+    then its whole output; `LLM.generate` uses it, as it keeps only the final outputs.
+    """
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 class SamplingParamError(ValueError):
@@ -81,6 +95,7 @@ class SamplingParams:
     use_beam_search: bool = False
     beam_width: int = 1
     length_penalty: float = 1.0
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self):
         _int("n", self.n, 1, MAX_N)
@@ -111,6 +126,10 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", ids)
         _int("beam_width", self.beam_width, 1, MAX_BEAM_WIDTH)
         _finite("length_penalty", self.length_penalty)
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise SamplingParamError(
+                "output_kind", "output_kind must be a RequestOutputKind (CUMULATIVE, DELTA or "
+                f"FINAL_ONLY), got {self.output_kind!r}")
         if self.use_beam_search:
             self._check_beam_search()
 

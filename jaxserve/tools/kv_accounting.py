@@ -54,6 +54,11 @@ class MemorySnapshot:
     reserved: int                 # blocks_used * block_size
     contiguous_max_len_reserved: int   # each request reserving max_model_len
     contiguous_request_reserved: int   # each request reserving prompt + max_tokens
+    num_requests: int | None = None   # len(requests) when they are listed (see totals())
+
+    def __post_init__(self):
+        if self.num_requests is None:
+            object.__setattr__(self, "num_requests", len(self.requests))
 
     @property
     def wasted(self) -> int:
@@ -71,7 +76,7 @@ class MemorySnapshot:
 
     def to_dict(self, per_request: bool = False) -> dict:
         out = {"block_size": self.block_size, "capacity_slots": self.capacity_slots,
-               "num_requests": len(self.requests), "blocks_used": self.blocks_used,
+               "num_requests": self.num_requests, "blocks_used": self.blocks_used,
                "tokens": self.tokens, "reserved": self.reserved, "wasted": self.wasted,
                "waste_fraction": self.waste_fraction, "utilisation": self.utilisation,
                "contiguous_max_len_reserved": self.contiguous_max_len_reserved,
@@ -114,17 +119,34 @@ def snapshot(seqs: Iterable[_Seq], *, block_size: int, num_usable_blocks: int,
     per-block walk: when the tables' entries add up to it, no block appears twice.
     """
     seqs = [s for s in seqs if s.block_table]
-    reqs = tuple(request_memory(s, block_size) for s in seqs)
-    entries = sum(r.blocks for r in reqs)
-    if num_used_blocks is not None and entries == num_used_blocks:
-        blocks, tokens = entries, sum(r.tokens for r in reqs)
-    else:
-        blocks, tokens = _unique_tokens(seqs, block_size)
+    total = totals(seqs, block_size=block_size, num_usable_blocks=num_usable_blocks,
+                   max_model_len=max_model_len,
+                   num_used_blocks=-1 if num_used_blocks is None else num_used_blocks)
+    return dataclasses.replace(total, requests=tuple(request_memory(s, block_size)
+                                                     for s in seqs))
+
+
+def totals(seqs: list[_Seq], *, block_size: int, num_usable_blocks: int,
+           max_model_len: int, num_used_blocks: int) -> MemorySnapshot:
+    """snapshot()'s totals without the per-request list (`requests` is empty): what the engine
+    records every step, in one pass over the sequences. num_used_blocks: as for snapshot (-1:
+    always walk the blocks)."""
+    n = entries = tokens = contiguous = 0
+    for s in seqs:
+        blocks = len(s.block_table)
+        if blocks:
+            n += 1
+            entries += blocks
+            tokens += s.num_computed_tokens
+            contiguous += s.num_prompt_tokens + s.max_tokens
+    if entries != num_used_blocks:  # a block in several tables: count it once
+        held = [s for s in seqs if s.block_table]
+        entries, tokens = _unique_tokens(held, block_size)
     return MemorySnapshot(
-        block_size=block_size, capacity_slots=num_usable_blocks * block_size, requests=reqs,
-        blocks_used=blocks, tokens=tokens, reserved=blocks * block_size,
-        contiguous_max_len_reserved=len(seqs) * max_model_len,
-        contiguous_request_reserved=sum(s.num_prompt_tokens + s.max_tokens for s in seqs))
+        block_size=block_size, capacity_slots=num_usable_blocks * block_size, requests=(),
+        blocks_used=entries, tokens=tokens, reserved=entries * block_size,
+        contiguous_max_len_reserved=n * max_model_len, contiguous_request_reserved=contiguous,
+        num_requests=n)
 
 
 class MemoryTracker:
@@ -142,7 +164,7 @@ class MemoryTracker:
         self.num_steps += 1
         for key in self.sums:
             self.sums[key] += getattr(snap, key)
-        self.peak_requests = max(self.peak_requests, len(snap.requests))
+        self.peak_requests = max(self.peak_requests, snap.num_requests)
         self.peak_blocks_used = max(self.peak_blocks_used, snap.blocks_used)
         self.peak_tokens = max(self.peak_tokens, snap.tokens)
 
