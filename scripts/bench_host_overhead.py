@@ -71,6 +71,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="a short smoke run")
     ap.add_argument("--async-scheduling", choices=("default", "on", "off"), default="default",
                     help="the engine's async_scheduling (an engine without it: default only)")
+    ap.add_argument("--output-kind", choices=("default", "cumulative", "delta", "final_only"),
+                    default="default",
+                    help="SamplingParams.output_kind (LLM.generate uses final_only; an engine "
+                    "without it: default only)")
     args = ap.parse_args(argv)
     quick = args.quick
     if args.batch_sizes is None:
@@ -234,8 +238,12 @@ def bench_one(model, num_seqs: int, args) -> dict:
     settle_limit, max_tokens, max_len = lengths(num_seqs, args)
     engine = make_engine(model, num_seqs, max_len, args.async_scheduling)
     rng = np.random.default_rng(args.seed)
+    extra = {}
+    if args.output_kind != "default":
+        from jaxserve import RequestOutputKind
+        extra["output_kind"] = RequestOutputKind[args.output_kind.upper()]
     params = SamplingParams(temperature=args.temperature, max_tokens=max_tokens,
-                            ignore_eos=True, seed=args.seed)
+                            ignore_eos=True, seed=args.seed, **extra)
     for i in range(num_seqs):
         prompt = rng.integers(1, model.config.vocab_size, args.prompt_len).tolist()
         engine.add_request(f"r{i}", prompt, params)
