@@ -56,7 +56,8 @@ def test_public_names_are_lazy():
         assert SamplingParams(temperature=0).temperature == 0
         assert 'jax' not in sys.modules
         assert sorted(jaxserve.__all__) == ['CompletionOutput', 'EngineConfig', 'LLM',
-                                            'LLMEngine', 'RequestOutput', 'SamplingParams']
+                                            'LLMEngine', 'RequestOutput', 'RequestOutputKind',
+                                            'SamplingParams']
     """)
     assert r.returncode == 0, r.stderr[-2000:]
 
