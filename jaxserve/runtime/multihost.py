@@ -95,6 +95,6 @@ class StepChannel:
             elif cmd == _SLOTS:
                 template, kind = runner.slots_template(shape[0]), "slots"
             else:
-                template, kind = runner.step_template(shape[0]), "steps"
+                template, kind = runner.step_template(shape[0], shape[1]), "steps"
             runner.run(_broadcast_like(template))
             ran[kind] += 1
