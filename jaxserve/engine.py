@@ -204,6 +204,7 @@ class LLMEngine:
             if future.exception() is not None:
                 self.requests.pop(rid)
                 self._owner.pop(rid, None)
+                seq.status = SequenceStatus.FINISHED_ERROR
                 state.fail(str(future.exception()))
                 errors.append(state.output())
                 continue
