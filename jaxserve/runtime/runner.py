@@ -100,9 +100,14 @@ class StepCall:
     inputs: StepInputs
 
     @property
-    def shape(self) -> tuple[int, int]:
-        """(flat tokens, masked 0/1): what `ModelRunner.step_template` rebuilds it from."""
-        return (self.inputs.per_token.shape[1], int(self.inputs.mask is not None))
+    def shape(self) -> tuple[int]:
+        """(flat tokens,): with `masked`, what `ModelRunner.step_template` rebuilds it from."""
+        return (self.inputs.per_token.shape[1],)
+
+    @property
+    def masked(self) -> bool:
+        """Whether it carries token bitmasks (the step's other compiled variant)."""
+        return self.inputs.mask is not None
 
 
 @jax.tree_util.register_dataclass
@@ -227,16 +232,18 @@ class ModelRunner:
         base = self._compiles_at_warmup
         return 0 if base is None else self.num_compiled - base
 
-    def shapes(self) -> list[tuple[int, int]]:
-        """Every step shape (flat tokens, masked) the runner can run: what warm-up compiles."""
-        variants = (0, 1) if self.structured_outputs else (0,)
-        return [(t, m) for m in variants for t in self.token_buckets]
+    def shapes(self) -> list[tuple[int]]:
+        """Every step shape (flat tokens,) the runner can run: what warm-up compiles (twice
+        with structured outputs: without and with token bitmasks)."""
+        return [(t,) for t in self.token_buckets]
 
     def warmup(self, progress: bool = True) -> float:
         """Compiles every bucket now, so serving never stops to compile. Returns seconds."""
         start = time.perf_counter()
         # Every process warms up itself (same programs in the same order): nothing to broadcast.
-        calls = [self.step_template(*shape) for shape in self.shapes()]
+        calls = [self.step_template(*shape, masked=m) for m in
+                 ((False, True) if self.structured_outputs else (False,))
+                 for shape in self.shapes()]
         calls += [self.slots_template(d) for d in self.slot_buckets] + [self.copy_template()]
         for call in tqdm(calls, desc="jaxserve: compiling", unit="program",
                          disable=not progress):
@@ -244,7 +251,7 @@ class ModelRunner:
         self._compiles_at_warmup = self.num_compiled
         return time.perf_counter() - start
 
-    def step_template(self, tokens: int, masked: int = 0) -> StepCall:
+    def step_template(self, tokens: int, masked: bool = False) -> StepCall:
         """An idle step of `tokens` flat tokens: no rows, everything masked (with an all-ones
         token bitmask when `masked`)."""
         lay = step_layout.build([], self.page_table, tokens=tokens, max_num_seqs=self.num_slots,
@@ -287,7 +294,7 @@ class ModelRunner:
     def _executable(self, call: StepCall | SlotsCall | CopyCall) -> jax.stages.Compiled:
         """The call's compiled program: compiled (from the persistent cache if it is there)
         the first time its kind and shape are met, which after warm-up is a bucket missed."""
-        key = (type(call).__name__, call.shape)
+        key = (type(call).__name__, call.shape, getattr(call, "masked", False))
         exe = self._executables.get(key)
         if exe is None:
             fn, args = self._arguments(call)
