@@ -175,3 +175,33 @@ def test_tool_messages_are_accepted(server):
     r = chat(server, messages=messages, tools=[WEATHER], max_tokens=8)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["role"] == "assistant"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_parses_calls_the_model_writes(server, stream):
+    # tool_choice auto constrains nothing; a regex makes the random model write one call
+    # between two bits of text, which the parser must turn into content + tool_calls.
+    forced = (r'Sure\. <tool_call>\n\{"name": "get_weather", "arguments": '
+              r'\{"city": "(Paris|Rome)"\}\}\n</tool_call> Done\.')
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0,
+                           timeout=120)
+    kw = dict(model=TINY, messages=CHAT, tools=[WEATHER, TIME], max_tokens=120,
+              temperature=1.0, extra_body={"guided_regex": forced})
+    if stream:
+        content, names, args, finish = "", "", "", None
+        for chunk in client.chat.completions.create(stream=True, **kw):
+            for c in chunk.choices:
+                content += c.delta.content or ""
+                for d in c.delta.tool_calls or []:
+                    assert d.index == 0
+                    names += d.function.name or ""
+                    args += d.function.arguments or ""
+                finish = c.finish_reason or finish
+    else:
+        out = client.chat.completions.create(**kw)
+        msg, finish = out.choices[0].message, out.choices[0].finish_reason
+        (call,) = msg.tool_calls
+        content, names, args = msg.content, call.function.name, call.function.arguments
+    assert finish == "tool_calls" and names == "get_weather"
+    assert json.loads(args)["city"] in ("Paris", "Rome")
+    assert content.split() == ["Sure.", "Done."]

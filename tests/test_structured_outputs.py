@@ -203,3 +203,29 @@ def test_a_rejected_token_ends_the_request_with_an_error(llm, monkeypatch):
     assert again.error is None and re.fullmatch("[0-9]{8}", again.outputs[0].text)
     stats = llm.engine.stats()
     assert stats["running"] == 0 and stats["kv_blocks_in_use"] == 0
+
+
+def test_constrained_steps_compile_nothing_after_warmup(smollm2_fp32):
+    # The masked program variant of every bucket is compiled at warm-up: a mix of
+    # constrained and free requests (prefill chunks, decodes, n > 1) compiles nothing new.
+    from compile_guard import count_compiles
+    from jaxserve import EngineConfig, LLMEngine
+    engine = LLMEngine(EngineConfig(model=smollm2_fp32.source, warmup=True, max_num_seqs=4,
+                                    max_num_batched_tokens=16, max_model_len=128),
+                       model=smollm2_fp32)
+    specs = [StructuredOutputs(regex=r"[a-z ]{1,12}"), None,
+             StructuredOutputs(json={"type": "array", "items": {"type": "integer"},
+                                     "maxItems": 3}), StructuredOutputs(choice=["yes", "no"])]
+    with count_compiles() as events:
+        for i, spec in enumerate(specs):
+            engine.add_request(str(i), "Tell me something about the sea, in a few words:",
+                               SamplingParams(temperature=0.8, seed=i, max_tokens=10,
+                                              n=2 if i == 2 else 1, structured_outputs=spec))
+        done = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+    assert events == [] and engine.stats()["num_compiles_after_warmup"] == 0
+    assert sorted(done) == ["0", "1", "2", "3"] and all(o.error is None for o in done.values())
+    assert done["3"].outputs[0].text in ("yes", "no")

@@ -38,7 +38,8 @@ class ServerState:
         self.info = ModelInfo(engine.model.tokenizer, engine.model.config.vocab_size,
                               engine.max_model_len)
         self.capacity = engine.config.max_num_seqs + config.max_waiting_requests
-        self.grammar = engine.grammar  # thread-safe: handlers compile constraints through it
+        # Thread-safe: handlers compile constraints through it (None: no structured outputs).
+        self.grammar = getattr(engine, "grammar", None)
         self._lock = threading.Lock()
         self._active = 0  # responses being produced (a drain waits for them)
 

@@ -181,7 +181,10 @@ def _call(body: str, names: set[str]) -> dict | None:
     try:
         obj = json.loads(body)
     except ValueError:
-        return None
+        try:  # an unclosed last block may end in part of the closing tag
+            obj = json.loads(body[:body.rfind("}") + 1])
+        except ValueError:
+            return None
     if not isinstance(obj, dict) or obj.get("name") not in names:
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
