@@ -265,8 +265,9 @@ class LLMEngine:
             prev, self._inflight = self._inflight, None
             outputs, wait = self._admit_compiled(), 0.0
             if prev is not None and not self._can_commit(prev.out):
-                # Forks and beams decide on the ids: finish the previous step first.
-                outputs, wait = self._finish(prev, committed=False)
+                # Forks, beams and grammars decide on the ids: finish the previous step first.
+                done, wait = self._finish(prev, committed=False)
+                outputs += done
                 prev = None
             with jax.profiler.TraceAnnotation("schedule"):
                 if prev is not None:

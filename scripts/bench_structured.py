@@ -48,7 +48,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=48)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--md", type=pathlib.Path)
     ap.add_argument("--out", type=pathlib.Path)
     return ap.parse_args(argv)
@@ -84,6 +84,32 @@ def run(engine: LLMEngine, params: SamplingParams, n: int, sync: bool, fill: _Ti
             times.append(dt)
     return {"step_ms": 1e3 * statistics.mean(times[2:] or times), "steps": len(times),
             "mask_fill_ms": 1e3 * fill.seconds / max(fill.calls, 1)}
+
+
+def sampler_cost(vocab: int, rows: int, iters: int = 30) -> dict:
+    """The sampler alone, jitted, without and with a bitmask input (temperature 0.8 rows),
+    alternating calls: the device-side cost of the masked variant."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jaxserve.runtime.sampler import SamplingTensors, sample
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.normal(size=(rows, vocab)).astype(np.float32))  # [S, V]
+    params = [SamplingParams(temperature=0.8, seed=i) for i in range(rows)]
+    st = SamplingTensors.from_params(params, list(range(rows)), [0] * rows, size=rows)
+    hist, lens = jnp.zeros((rows, 8), jnp.int32), jnp.ones((rows,), jnp.int32)
+    mask = jnp.asarray(rng.integers(-2 ** 31, 2 ** 31, size=(rows, -(-vocab // 32)))
+                       .astype(np.int32))  # [S, W]: about half the vocabulary allowed
+    fns = {"without mask": jax.jit(lambda lg: sample(lg, st, hist, lens, lens, lens, False)),
+           "with mask": jax.jit(lambda lg: sample(lg, st, hist, lens, lens, lens, False,
+                                                  mask=mask))}
+    times = {name: [] for name in fns}
+    for _ in range(iters + 2):
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            fn(logits).tokens.block_until_ready()
+            times[name].append(1e3 * (time.perf_counter() - t))
+    return {name: statistics.median(ts[2:]) for name, ts in times.items()}
 
 
 def compile_times(engine: LLMEngine) -> dict:
@@ -132,6 +158,7 @@ def main(argv=None) -> dict:
               "load_before": load0, "load_after": os.getloadavg(), "warmup_s": warmup_s,
               "programs": engine.runner.num_compiled, "rows": rows, "runs": results,
               "compile": compile_times(engine),
+              "sampler_ms": sampler_cost(engine.model.config.vocab_size, args.requests),
               "compiles_after_warmup": engine.stats()["num_compiles_after_warmup"]}
     md = markdown(report)
     print(md)
@@ -156,6 +183,11 @@ def markdown(r: dict) -> str:
     for name, row in r["rows"].items():
         lines.append(f"| {name} | {row['step_ms']:.1f} | {row['step_ms'] / base:.2f}x | "
                      f"{row['step_ms'] / sync:.2f}x | {row['mask_fill_ms']:.2f} |")
+    sm = r["sampler_ms"]
+    lines += ["", f"The sampler alone (jitted, {r['config']['requests']} rows at temperature 0.8, "
+              f"calls alternating, median): {sm['without mask']:.2f} ms without the mask input, "
+              f"{sm['with mask']:.2f} ms with it "
+              f"({sm['with mask'] / sm['without mask']:.2f}x)."]
     c = r["compile"]
     lines += ["", f"Grammar compile (llguidance, {c['schemas']} JSON schemas of "
               f"tests/structured_schemas.py, no cache): mean {c['mean_ms']:.2f} ms, median "

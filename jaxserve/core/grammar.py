@@ -1,7 +1,7 @@
 """The grammar engine (llguidance): compiles constraints off the engine thread, fills bitmasks.
 
-llguidance, not xgrammar: its wheel needs nothing else (xgrammar 0.2 pulls torch and CUDA
-wheels, which this project does not otherwise need), it builds the token trie once per
+llguidance, not xgrammar: its wheel needs nothing else (xgrammar 0.2 pulls torch,
+transformers and CUDA wheels, which this project does not otherwise need), it builds the token trie once per
 tokenizer and computes masks lazily from an Earley parser, so even large schemas "compile" in
 milliseconds, and it accepts JSON schema, regex, Lark and GBNF. vLLM and SGLang ship it as their
 `guidance` backend.
