@@ -321,7 +321,7 @@ class LLMEngine:
         owner, found = self._owner, {}
         for item in out.scheduled:
             state = owner[item.seq.request_id]
-            if state.constrained and item.is_last_chunk:
+            if type(state) is RequestState and state.constrained and item.is_last_chunk:
                 found[item.request_id] = state.matcher_of(item.request_id)
         return found
 

@@ -229,3 +229,12 @@ def test_constrained_steps_compile_nothing_after_warmup(smollm2_fp32):
     assert events == [] and engine.stats()["num_compiles_after_warmup"] == 0
     assert sorted(done) == ["0", "1", "2", "3"] and all(o.error is None for o in done.values())
     assert done["3"].outputs[0].text in ("yes", "no")
+
+
+def test_beam_search_runs_beside_a_constrained_request(llm):
+    outs = llm.generate(["The sea is", "My number is"], [
+        SamplingParams(use_beam_search=True, beam_width=2, max_tokens=4),
+        SamplingParams(temperature=0.0, max_tokens=6,
+                       structured_outputs=StructuredOutputs(regex="[0-9]{6}"))], use_tqdm=False)
+    assert outs[0].error is None and 1 <= len(outs[0].outputs[0].token_ids) <= 4
+    assert outs[1].error is None and re.fullmatch("[0-9]{6}", outs[1].outputs[0].text)
