@@ -205,3 +205,42 @@ def test_auto_parses_calls_the_model_writes(server, stream):
     assert finish == "tool_calls" and names == "get_weather"
     assert json.loads(args)["city"] in ("Paris", "Rome")
     assert content.split() == ["Sure.", "Done."]
+
+
+def _prompt(template: str | None, **body) -> str:
+    from jaxserve.server.config import ServerConfig
+    from jaxserve.server.protocol import ModelInfo, parse_chat
+    from tiny_chat import tiny_tokenizer
+    tok = tiny_tokenizer()
+    if template is not None:
+        tok = tok.with_chat_template(template)
+    req = parse_chat({"model": TINY, "max_tokens": 4, **body}, ServerConfig(),
+                     ModelInfo(tok, tok.vocab_size, 4096))
+    return req.prompt_texts[0]
+
+
+HISTORY = CHAT + [
+    {"role": "assistant", "content": None, "tool_calls": [{
+        "id": "call_1", "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+
+
+def test_a_template_that_knows_tools_renders_them():
+    template = ("{% for t in tools %}[tool {{ t.function.name }}]{% endfor %}"
+                "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+                "{% for c in m.tool_calls or [] %}(call {{ c.function.name }} "
+                "{{ c.function.arguments.city }}){% endfor %}{% endfor %}")
+    text = _prompt(template, messages=HISTORY, tools=[WEATHER, TIME])
+    assert text == ("[tool get_weather][tool get_time]<user>Name a colour.<assistant>"
+                    "(call get_weather Paris)<tool>sunny")
+
+
+def test_other_templates_get_the_hermes_prompt():
+    text = _prompt(None, messages=HISTORY, tools=[WEATHER])
+    assert "<tools>" in text and '"name": "get_weather"' in text  # the system block
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n' \
+           '</tool_call>' in text
+    assert "<|im_start|>user\n<tool_response>\nsunny\n</tool_response>" in text
+    assert "<tools>" not in _prompt(None, messages=HISTORY, tools=[WEATHER],
+                                    tool_choice="none")
