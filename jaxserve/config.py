@@ -99,6 +99,11 @@ class EngineConfig:
     # compiles every bucket first.
     warmup: bool = dataclasses.field(default=True, metadata=_help(
         "compile every shape bucket at start-up", cli=False))
+    # Constrained rows run a second program per token bucket (the sampler with a token
+    # bitmask), compiled at warm-up with the others: off halves the step programs.
+    structured_outputs: bool = dataclasses.field(default=True, metadata=_help(
+        "serve JSON-schema / regex / choice / grammar constraints and tool calls (compiles a "
+        "masked variant of every step program at warm-up)"))
     weights_cache: bool = dataclasses.field(default=True, metadata=_help(
         "keep a GGUF file's converted weights in the cache directory so the next start skips "
         "dequantizing it (models/weights_cache.py)"))

@@ -7,6 +7,7 @@ manager; device work happens only inside the runner.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import logging
@@ -21,6 +22,7 @@ from jaxserve.runtime import backends, multihost, sharding
 from jaxserve.tools import kv_accounting
 from jaxserve.core.beam_search import BeamRequestState, search_params
 from jaxserve.core.decision import Decision, NewId, RequestStateProtocol
+from jaxserve.core.grammar import GrammarCompiler
 from jaxserve.config import EngineConfig
 from jaxserve.runtime.kv_cache import log_plan, plan_num_blocks
 from jaxserve.core.outputs import RequestOutput
@@ -28,7 +30,8 @@ from jaxserve.tools.profiling import Profiler
 from jaxserve.quantization.paths import activation_bits, prepare_model
 from jaxserve.core.request_state import RequestState
 from jaxserve.runtime.runner import ModelRunner, Pending
-from jaxserve.core.sampling_params import RequestOutputKind, SamplingParams, check_servable
+from jaxserve.core.sampling_params import (RequestOutputKind, SamplingParamError, SamplingParams,
+                                           check_servable)
 from jaxserve.core.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from jaxserve.core.sequence import Sequence, SequenceStatus
 from jaxserve.tools.step_stats import StepStats, StepTotals
@@ -100,7 +103,8 @@ class LLMEngine:
             attention=backends.attention_backend(
                 backends.resolve(config.attention_backend, attention=True), mc, bs,
                 config.attention_backend),
-            linear=linear, tp=tp, kv_cache_dtype=kv_dtype)
+            linear=linear, tp=tp, kv_cache_dtype=kv_dtype,
+            structured_outputs=config.structured_outputs and tok is not None)
         self.model = self.runner.model  # with TP, the placed shards: no unsharded copy is kept
         # Multi-host: process 0 schedules and broadcasts every step; the others follow().
         self.channel = multihost.attach(self.runner)
@@ -115,6 +119,12 @@ class LLMEngine:
         self.step_totals = StepTotals()
         self.kv_tracker = kv_accounting.MemoryTracker()
         self._inflight: _InFlight | None = None  # the step launched and not yet finished
+        self.grammar = (GrammarCompiler(tok.to_json(), vocab_size=mc.vocab_size,
+                                        eos_ids=sorted(self.eos_ids))
+                        if config.structured_outputs and tok is not None else None)
+        # Constrained requests whose grammar is compiling: outside the scheduler, no slot held.
+        self._compiling: dict[str, tuple[RequestState, Sequence, concurrent.futures.Future]] = {}
+        self._constrained: dict[str, RequestState] = {}  # admitted, unfinished, constrained
         if config.warmup:
             self.warmup_seconds = self.runner.warmup()
             log.info("warm-up: %d programs compiled in %.1fs", self.runner.num_compiled,
@@ -151,6 +161,10 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         check_servable(params, self.eos_ids)  # SamplingParamError (a ValueError) names the field
+        if params.constrained and self.grammar is None:
+            raise SamplingParamError("structured_outputs", "this engine does not serve "
+                                     "structured outputs (started with structured_outputs="
+                                     "False, or the model has no tokenizer)")
         if request_id in self._owner or request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use by an unfinished "
                              f"request")
@@ -166,13 +180,45 @@ class LLMEngine:
             seed = params.seed if params.seed is not None else int(self._rng.integers(2 ** 63))
             state = RequestState(seq, text, self.model.tokenizer, seed, arrival, self.eos_ids)
         seq.num_reserved_slots = state.num_slots  # forks take them: never over max_num_seqs
-        self.scheduler.add(seq)  # validates length, duplicates, emptiness, slots
+        if params.constrained:
+            self.scheduler.check(seq)
+            self._compiling[request_id] = (state, seq,
+                                           self.grammar.submit(params.structured_outputs))
+        else:
+            self.scheduler.add(seq)  # validates length, duplicates, emptiness, slots
         self.requests[request_id] = self._owner[request_id] = state
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Queues the constrained requests whose grammar is ready; fails those it refused."""
+        if not self._compiling:
+            return []
+        if not self.scheduler.has_unfinished() and self._inflight is None:
+            # Nothing else to do: wait a little for a compile instead of spinning.
+            concurrent.futures.wait([f for _, _, f in self._compiling.values()], timeout=0.05,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+        errors = []
+        for rid, (state, seq, future) in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[rid]
+            if future.exception() is not None:
+                self.requests.pop(rid)
+                self._owner.pop(rid, None)
+                seq.status = SequenceStatus.FINISHED_ERROR
+                state.fail(str(future.exception()))
+                errors.append(state.output())
+                continue
+            state.start_grammar(future.result())
+            self.scheduler.add(seq)
+            self._constrained[rid] = state
+        return errors
 
     def abort(self, request_id: str) -> bool:
         state = self.requests.pop(request_id, None)
         if state is None:
             return False
+        self._compiling.pop(request_id, None)
+        self._constrained.pop(request_id, None)
         self._end_sequences(state, SequenceStatus.FINISHED_ABORTED)
         return True
 
@@ -194,7 +240,8 @@ class LLMEngine:
         return sid
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self._inflight is not None
+        return (self.scheduler.has_unfinished() or self._inflight is not None
+                or bool(self._compiling))
 
     def next_request_id(self) -> str:
         self._counter += 1
@@ -216,10 +263,11 @@ class LLMEngine:
         with jax.profiler.StepTraceAnnotation("engine_step", step_num=self.step_totals.num_steps):
             t0 = time.perf_counter()
             prev, self._inflight = self._inflight, None
-            outputs, wait = [], 0.0
+            outputs, wait = self._admit_compiled(), 0.0
             if prev is not None and not self._can_commit(prev.out):
-                # Forks and beams decide on the ids: finish the previous step first.
-                outputs, wait = self._finish(prev, committed=False)
+                # Forks, beams and grammars decide on the ids: finish the previous step first.
+                done, wait = self._finish(prev, committed=False)
+                outputs += done
                 prev = None
             with jax.profiler.TraceAnnotation("schedule"):
                 if prev is not None:
@@ -236,8 +284,8 @@ class LLMEngine:
                     out, errors = self._drop_failed(out, failed)
                     outputs += errors
                     if not out.is_empty:
-                        launched = _InFlight(out, self.runner.launch(out, seeds),
-                                             schedule_s=t1 - t0)
+                        launched = _InFlight(out, self.runner.launch(
+                            out, seeds, self._matchers(out), self.grammar), schedule_s=t1 - t0)
                         launched.h2d_bytes = self.runner.h2d_bytes - bytes0
                         launched.launch_s = time.perf_counter() - t1
             if prev is not None:
@@ -256,14 +304,26 @@ class LLMEngine:
 
     def _can_commit(self, out: SchedulerOutput) -> bool:
         """Whether the next step may be scheduled before `out`'s ids are known: not when a
-        request of it forks branches or searches beams on them."""
+        request of it forks branches or searches beams on them, nor when it is constrained
+        (its next mask follows from the id)."""
         owner = self._owner
         for item in out.scheduled:  # every scheduled sequence, every step: kept lean
             state = owner.get(item.seq.request_id)
             if state is not None and (type(state) is not RequestState
-                                      or state.num_pending_forks):
+                                      or state.num_pending_forks or state.constrained):
                 return False
         return True
+
+    def _matchers(self, out: SchedulerOutput) -> dict:
+        """Sequence id -> grammar state of the constrained rows that sample in this step."""
+        if not self._constrained:
+            return {}
+        owner, found = self._owner, {}
+        for item in out.scheduled:
+            state = owner[item.seq.request_id]
+            if type(state) is RequestState and state.constrained and item.is_last_chunk:
+                found[item.request_id] = state.matcher_of(item.request_id)
+        return found
 
     def _finish(self, step: _InFlight, committed: bool) -> tuple[list[RequestOutput], float]:
         """Waits for a launched step's ids and applies them; returns (outputs, seconds waited)."""
@@ -319,6 +379,7 @@ class LLMEngine:
         errors = []
         for rid, message in failed.items():
             state = self.requests.pop(rid)
+            self._constrained.pop(rid, None)
             self._end_sequences(state, SequenceStatus.FINISHED_ERROR)
             state.fail(message)
             errors.append(state.output())
@@ -354,6 +415,9 @@ class LLMEngine:
             outputs.append(output)
             if output.finished:
                 del self.requests[rid]
+                self._constrained.pop(rid, None)
+                if output.error is not None:  # a grammar rejected a token: end every branch
+                    self._end_sequences(state, SequenceStatus.FINISHED_ERROR)
         return outputs
 
     def _apply(self, decision: Decision) -> list[Sequence]:

@@ -202,6 +202,10 @@ class Tokenizer:
 
     # -- text <-> ids -----------------------------------------------------------------------
 
+    def to_json(self) -> str:
+        """The tokenizer as HF `tokenizer.json` text (what a grammar engine builds its trie from)."""
+        return self._tok.to_str()
+
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, without BOS or any other special token added."""
         return self._tok.encode(text, add_special_tokens=False).ids

@@ -320,7 +320,7 @@ CASES = [  # (id, path, body, status, error type, param)
     ("too-many-stops", CMP, C(stop=[f"s{i}" for i in range(40)]), 400, BAD, "stop"),
     ("stop-too-long", CMP, C(stop="x" * 1000), 400, BAD, "stop"),
     ("stop-wrong-type", CMP, C(stop=[1]), 400, BAD, "stop"),
-    ("tools", CHT, H(tools=[{"type": "function", "function": {"name": "f"}}]), 400, BAD,
+    ("tool-without-name", CHT, H(tools=[{"type": "function", "function": {}}]), 400, BAD,
      "tools"),
     ("suffix", CMP, C(suffix="end"), 400, BAD, "suffix"),
     ("best-of", CMP, C(best_of=3), 400, BAD, "best_of"),

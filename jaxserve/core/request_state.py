@@ -56,6 +56,8 @@ class BranchState:
         self.finished = False
         self._hold = max((len(s) for s in self.params.stop), default=1) - 1
         self._stop_ids = set(self.params.stop_token_ids)
+        self.matcher = None  # core/grammar.py Matcher of a constrained request, once compiled
+        self.error: str | None = None  # why the grammar rejected a token
 
     def on_token(self, result: SampleResult, eos_ids: set[int]) -> SequenceStatus | None:
         """Records a sampled token; returns FINISHED_STOPPED if it ends the request.
@@ -68,6 +70,12 @@ class BranchState:
         self.cumulative_logprob += result.logprob
         if self.logprobs is not None:
             self.logprobs.append({token: result.logprob, **(result.top or {})})
+        grammar_done = False
+        if self.matcher is not None:
+            if not self.matcher.consume(token):  # the mask should make this impossible
+                self.error = f"the grammar rejected token {token}: {self.matcher.error}"
+                return SequenceStatus.FINISHED_ERROR
+            grammar_done = self.matcher.is_finished
         n_out = len(self.seq.output_token_ids) + 1  # counting this token
         min_reached = n_out >= p.min_tokens
         if token in self._stop_ids and min_reached:
@@ -81,7 +89,7 @@ class BranchState:
             self.text += self.detok.add(token)
             if p.stop and min_reached and self._check_stop_strings(before):
                 return SequenceStatus.FINISHED_STOPPED
-        return None
+        return SequenceStatus.FINISHED_STOPPED if grammar_done else None
 
     def _check_stop_strings(self, before: int) -> bool:
         # Only a match ending in the new text is new: it starts at most len(stop) - 1 characters
@@ -142,6 +150,17 @@ class RequestState:
         self.branches = [BranchState(0, seq, tokenizer, seed, self.metrics)]
         self.by_seq: dict[str, BranchState] = {seq.request_id: self.branches[0]}
         self.error: str | None = None
+        self.constrained = seq.sampling_params.constrained
+        self._grammar = None  # the compiled prototype each branch copies (core/grammar.py)
+
+    def start_grammar(self, prototype) -> None:
+        """The request's grammar has compiled: every branch follows its own copy."""
+        self._grammar = prototype
+        for branch in self.branches:
+            branch.matcher = prototype.copy()
+
+    def matcher_of(self, seq_id: str):
+        return self.by_seq[seq_id].matcher
 
     @property
     def seq(self) -> Sequence:
@@ -164,6 +183,8 @@ class RequestState:
                              arrival_time=parent.arrival_time, cache_salt=parent.cache_salt)
             branch = BranchState(i, child, self.tokenizer, branch_seed(self.seed, i),
                                  self.metrics)
+            if self._grammar is not None:
+                branch.matcher = self._grammar.copy()
             self.branches.append(branch)
             self.by_seq[child.request_id] = branch
             children.append(child)
@@ -186,9 +207,12 @@ class RequestState:
             decision.forks.extend(Fork(parent=item.seq, child=child, num_computed_tokens=end - 1)
                                   for child in self._fork_sequences(new_id))
         decision.tokens[sid] = result.token
-        reason = self.by_seq[sid].on_token(result, self.eos_ids)
+        branch = self.by_seq[sid]
+        reason = branch.on_token(result, self.eos_ids)
         if reason is not None:
             decision.finished[sid] = reason
+            if branch.error is not None and self.error is None:
+                self.error = branch.error  # the engine ends the other branches
         return decision
 
     def on_updated(self, finished: list[Sequence], new_id: NewId) -> Decision:

@@ -5,6 +5,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from jaxserve.core.structured_outputs import StructuredOutputs
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
@@ -96,6 +100,8 @@ class SamplingParams:
     beam_width: int = 1
     length_penalty: float = 1.0
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # core/structured_outputs.py: a JSON schema, regex, choice or grammar the output follows.
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self):
         _int("n", self.n, 1, MAX_N)
@@ -132,6 +138,21 @@ class SamplingParams:
                 f"FINAL_ONLY), got {self.output_kind!r}")
         if self.use_beam_search:
             self._check_beam_search()
+        if self.structured_outputs is not None:
+            self._check_structured()
+
+    def _check_structured(self):
+        from jaxserve.core.structured_outputs import StructuredOutputs  # imports this module
+        if not isinstance(self.structured_outputs, StructuredOutputs):
+            raise SamplingParamError("structured_outputs", "structured_outputs must be a "
+                                     "StructuredOutputs, got "
+                                     f"{type(self.structured_outputs).__name__}")
+        # Beam search ranks whole continuations; the constraint would have to follow every
+        # beam's forks. min_tokens bans EOS, which a finished grammar needs.
+        for name, off in (("use_beam_search", False), ("min_tokens", 0)):
+            if getattr(self, name) != off:
+                raise SamplingParamError(name, f"{name} is not supported with "
+                                         f"structured_outputs (leave it at {off!r})")
 
     def _check_beam_search(self):
         if self.n > self.beam_width:
@@ -144,6 +165,10 @@ class SamplingParams:
             if getattr(self, name) != off:
                 raise SamplingParamError(name, f"{name} is not supported with beam search "
                                          f"(leave it at {off!r})")
+
+    @property
+    def constrained(self) -> bool:
+        return self.structured_outputs is not None
 
     @property
     def greedy(self) -> bool:

@@ -155,6 +155,13 @@ class Scheduler:
         return sum(seq.num_reserved_slots for seq in self.running)
 
     def add(self, seq: Sequence) -> None:
+        self.check(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+        self._ids.add(seq.request_id)
+
+    def check(self, seq: Sequence) -> None:
+        """Raises ValueError, naming the limit, when `add(seq)` would refuse it."""
         rid, limit = seq.request_id, self.config.max_model_len
         if rid in self._ids:
             raise ValueError(f"request id {rid!r} is already in use by an unfinished request")
@@ -175,9 +182,6 @@ class Scheduler:
         if not 1 <= seq.num_reserved_slots <= self.config.max_num_seqs:
             raise ValueError(f"request {rid!r} needs {seq.num_reserved_slots} batch slots "
                              f"(one per branch) but max_num_seqs is {self.config.max_num_seqs}")
-        seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
-        self._ids.add(rid)
 
     def abort(self, request_id: str,
               status: SequenceStatus = SequenceStatus.FINISHED_ABORTED) -> bool:

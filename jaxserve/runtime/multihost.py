@@ -73,7 +73,8 @@ class StepChannel:
     def send(self, call: StepCall | SlotsCall | CopyCall) -> None:
         cmd = _COPY if isinstance(call, CopyCall) else _SLOTS if isinstance(call, SlotsCall) \
             else _STEP
-        _broadcast_like(np.array([cmd, *call.shape, 0, 0][:4], np.int32))
+        masked = int(getattr(call, "masked", False))  # a step's bitmask variant
+        _broadcast_like(np.array([cmd, *call.shape, masked, 0][:4], np.int32))
         _broadcast_like(call)
 
     def stop(self) -> None:
@@ -95,6 +96,6 @@ class StepChannel:
             elif cmd == _SLOTS:
                 template, kind = runner.slots_template(shape[0]), "slots"
             else:
-                template, kind = runner.step_template(shape[0]), "steps"
+                template, kind = runner.step_template(shape[0], bool(shape[1])), "steps"
             runner.run(_broadcast_like(template))
             ran[kind] += 1

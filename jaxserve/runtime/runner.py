@@ -61,13 +61,16 @@ class StepInputs:
     slot's last sampled id; token_slot: the idle slot for idle tokens; multi: XLA layout only).
     per_row [6, R + 1] int32: ROW_FIELDS; query_start uses R + 1 entries, the others R; scalars
     holds num_pairs and want_logprobs. pages: the page table [R, max_blocks] ("page_table"
-    backends) or the chunk pages [T / 16, Pc] (XLA); pairs [3, W] (XLA) or None.
+    backends) or the chunk pages [T / 16, Pc] (XLA); pairs [3, W] (XLA) or None. mask
+    [R, ceil(V / 32)] int32: the rows' packed bitmasks of allowed tokens, all ones for rows
+    without a constraint; None when no row has one (a program without the masking).
     """
 
     per_token: jax.Array
     per_row: jax.Array
     pages: jax.Array
     pairs: jax.Array | None = None
+    mask: jax.Array | None = None
 
     def field(self, name: str) -> jax.Array:
         if name in TOKEN_FIELDS:
@@ -98,8 +101,13 @@ class StepCall:
 
     @property
     def shape(self) -> tuple[int]:
-        """(flat tokens,): what `ModelRunner.step_template` rebuilds it from."""
+        """(flat tokens,): with `masked`, what `ModelRunner.step_template` rebuilds it from."""
         return (self.inputs.per_token.shape[1],)
+
+    @property
+    def masked(self) -> bool:
+        """Whether it carries token bitmasks (the step's other compiled variant)."""
+        return self.inputs.mask is not None
 
 
 @jax.tree_util.register_dataclass
@@ -139,8 +147,13 @@ class ModelRunner:
     def __init__(self, model: Model, *, max_num_seqs: int, max_num_batched_tokens: int,
                  block_size: int, num_blocks: int, max_model_len: int, eos_ids=(),
                  attention: AttentionBackend | None = None, linear=None,
-                 tp: TensorParallel | None = None, kv_cache_dtype=None):
+                 tp: TensorParallel | None = None, kv_cache_dtype=None,
+                 structured_outputs: bool = False):
         c = model.config
+        # Steps with constrained rows run a masked variant of each program (warm-up compiles
+        # both), so steps without any pay nothing for the feature.
+        self.structured_outputs = structured_outputs
+        self.mask_words = -(-c.vocab_size // 32)
         attention = _checked(XlaAttention() if attention is None else attention, c, block_size)
         jit_kwargs = {}
         if tp is not None:  # tensor parallel: params and cache sharded over tp's mesh
@@ -204,7 +217,7 @@ class ModelRunner:
                 st = slot_state.rows_sampling(state, row_slot, ctx)
                 want = f("scalars")[1] != 0
                 out = sample(logits, st, history[row_slot], ctx, state.prompt_lens[row_slot], ctx,
-                             want)
+                             want, mask=inp.mask)
             written = jnp.where(f("samples") != 0, row_slot, self.idle_slot)
             state = dataclasses.replace(state, history=history,
                                         last_tokens=state.last_tokens.at[written].set(out.tokens))
@@ -220,14 +233,17 @@ class ModelRunner:
         return 0 if base is None else self.num_compiled - base
 
     def shapes(self) -> list[tuple[int]]:
-        """Every step shape (flat tokens,) the runner can run: what warm-up compiles."""
+        """Every step shape (flat tokens,) the runner can run: what warm-up compiles (twice
+        with structured outputs: without and with token bitmasks)."""
         return [(t,) for t in self.token_buckets]
 
     def warmup(self, progress: bool = True) -> float:
         """Compiles every bucket now, so serving never stops to compile. Returns seconds."""
         start = time.perf_counter()
         # Every process warms up itself (same programs in the same order): nothing to broadcast.
-        calls = [self.step_template(*shape) for shape in self.shapes()]
+        calls = [self.step_template(*shape, masked=m) for m in
+                 ((False, True) if self.structured_outputs else (False,))
+                 for shape in self.shapes()]
         calls += [self.slots_template(d) for d in self.slot_buckets] + [self.copy_template()]
         for call in tqdm(calls, desc="jaxserve: compiling", unit="program",
                          disable=not progress):
@@ -235,12 +251,17 @@ class ModelRunner:
         self._compiles_at_warmup = self.num_compiled
         return time.perf_counter() - start
 
-    def step_template(self, tokens: int) -> StepCall:
-        """An idle step of `tokens` flat tokens: no rows, everything masked."""
+    def step_template(self, tokens: int, masked: bool = False) -> StepCall:
+        """An idle step of `tokens` flat tokens: no rows, everything masked (with an all-ones
+        token bitmask when `masked`)."""
         lay = step_layout.build([], self.page_table, tokens=tokens, max_num_seqs=self.num_slots,
                                 block_size=self.block_size, idle_slot=self.idle_slot,
                                 ragged=self.ragged)
-        return self.step_call(lay, want_logprobs=False)
+        mask = self._all_allowed(lay) if masked else None
+        return self.step_call(lay, want_logprobs=False, mask=mask)
+
+    def _all_allowed(self, lay: step_layout.Layout) -> np.ndarray:
+        return np.full((lay.context_lens.shape[0], self.mask_words), -1, np.int32)  # [R, W]
 
     def slots_template(self, size: int) -> SlotsCall:
         """A slot-state delta that writes idle state into the idle slot."""
@@ -273,7 +294,7 @@ class ModelRunner:
     def _executable(self, call: StepCall | SlotsCall | CopyCall) -> jax.stages.Compiled:
         """The call's compiled program: compiled (from the persistent cache if it is there)
         the first time its kind and shape are met, which after warm-up is a bucket missed."""
-        key = (type(call).__name__, call.shape)
+        key = (type(call).__name__, call.shape, getattr(call, "masked", False))
         exe = self._executables.get(key)
         if exe is None:
             fn, args = self._arguments(call)
@@ -341,8 +362,13 @@ class ModelRunner:
 
     # ---- one engine step ------------------------------------------------------------------
 
-    def launch(self, out: SchedulerOutput, seeds: dict[str, int]) -> Pending:
-        """Dispatches the scheduled work as one step; returns without waiting for the device."""
+    def launch(self, out: SchedulerOutput, seeds: dict[str, int], matchers=None,
+               grammar=None) -> Pending:
+        """Dispatches the scheduled work as one step; returns without waiting for the device.
+
+        matchers: sequence id -> grammar state (core/grammar.py Matcher) of the constrained
+        rows that sample; `grammar.fill(mask, [(matcher, row)])` writes their bitmasks.
+        """
         if out.blocks_to_copy:
             self.copy_blocks(out.blocks_to_copy)
         for rid in out.preempted:
@@ -361,12 +387,19 @@ class ModelRunner:
                                 max_num_seqs=self.num_slots, block_size=self.block_size,
                                 idle_slot=self.idle_slot, ragged=self.ragged)
         want = any(i.seq.sampling_params.logprobs is not None for i in items)
-        sampled = self.run(self.step_call(lay, want))
+        mask = None
+        if matchers:
+            mask = self._all_allowed(lay)
+            grammar.fill(mask, [(matchers[item.request_id], lay.row_index[k])
+                                for k, item in enumerate(items) if item.request_id in matchers])
+        sampled = self.run(self.step_call(lay, want, mask))
         sampling = [(item, lay.row_index[k]) for k, item in enumerate(items) if item.is_last_chunk]
         return Pending([i for i, _ in sampling], [r for _, r in sampling], sampled, want)
 
-    def step_call(self, lay: step_layout.Layout, want_logprobs: bool) -> StepCall:
-        """The StepCall of a step layout (step_layout.build with this runner's settings)."""
+    def step_call(self, lay: step_layout.Layout, want_logprobs: bool,
+                  mask: np.ndarray | None = None) -> StepCall:
+        """The StepCall of a step layout (step_layout.build with this runner's settings);
+        mask [R, W] int32: the rows' token bitmasks, or None."""
         t, r = lay.tokens.shape[0], lay.context_lens.shape[0]
         per_token = np.empty((len(TOKEN_FIELDS), t), np.int32)  # [6, T]
         for i, name in enumerate(TOKEN_FIELDS):
@@ -378,7 +411,7 @@ class ModelRunner:
         per_row[-1, :2] = (0 if lay.num_pairs is None else lay.num_pairs, want_logprobs)
         pages = lay.chunk_pages if self.ragged else lay.page_table
         return StepCall(StepInputs(per_token=per_token, per_row=per_row, pages=pages,
-                                   pairs=lay.pairs))
+                                   pairs=lay.pairs, mask=mask))
 
     def collect(self, pending: Pending) -> dict[str, SampleResult]:
         """Waits for a launched step's ids; returns the sampled token of every item that samples."""

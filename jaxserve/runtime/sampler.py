@@ -127,13 +127,16 @@ class SamplerOutput:
 
 def sample(logits: jax.Array, st: SamplingTensors, history: jax.Array, context_lens: jax.Array,
            prompt_lens: jax.Array, positions: jax.Array, want_logprobs: jax.Array | bool = True,
-           *, max_logprobs: int = MAX_LOGPROBS,
-           top_candidates: int = TOP_CANDIDATES) -> SamplerOutput:
+           *, max_logprobs: int = MAX_LOGPROBS, top_candidates: int = TOP_CANDIDATES,
+           mask: jax.Array | None = None) -> SamplerOutput:
     """Pick one token per slot. logits [S, V]; history [S, L] ids (valid below context_lens
     [S], prompt below prompt_lens [S]); positions [S] = position of the token being sampled.
+    mask [S, ceil(V / 32)] int32: a packed bitmask of allowed tokens (bit t % 32 of word
+    t // 32), applied before everything else; None (a separate program) allows all.
     max_logprobs and top_candidates are static (mark them static when jitting)."""
     logits = logits.astype(jnp.float32)
     lse = jax.nn.logsumexp(logits, axis=-1)  # [S]
+    raw, logits = logits, apply_token_bitmask(logits, mask)  # logprobs stay those of raw
     adjust = jnp.any((st.repetition_penalty != 1.0) | (st.presence_penalty != 0.0)
                      | (st.frequency_penalty != 0.0) | (st.num_generated < st.min_tokens))
     choose = functools.partial(_choose, st, positions, top_candidates)
@@ -143,12 +146,23 @@ def sample(logits: jax.Array, st: SamplingTensors, history: jax.Array, context_l
                       lambda x: choose(_ban_stop_ids(
                           apply_penalties(x, st, history, context_lens, prompt_lens), st)),
                       choose, logits)
-    logprob = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - lse  # [S]
+    logprob = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0] - lse  # [S]
     k = min(max_logprobs, logits.shape[-1])
     top_ids, top_lps = lax.cond(jnp.asarray(want_logprobs, bool),
-                                lambda: _top_logprobs(logits, lse, k),
+                                lambda: _top_logprobs(raw, lse, k),
                                 lambda: _no_logprobs(logits.shape[0], k))
     return SamplerOutput(tokens=tokens, logprob=logprob, top_ids=top_ids, top_logprobs=top_lps)
+
+
+def apply_token_bitmask(logits: jax.Array, mask: jax.Array | None) -> jax.Array:
+    """logits [S, V] with the tokens whose bit is 0 in mask [S, W] (W = ceil(V / 32)) at -inf.
+    Unpacked with shifts against an iota, so it fuses into the logits' consumers."""
+    if mask is None:
+        return logits
+    s, v = logits.shape
+    bits = (mask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [S, W, 32]
+    allowed = bits.reshape(s, -1)[:, :v] != 0  # [S, V]
+    return jnp.where(allowed, logits, -jnp.inf)
 
 
 def _choose(st, positions, top_candidates, x):

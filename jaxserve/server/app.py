@@ -23,6 +23,7 @@ from jaxserve.server.metrics import ServerMetrics
 from jaxserve.server.profile_routes import register_profile_routes
 from jaxserve.server.protocol import ModelInfo, parse_chat, parse_completion
 from jaxserve.server.responses import Responder
+from jaxserve.server.structured import check_compiles
 
 log = logging.getLogger("jaxserve.server")
 HTTP_ERROR_TYPES = {404: "not_found_error", 405: "invalid_request_error",
@@ -37,6 +38,8 @@ class ServerState:
         self.info = ModelInfo(engine.model.tokenizer, engine.model.config.vocab_size,
                               engine.max_model_len)
         self.capacity = engine.config.max_num_seqs + config.max_waiting_requests
+        # Thread-safe: handlers compile constraints through it (None: no structured outputs).
+        self.grammar = getattr(engine, "grammar", None)
         self._lock = threading.Lock()
         self._active = 0  # responses being produced (a drain waits for them)
 
@@ -89,6 +92,8 @@ def _generate(state: ServerState, chat: bool) -> Response:
         raise ApiError(404, f"model {model[:100]!r} does not exist; this server serves {name!r}",
                        type="not_found_error", param="model", code="model_not_found")
     req = (parse_chat if chat else parse_completion)(body, state.config, state.info)
+    if req.params.structured_outputs is not None:  # a 400 now, not a failure in the engine
+        check_compiles(state.grammar, req.params.structured_outputs, req.constraint_param)
     disconnected = request.environ.get("waitress.client_disconnected", lambda: False)
     gen = Generation(state.loop, state.metrics, req, state.capacity,
                      state.config.disconnect_poll_s, disconnected)

@@ -9,16 +9,20 @@ from __future__ import annotations
 import dataclasses
 
 from jaxserve.core.sampling_params import SamplingParamError, SamplingParams
+from jaxserve.core.structured_outputs import StructuredOutputs
+from jaxserve.server import tools as tool_calls
 from jaxserve.server.config import ServerConfig
 from jaxserve.server.errors import ApiError, invalid, shown
 from jaxserve.server.fields import Fields
+from jaxserve.server.structured import constraint
 
 MAX_PROMPTS = 64  # prompts in one /v1/completions batch
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # Fields we do not implement: refusing them beats silently ignoring what the client asked.
-UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "suffix", "logit_bias",
-               "parallel_tool_calls", "audio", "modalities", "prediction")
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+UNSUPPORTED = ("functions", "function_call", "suffix", "logit_bias", "audio", "modalities",
+               "prediction")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -33,6 +37,8 @@ class GenerationRequest:
     include_usage: bool
     top_logprobs: int | None          # None: no logprobs; k: k alternatives per token
     echo: bool = False
+    constraint_param: str | None = None  # the field params.structured_outputs came from
+    tools: tool_calls.Tools | None = None  # chat: parse the output into tool_calls
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,10 +65,6 @@ def _check_unsupported(f: Fields) -> None:
     best_of = f.integer("best_of", 1, 1)
     if best_of != 1:
         raise invalid("'best_of' > 1 is not supported", "best_of", "unsupported")
-    fmt = f.raw("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise invalid("only response_format {'type': 'text'} is supported", "response_format",
-                      "unsupported")
 
 
 def _stop(f: Fields, config: ServerConfig) -> tuple[str, ...]:
@@ -92,7 +94,8 @@ def _stream_options(f: Fields, stream: bool) -> bool:
 
 
 def _sampling(f: Fields, max_tokens: int, top_logprobs: int | None,
-              stop: tuple[str, ...]) -> SamplingParams:
+              stop: tuple[str, ...], spec: StructuredOutputs | None = None,
+              spec_param: str | None = None) -> SamplingParams:
     """The SamplingParams of each prompt (n=1 here; each branch gets its own seed stream).
 
     Fields are type-checked here; their ranges are SamplingParams' own, reported as 400s.
@@ -106,9 +109,11 @@ def _sampling(f: Fields, max_tokens: int, top_logprobs: int | None,
             frequency_penalty=f.number("frequency_penalty", 0.0),
             seed=f.integer("seed", None), max_tokens=max_tokens,
             min_tokens=f.integer("min_tokens", 0), stop=stop,
-            ignore_eos=f.boolean("ignore_eos"), logprobs=top_logprobs)
+            ignore_eos=f.boolean("ignore_eos"), logprobs=top_logprobs,
+            structured_outputs=spec)
     except SamplingParamError as e:
-        raise invalid(str(e), e.param) from e
+        param = spec_param if e.param == "structured_outputs" else e.param
+        raise invalid(str(e), param) from e
 
 
 def _max_tokens(f: Fields, prompts: list[list[int]], info: ModelInfo, chat: bool) -> int:
@@ -132,15 +137,24 @@ def _max_tokens(f: Fields, prompts: list[list[int]], info: ModelInfo, chat: bool
 
 def _build(f: Fields, config: ServerConfig, info: ModelInfo, *, chat: bool,
            prompts: list[list[int]], texts: list[str], top_logprobs: int | None,
-           echo: bool) -> GenerationRequest:
+           echo: bool, tools: tool_calls.Tools | None = None) -> GenerationRequest:
     stream = f.boolean("stream")
     include_usage = _stream_options(f, stream)
     n = f.integer("n", 1, 1, config.max_n)
     stop = _stop(f, config)
-    params = _sampling(f, _max_tokens(f, prompts, info, chat), top_logprobs, stop)
+    spec, spec_param = constraint(f)
+    forced = tools.constraint() if tools is not None else None
+    if forced is not None:
+        if spec is not None:
+            raise invalid(f"'{spec_param}' cannot be combined with tool_choice "
+                          f"{tools.choice!r}", spec_param)
+        spec, spec_param = forced, "tool_choice"
+    params = _sampling(f, _max_tokens(f, prompts, info, chat), top_logprobs, stop, spec,
+                       spec_param)
     return GenerationRequest(chat=chat, model=f.string("model", required=True), prompts=prompts,
                              prompt_texts=texts, params=params, n=n, stream=stream,
-                             include_usage=include_usage, top_logprobs=top_logprobs, echo=echo)
+                             include_usage=include_usage, top_logprobs=top_logprobs, echo=echo,
+                             constraint_param=spec_param, tools=tools)
 
 
 def _check_body(body) -> Fields:
@@ -154,6 +168,10 @@ def _check_body(body) -> Fields:
 
 def parse_completion(body, config: ServerConfig, info: ModelInfo) -> GenerationRequest:
     f = _check_body(body)
+    for name in TOOL_FIELDS:
+        if f.raw(name) not in (None, [], "none"):
+            raise invalid(f"'{name}' is only supported by /v1/chat/completions", name,
+                          "unsupported")
     prompts, texts = _completion_prompts(f.raw("prompt"), info)
     logprobs = f.integer("logprobs", None, 0, config.max_logprobs)
     echo = f.boolean("echo")
@@ -206,6 +224,15 @@ def _message_text(i: int, message) -> dict:
         raise invalid(f"messages[{i}] must be an object with 'role' one of {CHAT_ROLES}",
                       "messages")
     content = message.get("content")
+    extra = {}
+    if message["role"] == "assistant" and message.get("tool_calls"):
+        extra["tool_calls"] = _message_tool_calls(i, message["tool_calls"])
+        content = content or ""
+    if message["role"] == "tool":
+        call_id = message.get("tool_call_id")
+        if call_id is not None and not isinstance(call_id, str):
+            raise invalid(f"messages[{i}].tool_call_id must be a string", "messages")
+        extra["tool_call_id"] = call_id or ""
     if isinstance(content, list):  # content parts: only text is supported
         if not all(isinstance(p, dict) and p.get("type") == "text" and
                    isinstance(p.get("text"), str) for p in content):
@@ -215,7 +242,23 @@ def _message_text(i: int, message) -> dict:
         raise invalid(f"messages[{i}].content must be a string or a list of text parts",
                       "messages")
     return {"role": "system" if message["role"] == "developer" else message["role"],
-            "content": content}
+            "content": content, **extra}
+
+
+def _message_tool_calls(i: int, calls) -> list[dict]:
+    """An assistant message's tool_calls (as OpenAI returned them), checked."""
+    if not isinstance(calls, list):
+        raise invalid(f"messages[{i}].tool_calls must be a list", "messages")
+    out = []
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or \
+                not isinstance(fn.get("arguments", ""), (str, dict)):
+            raise invalid(f"messages[{i}].tool_calls[{j}] must be {{'id', 'type': 'function', "
+                          "'function': {'name', 'arguments'}}", "messages")
+        out.append({"id": c.get("id") or f"call_{j}", "type": "function",
+                    "function": {"name": fn["name"], "arguments": fn.get("arguments", "")}})
+    return out
 
 
 def parse_chat(body, config: ServerConfig, info: ModelInfo) -> GenerationRequest:
@@ -224,8 +267,17 @@ def parse_chat(body, config: ServerConfig, info: ModelInfo) -> GenerationRequest
     if not isinstance(messages, list) or not messages:
         raise invalid("'messages' must be a non-empty list", "messages")
     clean = [_message_text(i, m) for i, m in enumerate(messages)]
+    tools = tool_calls.parse_tools(f.raw("tools"), f.raw("tool_choice"),
+                                   f.raw("parallel_tool_calls"))
+    if info.tokenizer is None:
+        raise invalid("this model has no tokenizer (no chat template)", "messages")
+    native = tool_calls.template_handles_tools(info.tokenizer.chat_template)
+    extra = {"tools": [{"type": "function", "function": fn} for fn in tools.functions]} \
+        if native and tools is not None else {}
     try:
-        text = info.tokenizer.apply_chat_template(clean, add_generation_prompt=True)
+        text = info.tokenizer.apply_chat_template(
+            tool_calls.render_messages(clean, tools, native), add_generation_prompt=True,
+            **extra)
     except Exception as e:  # noqa: BLE001 - template errors are the client's conversation
         raise invalid(f"the chat template rejected the messages: {str(e)[:200]}",
                       "messages") from e
@@ -234,7 +286,7 @@ def parse_chat(body, config: ServerConfig, info: ModelInfo) -> GenerationRequest
     if top is not None and not want:
         raise invalid("'top_logprobs' needs 'logprobs' set to true", "top_logprobs")
     return _build(f, config, info, chat=True, prompts=[info.encode(text)], texts=[text],
-                  top_logprobs=(top or 0) if want else None, echo=False)
+                  top_logprobs=(top or 0) if want else None, echo=False, tools=tools)
 
 
 __all__ = ["ApiError", "GenerationRequest", "ModelInfo", "parse_chat", "parse_completion"]

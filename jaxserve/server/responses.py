@@ -7,6 +7,7 @@ import time
 from typing import Iterator
 
 from jaxserve.server import formatting as fmt
+from jaxserve.server import tools as tool_calls
 from jaxserve.server.errors import ApiError
 from jaxserve.server.generation import ClientGone, Delta, Generation
 
@@ -21,6 +22,10 @@ class Responder:
         self.chat = self.req.chat
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + gen.id
         self.created = int(time.time())
+        tools = self.req.tools if self.chat else None
+        self.tool_names = tools.names if tools is not None else None
+        self._parsers: dict[int, tool_calls.StreamParser] = {}  # stream: per choice
+        self._num_calls: dict[int, int] = {}
 
     def _usage(self) -> dict:
         return fmt.usage(self.gen.prompt_tokens, self.gen.completion_tokens)
@@ -46,8 +51,8 @@ class Responder:
         choices = []
         for c in self.gen.collect():
             if self.chat:
-                choices.append({"index": c.index, "finish_reason": c.finish_reason,
-                                "message": {"role": "assistant", "content": c.text},
+                message, finish = self._message(c.text, c.finish_reason)
+                choices.append({"index": c.index, "finish_reason": finish, "message": message,
                                 "logprobs": self._logprobs(c.token_ids, c.logprobs)})
             else:
                 prefix = self._prompt_text(c.index) if self.req.echo else ""
@@ -55,6 +60,15 @@ class Responder:
                                 "finish_reason": c.finish_reason,
                                 "logprobs": self._logprobs(c.token_ids, c.logprobs)})
         return self._body(choices, self._usage(), chunk=False)
+
+    def _message(self, text: str, finish: str | None) -> tuple[dict, str | None]:
+        if self.tool_names is None:
+            return {"role": "assistant", "content": text}, finish
+        content, calls = tool_calls.parse_tool_calls(text, self.tool_names)
+        if not calls:
+            return {"role": "assistant", "content": text}, finish
+        return ({"role": "assistant", "content": content, "tool_calls": calls},
+                "tool_calls" if finish == "stop" else finish)
 
     # ---- stream ---------------------------------------------------------------------------
 
@@ -70,14 +84,36 @@ class Responder:
                 continue
             yield fmt.sse(self._body([choice], None, chunk=True))
 
+    def _tool_delta(self, d: Delta) -> tuple[dict, str | None]:
+        """A chat delta with tool calls parsed out of the text (finished calls only)."""
+        parser = self._parsers.setdefault(d.index, tool_calls.StreamParser(self.tool_names))
+        text, calls = parser.feed(d.text)
+        finish = d.finish_reason
+        if finish is not None:
+            more_text, more_calls = parser.finish()
+            text, calls = text + more_text, calls + more_calls
+            if parser.num_calls and finish == "stop":
+                finish = "tool_calls"
+        delta = {"content": text} if text else {}
+        if calls:
+            first = self._num_calls.get(d.index, 0)
+            self._num_calls[d.index] = first + len(calls)
+            delta["tool_calls"] = tool_calls.delta_calls(calls, first)
+        return delta, finish
+
     def _chunk(self, d: Delta, offset: int) -> bytes | None:
         if not d.text and d.finish_reason is None and not d.logprobs:
             return None  # text held back (it may become a stop string): nothing to say yet
         lps = self._logprobs(d.token_ids, d.logprobs, offset) if d.token_ids else None
         if self.chat:
-            delta = {"content": d.text} if d.text else {}
+            if self.tool_names is not None:
+                delta, finish = self._tool_delta(d)
+                if not delta and finish is None and not lps:
+                    return None
+            else:
+                delta, finish = ({"content": d.text} if d.text else {}), d.finish_reason
             choice = {"index": d.index, "delta": delta, "logprobs": lps,
-                      "finish_reason": d.finish_reason}
+                      "finish_reason": finish}
         else:
             choice = {"index": d.index, "text": d.text, "logprobs": lps,
                       "finish_reason": d.finish_reason}
