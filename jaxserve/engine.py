@@ -125,10 +125,17 @@ class LLMEngine:
         # Constrained requests whose grammar is compiling: outside the scheduler, no slot held.
         self._compiling: dict[str, tuple[RequestState, Sequence, concurrent.futures.Future]] = {}
         self._constrained: dict[str, RequestState] = {}  # admitted, unfinished, constrained
+        # The masked (structured-output) step variants compile after warm-up, off this thread:
+        # constrained requests wait for them as for their grammar, everything else is served.
+        self._masked_ready: concurrent.futures.Future | None = None
         if config.warmup:
-            self.warmup_seconds = self.runner.warmup()
+            deferred = self.grammar is not None
+            self.warmup_seconds = self.runner.warmup(deferred=deferred)
             log.info("warm-up: %d programs compiled in %.1fs", self.runner.num_compiled,
                      self.warmup_seconds)
+            if deferred:
+                self._masked_ready = _in_background(self.runner.masked_warmup(),
+                                                    "jaxserve-masked-warmup")
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -192,8 +199,10 @@ class LLMEngine:
         """Queues the constrained requests whose grammar is ready; fails those it refused."""
         if not self._compiling:
             return []
-        if not self.scheduler.has_unfinished() and self._inflight is None:
-            # Nothing else to do: wait a little for a compile instead of spinning.
+        idle = not self.scheduler.has_unfinished() and self._inflight is None
+        if not self._masked_programs_ready(wait=idle):
+            return []
+        if idle:  # nothing else to do: wait a little for a compile instead of spinning
             concurrent.futures.wait([f for _, _, f in self._compiling.values()], timeout=0.05,
                                     return_when=concurrent.futures.FIRST_COMPLETED)
         errors = []
@@ -212,6 +221,32 @@ class LLMEngine:
             self.scheduler.add(seq)
             self._constrained[rid] = state
         return errors
+
+    def _masked_programs_ready(self, wait: bool) -> bool:
+        """Whether the masked step variants are compiled (waiting a little when `wait`)."""
+        future = self._masked_ready
+        if future is None:
+            return True
+        if not future.done():
+            if wait:
+                concurrent.futures.wait([future], timeout=0.05)
+            if not future.done():
+                return False
+        self._masked_ready = None
+        if future.exception() is not None:  # they will compile when first needed instead
+            log.warning("compiling the structured-output step variants failed (%s); they "
+                        "compile when first needed", future.exception())
+        else:
+            log.info("structured-output step variants compiled in %.1fs", future.result())
+        return True
+
+    def wait_until_warm(self, timeout: float | None = None) -> bool:
+        """Waits for the programs compiled after warm-up (the structured-output variants);
+        returns whether they are ready. Serving does not need this: it starts at once."""
+        future = self._masked_ready
+        if future is not None:
+            concurrent.futures.wait([future], timeout=timeout)
+        return self._masked_programs_ready(wait=False)
 
     def abort(self, request_id: str) -> bool:
         state = self.requests.pop(request_id, None)
@@ -507,3 +542,12 @@ class LLMEngine:
             "kv_memory_time_avg": self.kv_tracker.to_dict(),
             "profiling": self.profiler.active,
         }
+
+
+def _in_background(job, name: str) -> concurrent.futures.Future:
+    """Runs `job` on a thread of its own; the thread ends with it."""
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=name)
+    try:
+        return pool.submit(job)
+    finally:
+        pool.shutdown(wait=False)

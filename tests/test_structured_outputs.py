@@ -213,6 +213,7 @@ def test_constrained_steps_compile_nothing_after_warmup(smollm2_fp32):
     engine = LLMEngine(EngineConfig(model=smollm2_fp32.source, warmup=True, max_num_seqs=4,
                                     max_num_batched_tokens=16, max_model_len=128),
                        model=smollm2_fp32)
+    assert engine.wait_until_warm(timeout=900)  # the masked variants compile after warm-up
     specs = [StructuredOutputs(regex=r"[a-z ]{1,12}"), None,
              StructuredOutputs(json={"type": "array", "items": {"type": "integer"},
                                      "maxItems": 3}), StructuredOutputs(choice=["yes", "no"])]
@@ -229,6 +230,47 @@ def test_constrained_steps_compile_nothing_after_warmup(smollm2_fp32):
     assert events == [] and engine.stats()["num_compiles_after_warmup"] == 0
     assert sorted(done) == ["0", "1", "2", "3"] and all(o.error is None for o in done.values())
     assert done["3"].outputs[0].text in ("yes", "no")
+
+
+def test_masked_variants_compile_after_warmup_without_holding_others(smollm2_fp32,
+                                                                      monkeypatch):
+    """Serving starts before the masked variants are compiled: a free request runs to the end
+    meanwhile, a constrained one waits (no slot held) and runs once they are ready."""
+    import threading
+    from jaxserve import EngineConfig, LLMEngine
+    from jaxserve.runtime.runner import ModelRunner
+    gate, real = threading.Event(), ModelRunner.masked_warmup
+
+    def gated(self):
+        job = real(self)
+
+        def run():
+            assert gate.wait(timeout=600)
+            return job()
+        return run
+    monkeypatch.setattr(ModelRunner, "masked_warmup", gated)
+    engine = LLMEngine(EngineConfig(model=smollm2_fp32.source, warmup=True, max_num_seqs=4,
+                                    max_num_batched_tokens=16, max_model_len=128),
+                       model=smollm2_fp32)
+    masked = [k for k in engine.runner._executables if k[2]]
+    assert masked == [] and not engine.wait_until_warm(timeout=0)
+    engine.add_request("c", "Pick one:", SamplingParams(
+        temperature=0.0, max_tokens=4, structured_outputs=StructuredOutputs(choice=["yes", "no"])))
+    engine.add_request("f", "The sea is", SamplingParams(temperature=0.0, max_tokens=4))
+    done = {}
+    while "f" not in done:
+        for out in engine.step():
+            done[out.request_id] = out
+        assert engine.stats()["running"] + engine.stats()["waiting"] <= 1  # "c" is outside
+    assert "c" not in done and engine.has_unfinished_requests()
+    gate.set()
+    assert engine.wait_until_warm(timeout=900)
+    assert engine.stats()["num_compiles_after_warmup"] == 0
+    assert len([k for k in engine.runner._executables if k[2]]) == len(engine.runner.shapes())
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            done[out.request_id] = out
+    assert done["c"].outputs[0].text in ("yes", "no") and done["c"].error is None
 
 
 def test_beam_search_runs_beside_a_constrained_request(llm):

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
+from collections.abc import Callable
 
 import jax
 # Pallas imports its fuser lazily, the first time a kernel is lowered, and that import adds a
@@ -150,8 +152,9 @@ class ModelRunner:
                  tp: TensorParallel | None = None, kv_cache_dtype=None,
                  structured_outputs: bool = False):
         c = model.config
-        # Steps with constrained rows run a masked variant of each program (warm-up compiles
-        # both), so steps without any pay nothing for the feature.
+        # Steps with constrained rows run a masked variant of each program, so steps without
+        # any pay nothing for the feature. Warm-up compiles the plain ones; the masked ones
+        # can follow off the engine thread (warmup_masked), so they do not delay serving.
         self.structured_outputs = structured_outputs
         self.mask_words = -(-c.vocab_size // 32)
         attention = _checked(XlaAttention() if attention is None else attention, c, block_size)
@@ -197,6 +200,7 @@ class ModelRunner:
         # running them (running the largest token buckets once costs seconds of real compute).
         self._executables: dict[tuple, jax.stages.Compiled] = {}
         self._compiles_at_warmup: int | None = None
+        self._compile_lock = threading.Lock()  # warmup_masked may run on another thread
         self.h2d_bytes = 0  # host -> device bytes of every call run so far
 
     # ---- the jitted step ------------------------------------------------------------------
@@ -229,27 +233,61 @@ class ModelRunner:
 
     @property
     def num_compiles_after_warmup(self) -> int:
-        base = self._compiles_at_warmup
-        return 0 if base is None else self.num_compiled - base
+        with self._compile_lock:
+            base = self._compiles_at_warmup
+            return 0 if base is None else self.num_compiled - base
 
     def shapes(self) -> list[tuple[int]]:
         """Every step shape (flat tokens,) the runner can run: what warm-up compiles (twice
         with structured outputs: without and with token bitmasks)."""
         return [(t,) for t in self.token_buckets]
 
-    def warmup(self, progress: bool = True) -> float:
-        """Compiles every bucket now, so serving never stops to compile. Returns seconds."""
+    def warmup(self, progress: bool = True, deferred: bool = False) -> float:
+        """Compiles every bucket now, so serving never stops to compile. Returns seconds.
+
+        deferred: leave the masked (structured-output) variants to `masked_warmup`."""
         start = time.perf_counter()
         # Every process warms up itself (same programs in the same order): nothing to broadcast.
-        calls = [self.step_template(*shape, masked=m) for m in
-                 ((False, True) if self.structured_outputs else (False,))
-                 for shape in self.shapes()]
+        calls = [self.step_template(*shape) for shape in self.shapes()]
         calls += [self.slots_template(d) for d in self.slot_buckets] + [self.copy_template()]
+        if self.structured_outputs and not deferred:
+            calls += self._masked_templates()
         for call in tqdm(calls, desc="jaxserve: compiling", unit="program",
                          disable=not progress):
             self._executable(call)
-        self._compiles_at_warmup = self.num_compiled
+        with self._compile_lock:
+            self._compiles_at_warmup = self.num_compiled
         return time.perf_counter() - start
+
+    def _masked_templates(self) -> list[StepCall]:
+        return [self.step_template(*shape, masked=True) for shape in self.shapes()]
+
+    def masked_warmup(self) -> Callable[[], float]:
+        """The masked step variants that `warmup(deferred=True)` left out, as a job to run on
+        another thread while steps run (returns its seconds; its compiles count as warm-up).
+        The arguments are taken abstractly here, as steps donate the live cache and state. No
+        masked step may run before the job returns: the engine admits constrained requests
+        only then."""
+        jobs = []
+        for call in self._masked_templates():
+            fn, args = self._arguments(call)
+            abstract = jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+                if isinstance(x, jax.Array) else x, args)
+            jobs.append((self._key(call), fn, abstract))
+
+        def run() -> float:
+            start = time.perf_counter()
+            for key, fn, abstract in jobs:
+                if key in self._executables:
+                    continue
+                exe = fn.lower(*abstract).compile()
+                with self._compile_lock:
+                    self._executables[key] = exe
+                    if self._compiles_at_warmup is not None:
+                        self._compiles_at_warmup += 1
+            return time.perf_counter() - start
+        return run
 
     def step_template(self, tokens: int, masked: bool = False) -> StepCall:
         """An idle step of `tokens` flat tokens: no rows, everything masked (with an all-ones
@@ -291,10 +329,14 @@ class ModelRunner:
             return self._write_slots, (self.state, call)
         return self._step, (self.model.params, self.cache, self.state, call.inputs)
 
+    @staticmethod
+    def _key(call: StepCall | SlotsCall | CopyCall) -> tuple:
+        return type(call).__name__, call.shape, getattr(call, "masked", False)
+
     def _executable(self, call: StepCall | SlotsCall | CopyCall) -> jax.stages.Compiled:
         """The call's compiled program: compiled (from the persistent cache if it is there)
         the first time its kind and shape are met, which after warm-up is a bucket missed."""
-        key = (type(call).__name__, call.shape, getattr(call, "masked", False))
+        key = self._key(call)
         exe = self._executables.get(key)
         if exe is None:
             fn, args = self._arguments(call)
