@@ -1091,6 +1091,9 @@ def section_step_dump(ctx: Ctx) -> dict:
                             or not f.name.endswith(DUMP_KEEP_SUFFIXES)):
             removed.append(f.name)
             f.unlink()
+    for sub in sorted((x for x in d.rglob("*") if x.is_dir()), reverse=True):
+        if not any(sub.iterdir()):  # emptied above (e.g. a module's object files)
+            sub.rmdir()
     files = [f for f in d.rglob("*") if f.is_file()]
     modules = sorted({".".join(f.name.split(".")[:2]) for f in files
                       if f.name.startswith("module_")})
@@ -1344,7 +1347,7 @@ def run_section(ctx: Ctx, name: str, fn) -> dict:
         return {"status": "skipped", "seconds": 0.0,
                 "reason": f"time budget ({ctx.args.time_budget:.0f}s) exceeded before this section"}
     need = dict(ctx.prof.section_min_s).get(name, 0.0)
-    if ctx.remaining() < need:
+    if need and ctx.remaining() < need:
         return {"status": "skipped", "seconds": 0.0,
                 "reason": f"time budget: this section needs about {need:.0f}s, "
                           f"{ctx.remaining():.0f}s left"}
