@@ -8,8 +8,9 @@ and the token position, so no per-layer slice of the cache is ever materialised.
 Grid (batch, kv_head, split): a program takes the G query heads that share one KV head (padded
 to Gp = max(16, next power of 2) rows: Triton's tensor-core dot wants M >= 16) and a contiguous
 range of pages, visiting only pages that hold context. Each page is one [BS, Dh] tile loaded with
-`pl.ds` at (layer, block, :, kv_head, :); an online softmax in float32 gives a partial (out, max,
-sum) per split, and a jnp combine merges the splits, so a few long sequences still fill the GPU.
+`pl.ds` at (layer, block, :, kv_head, :), several pages per loop step; an online softmax in
+float32 (one update per step) gives a partial (out, max, sum) per split, and a jnp combine merges
+the splits, so a few long sequences still fill the GPU (docs/perf_kernels.md).
 
 GPU (Triton) support: head_dim 64 or 128 (any power of 2 lowers), block sizes 8..256 (powers of
 2; 8 compiles to a dot with a K/N of 8, which Triton accepts but is unverified on a GPU here), bf16

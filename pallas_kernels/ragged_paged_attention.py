@@ -13,9 +13,9 @@ Packing heads into the rows lets a decode row fill a tile with its G heads as th
 does. Tiles are numbered as vLLM's unified attention numbers them: row r's tiles start at
 `query_start[r] // Bq + r`, so `T // Bq + R` tiles always suffice and each program finds its row
 by a binary search over `query_start`; tiles past their row's queries run no page loop and write
-zeros. A program visits only the pages its last query can see (causal bound), optionally split
-into page ranges whose partial (out, max, sum) a jnp combine merges, so a few long rows still fill
-the GPU.
+zeros. A program visits only the pages its last query can see (causal bound), several pages per
+loop step (one softmax update per step), optionally split into page ranges whose partial (out,
+max, sum) a jnp combine merges, so a few long rows still fill the GPU (docs/perf_kernels.md).
 
 GPU (Triton) support: head_dim 64 or 128 (powers of 2), bf16 and f32 (f32 dots at IEEE
 precision, not TF32), block sizes 8..128 (powers of 2) and 256 in bf16: at 256 slots the f32
@@ -209,7 +209,7 @@ def _default_pages_per_step(block_size: int, dtype, num_pages: int) -> int:
     # bf16: enough pages per loop step for 128 keys, but no more than the table holds. f32 (IEEE
     # dots, many registers) keeps one page: two already spill in the tall prefill tile.
     keys = _STEP_KEYS.get(jnp.dtype(dtype).name, block_size)
-    return min(max(1, keys // block_size), _next_pow2(num_pages))
+    return min(max(1, keys // block_size), num_pages)
 
 
 def _default_pages_per_split(num_tiles: int, num_kv_heads: int, num_pages: int,

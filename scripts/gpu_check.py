@@ -68,6 +68,8 @@ NOMINAL_BW = 4.3e12          # B/s, H200 device copy bandwidth measured on the H
 NOMINAL_BF16_FLOPS = 790e12  # FLOP/s, H200 dense bf16 (docs/peers.md)
 L2_BYTES = 50 * 2**20        # H200 L2; timed inputs cycle through > 2x this so reads hit HBM
 TOKEN_LOW = 100              # random prompt ids start here (skips special tokens)
+GPU_BUDGET_S = 330.0         # default --time-budget on a GPU: one call in 8 min with start-up
+DRY_BUDGET_S = 1200.0        # a CPU dry run is not on the clock; interpreted kernels are slow
 
 warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
 
@@ -1373,9 +1375,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out-dir", default="gpu_check_out")
     ap.add_argument("--gguf", default=None, help="SmolLM2 .gguf file (else random weights)")
-    ap.add_argument("--time-budget", type=float, default=330.0,
+    ap.add_argument("--time-budget", type=float, default=None,
                     help="seconds; checked between sections, cases, variants and batches: what "
-                         "would start after it is skipped (with start-up, one call fits 8 min)")
+                         f"would start after it is skipped. Default {GPU_BUDGET_S:.0f} on a GPU "
+                         f"(with start-up, one call fits 8 min), {DRY_BUDGET_S:.0f} in a dry run")
     ap.add_argument("--dry-run", action="store_true",
                     help="CPU, interpret-mode kernels, tiny shapes and models")
     ap.add_argument("--no-step-dump", action="store_true",
@@ -1383,6 +1386,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--sections", default=",".join(n for n, _ in SECTIONS),
                     help="comma-separated subset of sections to run")
     args = ap.parse_args(argv)
+    if args.time_budget is None:
+        args.time_budget = DRY_BUDGET_S if args.dry_run else GPU_BUDGET_S
     unknown = set(args.sections.split(",")) - {n for n, _ in SECTIONS}
     if unknown:
         ap.error(f"unknown sections {sorted(unknown)}; known: {[n for n, _ in SECTIONS]}")
