@@ -225,6 +225,19 @@ def _default_pages_per_split(num_tiles: int, num_kv_heads: int, num_pages: int,
     return pl.cdiv(steps, splits) * pages_per_step
 
 
+def _schedule(num_tiles: int, num_kv_heads: int, num_pages: int, block_size: int, dtype,
+              rows: int, pages_per_step, pages_per_split, num_warps) -> tuple[int, int, int]:
+    """(pages per step, pages per split, warps): the given values, else the defaults."""
+    step = pages_per_step or min(_default_pages_per_step(block_size, dtype, num_pages),
+                                 pages_per_split or num_pages)
+    if step < 1:
+        raise ValueError(f"pages_per_step must be >= 1, got {pages_per_step}")
+    pps = pages_per_split or _default_pages_per_split(num_tiles, num_kv_heads, num_pages, step)
+    # 8 warps only for the tall prefill tile: the 16-row tile spills with 8 (sm_90a ptxas).
+    tall = rows >= _PREFILL_DOT_ROWS
+    return step, pps, num_warps or (8 if tall and step * block_size >= 128 else 4)
+
+
 def _token_rows(query_start, num_tokens: int):
     """Each flat token's row `[T]` and whether it belongs to one `[T]` (tokens before
     query_start[0] and from query_start[R] on do not)."""
@@ -305,15 +318,9 @@ def ragged_paged_attention(q, k_cache, v_cache, layer, page_table, query_start, 
                          f"{_MIN_DOT_ROWS} rows Triton's dot needs: use at least "
                          f"{_MIN_DOT_ROWS // gp}")
     num_tiles = num_tokens // bq + num_rows
-    step = pages_per_step or min(_default_pages_per_step(block_size, q.dtype, num_pages),
-                                 pages_per_split or num_pages)
-    if step < 1:
-        raise ValueError(f"pages_per_step must be >= 1, got {pages_per_step}")
-    pps = pages_per_split or _default_pages_per_split(num_tiles, num_kv_heads, num_pages, step)
+    step, pps, warps = _schedule(num_tiles, num_kv_heads, num_pages, block_size, q.dtype,
+                                 bq * gp, pages_per_step, pages_per_split, num_warps)
     num_splits = pl.cdiv(num_pages, pps)
-    # 8 warps only for the tall prefill tile: the 16-row tile spills with 8 (sm_90a ptxas).
-    tall = bq * gp >= _PREFILL_DOT_ROWS
-    warps = num_warps or (8 if tall and step * block_size >= 128 else 4)
     query_start = query_start.astype(jnp.int32)
     # [K, (T + Bq) * Gp, Dh]: a tile starting at any token reads Bq tokens in bounds.
     qp = q.reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
