@@ -28,16 +28,42 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 _MIN_DOT = 16   # Triton dot needs every dimension >= 16
 _NUM_SMS = 132  # H200; split-K aims for at least one program per SM
+
+
+# Bits of 2^p for a float with p mantissa bits: OR-ing a code u < 2^p into them gives 2^p + u.
+_MANTISSA_BIAS = {jnp.dtype(jnp.bfloat16): (jnp.int16, 0x4300, 128.0),
+                  jnp.dtype(jnp.float32): (jnp.int32, 0x4B000000, 2.0 ** 23)}
+
+
+def _unpack_nibbles(q8, dtype):
+    """uint8 codes [T, bn] -> (low, high) nibbles as `dtype` [T, bn], exactly.
+
+    No integer-to-float conversion (a quarter-rate instruction on the GPU): each nibble is OR-ed
+    into the mantissa of 2^p, the bits reinterpreted as a float (2^p + u, exact) and 2^p
+    subtracted (exact). Other dtypes convert directly.
+    """
+    if jnp.dtype(dtype) not in _MANTISSA_BIAS:
+        q = q8.astype(jnp.int32)
+        return (q & 0xF).astype(dtype), (q >> 4).astype(dtype)
+    itype, bits, bias = _MANTISSA_BIAS[jnp.dtype(dtype)]
+    q = q8.astype(itype)  # zero-extends: codes stay in [0, 255]
+    lo = jax.lax.bitcast_convert_type((q & 0xF) | itype(bits), dtype) - bias
+    hi = jax.lax.bitcast_convert_type((q >> 4) | itype(bits), dtype) - bias
+    return lo, hi
 
 
 def _int4_matmul_kernel(x_ref, packed_ref, scales_ref, *rest, group_size, block_k, symmetric):
     """One [bm, bn] output tile, summed over this program's K split.
 
     x_ref [bm, Gs, 2, g/2]; packed_ref [Gs, g/2, bn] uint8; scales_ref/offsets_ref [Gs, bn];
-    out_ref [bm, bn] (or [1, bm, bn] partial sums when split-K). Gs = groups in this split.
+    out_ref [bm, bn] (or [1, bm, bn] partial sums when split-K). Gs = groups in this split; a
+    split inside a group sees a sub-group (g = the split's rows) with the group's scale.
+    out_ref with one row ([1, bn] or [1, 1, bn]) takes the sum of the tile's rows: M = 1 padded to
+    bm, whose padding rows are zeros, so only the real row is written.
     """
     offsets_ref, out_ref = (None, rest[0]) if symmetric else rest
     half = group_size // 2
@@ -52,9 +78,7 @@ def _int4_matmul_kernel(x_ref, packed_ref, scales_ref, *rest, group_size, block_
     def tile_update(acc, grp, off):
         x_lo = x_ref[:, grp, 0, pl.ds(off, tile)]                   # [bm, T]
         x_hi = x_ref[:, grp, 1, pl.ds(off, tile)]                   # [bm, T]
-        q = packed_ref[grp, pl.ds(off, tile), :].astype(jnp.int32)  # [T, bn]
-        u_lo = (q & 0xF).astype(dtype)
-        u_hi = (q >> 4).astype(dtype)
+        u_lo, u_hi = _unpack_nibbles(packed_ref[grp, pl.ds(off, tile), :], dtype)  # [T, bn]
         dot = functools.partial(jnp.dot, preferred_element_type=f32,
                                 precision=jax.lax.Precision.HIGHEST)
         d = dot(x_lo, u_lo) + dot(x_hi, u_hi)                       # [bm, bn]
@@ -71,37 +95,51 @@ def _int4_matmul_kernel(x_ref, packed_ref, scales_ref, *rest, group_size, block_
             acc = tile_update(acc, i * groups_per_step + j, 0)
         return acc
 
-    bm, bn = out_ref.shape[-2:]
+    bm, bn = x_ref.shape[0], out_ref.shape[-1]
     acc = jax.lax.fori_loop(0, num_steps, step, jnp.zeros((bm, bn), f32))
+    if out_ref.shape[-2] == 1 and bm > 1:
+        acc = jnp.sum(acc, axis=0, keepdims=True)  # [1, bn]
     out_ref[...] = acc.reshape(out_ref.shape).astype(out_ref.dtype)
 
 
 def _int4_matmul_call(x4, packed3, scales, offsets, *, block_m, block_n, block_k, split_k,
-                      out_dtype, interpret):
+                      out_rows, out_dtype, compiler_params, interpret):
     """x4 [Mp, K/g, 2, g/2]; packed3 [K/g, g/2, N]; scales, offsets [K/g, N].
 
-    Returns [Mp, N] in out_dtype, or f32 partial sums [split_k, Mp, N] when split_k > 1.
+    split_k <= K/g splits whole groups (it divides K/g); split_k = K/g * d cuts each group into
+    d sub-groups, program s taking part s % d of group s // d. out_rows is Mp, or 1 when M = 1.
+    Returns [out_rows, N] in out_dtype, or f32 partial sums [split_k, out_rows, N] when
+    split_k > 1.
     """
     mp, num_groups, _, half = x4.shape
     n = packed3.shape[-1]
-    gs = num_groups // split_k
+    if split_k <= num_groups:  # whole groups per split
+        gs, sub, rows = num_groups // split_k, 1, half
+        grp = lambda s: s  # noqa: E731 - block index along the group axis
+        part = lambda s: 0  # noqa: E731 - block index along the half-group axis
+    else:
+        gs, sub = 1, split_k // num_groups
+        rows = half // sub
+        grp = lambda s: s // sub  # noqa: E731
+        part = lambda s: s % sub  # noqa: E731
     symmetric = offsets is None
     in_specs = [
-        pl.BlockSpec((block_m, gs, 2, half), lambda i, j, s: (i, s, 0, 0)),
-        pl.BlockSpec((gs, half, block_n), lambda i, j, s: (s, 0, j)),
-        pl.BlockSpec((gs, block_n), lambda i, j, s: (s, j)),
+        pl.BlockSpec((block_m, gs, 2, rows), lambda i, j, s: (i, grp(s), 0, part(s))),
+        pl.BlockSpec((gs, rows, block_n), lambda i, j, s: (grp(s), part(s), j)),
+        pl.BlockSpec((gs, block_n), lambda i, j, s: (grp(s), j)),
     ]
     args = [x4, packed3, scales]
     if not symmetric:
-        in_specs.append(pl.BlockSpec((gs, block_n), lambda i, j, s: (s, j)))
+        in_specs.append(pl.BlockSpec((gs, block_n), lambda i, j, s: (grp(s), j)))
         args.append(offsets)
+    bo = min(block_m, out_rows)
     if split_k == 1:
-        out_shape = jax.ShapeDtypeStruct((mp, n), out_dtype)
-        out_spec = pl.BlockSpec((block_m, block_n), lambda i, j, s: (i, j))
+        out_shape = jax.ShapeDtypeStruct((out_rows, n), out_dtype)
+        out_spec = pl.BlockSpec((bo, block_n), lambda i, j, s: (i, j))
     else:
-        out_shape = jax.ShapeDtypeStruct((split_k, mp, n), jnp.float32)
-        out_spec = pl.BlockSpec((1, block_m, block_n), lambda i, j, s: (s, i, j))
-    kernel = functools.partial(_int4_matmul_kernel, group_size=2 * half, block_k=block_k,
+        out_shape = jax.ShapeDtypeStruct((split_k, out_rows, n), jnp.float32)
+        out_spec = pl.BlockSpec((1, bo, block_n), lambda i, j, s: (s, i, j))
+    kernel = functools.partial(_int4_matmul_kernel, group_size=2 * rows, block_k=block_k,
                                symmetric=symmetric)
     return pl.pallas_call(
         kernel,
@@ -109,6 +147,7 @@ def _int4_matmul_call(x4, packed3, scales, offsets, *, block_m, block_n, block_k
         in_specs=in_specs,
         out_specs=out_spec,
         out_shape=out_shape,
+        compiler_params=compiler_params,
         interpret=interpret,
         name="int4_matmul",
     )(*args)
@@ -121,26 +160,56 @@ def _largest_pow2_divisor(n: int, cap: int) -> int:
     return b
 
 
-def pick_blocks(m: int, k: int, n: int, group_size: int) -> tuple[int, int, int, int]:
+def valid_splits(k: int, group_size: int) -> list[int]:
+    """K splits the kernel takes, ascending: divisors of the group count (whole groups), then the
+    group count times d for d dividing g / 32 (each group cut into d parts of >= 32 rows)."""
+    num_groups = k // group_size
+    whole = [s for s in range(1, num_groups + 1) if num_groups % s == 0]
+    subs = [num_groups * d for d in range(2, group_size // (2 * _MIN_DOT) + 1)
+            if (group_size // (2 * _MIN_DOT)) % d == 0]
+    return whole + subs
+
+
+def _modelled_cost(m: int, k: int, n: int, block_m: int, block_n: int, split_k: int,
+                   group_size: int) -> float:
+    """Relative time of one launch in a bandwidth model: bytes moved over the share of SMs busy.
+
+    Weights and scales are read once; split-K partials are written and read back once (one
+    row when M = 1, else the padded M) and weighted by a quarter, since at these sizes they stay
+    in the 50 MB L2. Fewer programs than SMs leave SMs idle.
+    """
+    mp = -(-m // block_m) * block_m
+    programs = (mp // block_m) * (n // block_n) * split_k
+    weights = k * n // 2 + 2 * 4 * (k // group_size) * n
+    partials = 0 if split_k == 1 else 2 * split_k * (1 if m == 1 else mp) * n * 4
+    return (weights + partials / 4) / min(1.0, programs / _NUM_SMS)
+
+
+def pick_blocks(m: int, k: int, n: int, group_size: int, *, block_m: int | None = None,
+                block_n: int | None = None,
+                block_k: int | None = None) -> tuple[int, int, int, int]:
     """Default (block_m, block_n, block_k, split_k) for an [m, k] x [k, n] int4 matmul.
 
     block_m: power of 2 in [16, 64] covering m (decode m = 1..16 -> 16). block_n: largest power of
-    2 <= 128 dividing n (576 -> 64). split_k: smallest divisor of the group count giving at least
-    one program per SM while keeping >= 512 rows of K per program (decode at small n needs it to
-    keep the weight stream busy). block_k: largest power of 2 <= 128 dividing k / split_k.
-    Untuned on a GPU: the choice is about occupancy, not measured speed.
+    2 <= 128 dividing n (576 -> 64). split_k: the `valid_splits` entry with the least
+    `_modelled_cost` (the smaller on ties), so small decode GEMMs split K down to 32-row pieces
+    to occupy the SMs while large ones (or prefill-sized M) skip the partial sums. block_k:
+    largest power of 2 <= 128 dividing k / split_k. A bandwidth model, unmeasured on a GPU.
+    Blocks given as arguments are kept, and split_k chosen among those they allow.
     """
-    block_m = min(64, max(_MIN_DOT, 1 << (max(m, 1) - 1).bit_length()))
-    block_n = _largest_pow2_divisor(n, 128)
-    base = -(-m // block_m) * (n // block_n)
-    num_groups, split_k = k // group_size, 1
-    for s in range(2, num_groups + 1):
-        if base * split_k >= _NUM_SMS or k // s < 512:
-            break
-        if num_groups % s == 0:
-            split_k = s
-    block_k = _largest_pow2_divisor(k // split_k, 128)
+    block_m = block_m or min(64, max(_MIN_DOT, 1 << (max(m, 1) - 1).bit_length()))
+    block_n = block_n or _largest_pow2_divisor(n, 128)
+    splits = [s for s in valid_splits(k, group_size) if not block_k or (k // s) % block_k == 0]
+    split_k = min(splits or [1],
+                  key=lambda s: (_modelled_cost(m, k, n, block_m, block_n, s, group_size), s))
+    block_k = block_k or _largest_pow2_divisor(k // split_k, 128)
     return block_m, block_n, block_k, split_k
+
+
+def num_programs(m: int, k: int, n: int, group_size: int) -> int:
+    """Programs one launch of `pick_blocks`' choice runs (for docs and checks)."""
+    bm, bn, _, sk = pick_blocks(m, k, n, group_size)
+    return -(-m // bm) * (n // bn) * sk
 
 
 def _check(x, packed, scales, offsets, group_size, block_m, block_n, block_k, split_k):
@@ -158,17 +227,19 @@ def _check(x, packed, scales, offsets, group_size, block_m, block_n, block_k, sp
         raise ValueError(f"block_m {block_m} must be a power of 2 >= {_MIN_DOT}")
     if not (pow2(block_n) and block_n >= _MIN_DOT and n % block_n == 0):
         raise ValueError(f"block_n {block_n} must be a power of 2 >= {_MIN_DOT} dividing N={n}")
-    if (k // group_size) % split_k:
-        raise ValueError(f"split_k {split_k} must divide the group count {k // group_size}")
+    if split_k not in valid_splits(k, group_size):
+        raise ValueError(f"split_k {split_k} must divide the group count {k // group_size} or be "
+                         f"one of {valid_splits(k, group_size)}")
     if not (pow2(block_k) and block_k >= 2 * _MIN_DOT and (k // split_k) % block_k == 0):
         raise ValueError(f"block_k {block_k} must be a power of 2 >= 32 dividing K/split_k="
                          f"{k // split_k}")
 
 
 @functools.partial(jax.jit, static_argnames=("group_size", "block_m", "block_n", "block_k",
-                                             "split_k", "interpret"))
+                                             "split_k", "num_warps", "num_stages", "interpret"))
 def int4_matmul(x, packed, scales, offsets, *, group_size: int, block_m=None, block_n=None,
-                block_k=None, split_k=None, interpret=False) -> jax.Array:
+                block_k=None, split_k=None, num_warps=None, num_stages=None,
+                interpret=False) -> jax.Array:
     """x @ dequantize(packed, scales, offsets) with f32 accumulation; see the module docstring.
 
     x       [M, K] bf16 or f32 activations
@@ -176,22 +247,30 @@ def int4_matmul(x, packed, scales, offsets, *, group_size: int, block_m=None, bl
     scales  [K // group_size, N] f32 or x.dtype
     offsets [K // group_size, N] like scales, or None (symmetric: w = scales * (u - 8))
     block_*, split_k: None picks `pick_blocks` defaults; M is padded to a multiple of block_m.
+      split_k is one of `valid_splits(K, group_size)`.
+    num_warps, num_stages: Triton launch parameters (None: Triton's defaults); ignored when
+      interpreting.
     returns [M, N] in x.dtype
     """
     m, k = x.shape
     n = packed.shape[1]
-    d_bm, d_bn, d_bk, d_sk = pick_blocks(m, k, n, group_size)
-    block_m, block_n = block_m or d_bm, block_n or d_bn
+    d_bm, d_bn, d_bk, d_sk = pick_blocks(m, k, n, group_size, block_m=block_m,
+                                         block_n=block_n, block_k=block_k)
+    block_m, block_n = d_bm, d_bn
     split_k = split_k or d_sk
     block_k = block_k or _largest_pow2_divisor(k // split_k, 128)
     _check(x, packed, scales, offsets, group_size, block_m, block_n, block_k, split_k)
     mp = -(-m // block_m) * block_m
     g = group_size
-    x4 = jnp.pad(x, ((0, mp - m), (0, 0))).reshape(mp, k // g, 2, g // 2)
-    packed3 = packed.reshape(k // g, g // 2, n)
+    x4 = jnp.pad(x, ((0, mp - m), (0, 0))).reshape(mp, k // g, 2, g // 2)  # [Mp, K/g, 2, g/2]
+    packed3 = packed.reshape(k // g, g // 2, n)  # [K/g, g/2, N]
+    # Interpreters ignore Triton params, and the strict (TPU) interpreter rejects them.
+    params = None
+    if not interpret and (num_warps or num_stages):
+        params = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     out = _int4_matmul_call(x4, packed3, scales, offsets, block_m=block_m, block_n=block_n,
-                            block_k=block_k, split_k=split_k, out_dtype=x.dtype,
-                            interpret=interpret)
+                            block_k=block_k, split_k=split_k, out_rows=1 if m == 1 else mp,
+                            out_dtype=x.dtype, compiler_params=params, interpret=interpret)
     if split_k > 1:
         out = out.sum(axis=0)
     return out[:m].astype(x.dtype)

@@ -8,8 +8,9 @@ and the token position, so no per-layer slice of the cache is ever materialised.
 Grid (batch, kv_head, split): a program takes the G query heads that share one KV head (padded
 to Gp = max(16, next power of 2) rows: Triton's tensor-core dot wants M >= 16) and a contiguous
 range of pages, visiting only pages that hold context. Each page is one [BS, Dh] tile loaded with
-`pl.ds` at (layer, block, :, kv_head, :); an online softmax in float32 gives a partial (out, max,
-sum) per split, and a jnp combine merges the splits, so a few long sequences still fill the GPU.
+`pl.ds` at (layer, block, :, kv_head, :), several pages per loop step; an online softmax in
+float32 (one update per step) gives a partial (out, max, sum) per split, and a jnp combine merges
+the splits, so a few long sequences still fill the GPU (docs/perf_kernels.md).
 
 GPU (Triton) support: head_dim 64 or 128 (any power of 2 lowers), block sizes 8..256 (powers of
 2; 8 compiles to a dot with a K/N of 8, which Triton accepts but is unverified on a GPU here), bf16
@@ -31,7 +32,10 @@ from jax.experimental.pallas import triton as plgpu
 # Finite, so a fully masked row never computes inf - inf.
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 _MIN_DOT_ROWS = 16       # query rows per program: Triton's tensor-core dot wants M >= 16
-_TARGET_PROGRAMS = 264   # 2 x 132 SMs (H200)
+_NUM_SMS = 132           # H200
+_TARGET_PROGRAMS = 264   # 2 x 132 SMs
+_MAX_SPLITS = 16         # at most this many programs share one row's pages (as JAX's GPU kernel)
+_STEP_KEYS = {"bfloat16": 128}  # keys per loop step by default (other dtypes: a page)
 
 
 def _dot(a, b, b_contract: int, precision):
@@ -41,10 +45,11 @@ def _dot(a, b, b_contract: int, precision):
 
 
 def _paged_attention_kernel(layer_ref, lens_ref, pt_ref, q_ref, k_ref, v_ref,  # inputs
-                            o_ref, m_ref, l_ref,  # outputs: one split's partial result
-                            *, pages_per_split: int, sm_scale: float):
+                            o_ref, *ml_refs,  # outputs: one split's partial result
+                            pages_per_split: int, pages_per_step: int, sm_scale: float):
     # layer_ref [1], lens_ref [B], pt_ref [B, P]: whole arrays (scalars are read from them).
-    # q_ref [Gp, Dh]; k_ref/v_ref [L, NB, BS, K, Dh] whole caches; o_ref [Gp, Dh]; m/l_ref [Gp].
+    # q_ref [Gp, Dh]; k_ref/v_ref [L, NB, BS, K, Dh] whole caches; o_ref [Gp, Dh]; ml_refs:
+    # m_ref, l_ref [Gp], absent when there is one split (o_ref then holds the output in q's dtype).
     b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     block_size, head_dim = k_ref.shape[2], k_ref.shape[4]
     layer = layer_ref[0]
@@ -60,81 +65,115 @@ def _paged_attention_kernel(layer_ref, lens_ref, pt_ref, q_ref, k_ref, v_ref,  #
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     slot = lax.broadcasted_iota(jnp.int32, (block_size, 1), 0)
 
-    def body(i, carry):
-        acc, m_prev, l_prev = carry  # [Gp, Dh], [Gp], [Gp] float32
-        page = first_page + i
-        block = pt_ref[b, page]
+    def page_logits(local):
+        """Masked logits `[Gp, BS]` f32 and values `[BS, Dh]` of this split's page `local`.
+        Pages past the split's visible ones (the next split's) read the null block, masked."""
+        in_split = local < n_pages
+        page = first_page + local
+        block = jnp.where(in_split, pt_ref[b, jnp.minimum(page, pt_ref.shape[1] - 1)], 0)
         k = k_ref[layer, block, pl.ds(0, block_size), h, pl.ds(0, head_dim)]  # [BS, Dh]
         v = v_ref[layer, block, pl.ds(0, block_size), h, pl.ds(0, head_dim)]
-        valid = page * block_size + slot < length  # [BS, 1]
+        valid = (page * block_size + slot < length) & in_split  # [BS, 1]
         # Slots past the context (last page only) hold anything, NaN included: p = 0 alone would
         # not cancel 0 * NaN in p @ v, so zero them.
         v = jnp.where(valid, v, jnp.zeros_like(v))
         logits = _dot(q, k, 1, precision) * sm_scale  # [Gp, BS] f32
-        logits = jnp.where(valid.reshape(1, block_size), logits, _MASK_VALUE)
-        m_next = jnp.maximum(m_prev, logits.max(axis=-1))
+        return jnp.where(valid.reshape(1, block_size), logits, _MASK_VALUE), v
+
+    def body(i, carry):
+        acc, m_prev, l_prev = carry  # [Gp, Dh], [Gp], [Gp] float32
+        # All of a step's pages are loaded before the softmax update (several loads in flight).
+        pages = [page_logits(i * pages_per_step + j) for j in range(pages_per_step)]
+        m_next = m_prev
+        for logits, _ in pages:
+            m_next = jnp.maximum(m_next, logits.max(axis=-1))
         correction = jnp.exp(m_prev - m_next)
-        p = jnp.exp(logits - m_next[:, None])
-        l_next = l_prev * correction + p.sum(axis=-1)
-        pv = _dot(p.astype(v.dtype), v, 0, precision)  # [Gp, Dh] f32
-        return acc * correction[:, None] + pv, m_next, l_next
+        acc, l_next = acc * correction[:, None], l_prev * correction
+        for logits, v in pages:
+            p = jnp.exp(logits - m_next[:, None])
+            l_next = l_next + p.sum(axis=-1)
+            acc = acc + _dot(p.astype(v.dtype), v, 0, precision)  # [Gp, Dh] f32
+        return acc, m_next, l_next
 
     gp = q.shape[0]
     init = (jnp.zeros((gp, head_dim), jnp.float32),
             jnp.full((gp,), _MASK_VALUE, jnp.float32),
             jnp.zeros((gp,), jnp.float32))
-    acc, m, l = lax.fori_loop(0, n_pages, body, init)
-    o_ref[...] = acc / jnp.where(l > 0, l, 1.0)[:, None]
-    m_ref[...] = m
-    l_ref[...] = l
+    acc, m, l = lax.fori_loop(0, pl.cdiv(n_pages, pages_per_step), body, init)
+    o_ref[...] = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
+    if ml_refs:
+        ml_refs[0][...] = m
+        ml_refs[1][...] = l
 
 
 def _paged_attention_call(layer, context_lens, page_table, q, k_cache, v_cache, *,
-                          pages_per_split: int, num_splits: int, sm_scale: float, interpret):
-    """Partial results per split: out `[S, B, K, Gp, Dh]` f32, max and sum `[S, B, K, Gp]` f32."""
+                          pages_per_split: int, num_splits: int, pages_per_step: int,
+                          sm_scale: float, num_warps: int, num_stages: int, interpret):
+    """Partial results per split: out `[S, B, K, Gp, Dh]` f32, max and sum `[S, B, K, Gp]` f32;
+    with one split only the out, `[1, B, K, Gp, Dh]` in q's dtype (max and sum None)."""
     batch, num_kv_heads, gp, head_dim = q.shape
     kernel = functools.partial(_paged_attention_kernel, pages_per_split=pages_per_split,
-                               sm_scale=sm_scale)
+                               pages_per_step=pages_per_step, sm_scale=sm_scale)
     # Whole arrays: on Triton a ref is a pointer into global memory, nothing is copied; the
     # kernel computes its own indices. (memory_space=pl.ANY lowers the same on
     # Triton but the strict interpreter refuses direct loads from it.)
     def whole(x):
         return pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
 
+    part = (num_splits, batch, num_kv_heads, gp)
     row = pl.BlockSpec((None, None, None, gp), lambda b, h, s: (s, b, h, 0))
-    return pl.pallas_call(
+    out_specs = [pl.BlockSpec((None, None, None, gp, head_dim), lambda b, h, s: (s, b, h, 0, 0))]
+    out_shape = [jax.ShapeDtypeStruct(part + (head_dim,),
+                                      q.dtype if num_splits == 1 else jnp.float32)]
+    if num_splits > 1:  # the combine needs each split's max and sum
+        out_specs += [row, row]
+        out_shape += [jax.ShapeDtypeStruct(part, jnp.float32)] * 2
+    outs = pl.pallas_call(
         kernel,
         grid=(batch, num_kv_heads, num_splits),
         in_specs=[whole(layer), whole(context_lens), whole(page_table),
                   pl.BlockSpec((None, None, gp, head_dim), lambda b, h, s: (b, h, 0, 0)),
                   whole(k_cache), whole(v_cache)],
-        out_specs=[pl.BlockSpec((None, None, None, gp, head_dim),
-                                lambda b, h, s: (s, b, h, 0, 0)), row, row],
-        out_shape=[jax.ShapeDtypeStruct((num_splits, batch, num_kv_heads, gp, head_dim),
-                                        jnp.float32),
-                   jax.ShapeDtypeStruct((num_splits, batch, num_kv_heads, gp), jnp.float32),
-                   jax.ShapeDtypeStruct((num_splits, batch, num_kv_heads, gp), jnp.float32)],
+        out_specs=out_specs,
+        out_shape=out_shape,
         # Interpreters ignore Triton params, and the strict (TPU) interpreter rejects them.
-        compiler_params=None if interpret else plgpu.CompilerParams(num_warps=4, num_stages=2),
+        compiler_params=None if interpret else plgpu.CompilerParams(num_warps=num_warps,
+                                                                    num_stages=num_stages),
         interpret=interpret,
         name="paged_attention_decode",
     )(layer, context_lens, page_table, q, k_cache, v_cache)
+    return tuple(outs) if num_splits > 1 else (outs[0], None, None)
 
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def _default_pages_per_split(batch: int, num_kv_heads: int, num_pages: int) -> int:
-    # Enough (batch, kv_head, split) programs for about two per SM of an H200; a full batch
-    # needs no split (and skips the combine's extra traffic).
-    splits = min(num_pages, max(1, pl.cdiv(_TARGET_PROGRAMS, batch * num_kv_heads)))
-    return pl.cdiv(num_pages, splits)
+def _default_pages_per_step(block_size: int, dtype, num_pages: int) -> int:
+    # bf16: pages for 128 keys per loop step (at most the table's width); f32 (IEEE dots, many
+    # registers): one page.
+    keys = _STEP_KEYS.get(jnp.dtype(dtype).name, block_size)
+    return min(max(1, keys // block_size), num_pages)
 
 
-@functools.partial(jax.jit, static_argnames=("pages_per_split", "sm_scale", "interpret"))
+def _default_pages_per_split(batch: int, num_kv_heads: int, num_pages: int,
+                             pages_per_step: int) -> int:
+    # A batch whose (batch, kv_head) programs give every SM of an H200 one needs no split (and
+    # skips the combine); otherwise about two programs per SM, at most _MAX_SPLITS splits, each
+    # a whole number of steps.
+    programs = batch * num_kv_heads
+    if programs >= _NUM_SMS:
+        return num_pages
+    steps = pl.cdiv(num_pages, pages_per_step)
+    splits = min(_MAX_SPLITS, steps, pl.cdiv(_TARGET_PROGRAMS, programs))
+    return pl.cdiv(steps, splits) * pages_per_step
+
+
+@functools.partial(jax.jit, static_argnames=("pages_per_split", "pages_per_step", "sm_scale",
+                                             "num_warps", "num_stages", "interpret"))
 def paged_attention(q, k_cache, v_cache, layer, page_table, context_lens, *,
-                    pages_per_split: int | None = None, sm_scale: float | None = None,
+                    pages_per_split: int | None = None, pages_per_step: int | None = None,
+                    sm_scale: float | None = None, num_warps: int = 4, num_stages: int = 2,
                     interpret=False) -> jax.Array:
     """Decode attention of one query token per sequence over its pages of the KV cache.
 
@@ -146,8 +185,12 @@ def paged_attention(q, k_cache, v_cache, layer, page_table, context_lens, *,
         `(page_table[b, i // BS], i % BS)`. Entries past the context may hold anything.
       context_lens: `[B]` int32; keys at positions `< context_lens[b]` are attended to. A row
         with 0 gives zeros.
-      pages_per_split: pages each program handles; None picks enough splits to give an H200
-        about 264 programs (none for a full batch).
+      pages_per_split: pages each program handles; None: no split when the batch alone gives an
+        H200 132 programs, else enough splits for about 264, at most 16, each a whole number
+        of steps.
+      pages_per_step: pages loaded per loop step (one softmax update for all of them); None
+        picks 128 keys per step in bf16 (at most the table's width), one page in f32.
+      num_warps, num_stages: Triton launch parameters.
       sm_scale: logit scale, default `1 / sqrt(Dh)`.
       interpret: False on GPU; True (or an interpreter's params object) to run on CPU.
     Returns:
@@ -161,7 +204,11 @@ def paged_attention(q, k_cache, v_cache, layer, page_table, context_lens, *,
     group = num_heads // num_kv_heads
     gp = max(_MIN_DOT_ROWS, _next_pow2(group))
     num_pages = page_table.shape[1]
-    pps = pages_per_split or _default_pages_per_split(batch, num_kv_heads, num_pages)
+    step = pages_per_step or min(_default_pages_per_step(block_size, q.dtype, num_pages),
+                                 pages_per_split or num_pages)
+    if step < 1:
+        raise ValueError(f"pages_per_step must be >= 1, got {pages_per_step}")
+    pps = pages_per_split or _default_pages_per_split(batch, num_kv_heads, num_pages, step)
     num_splits = pl.cdiv(num_pages, pps)
     qg = q.reshape(batch, num_kv_heads, group, head_dim)
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - group), (0, 0)))  # [B, K, Gp, Dh]
@@ -169,11 +216,14 @@ def paged_attention(q, k_cache, v_cache, layer, page_table, context_lens, *,
     o, m, l = _paged_attention_call(
         jnp.asarray(layer, jnp.int32).reshape(1), context_lens.astype(jnp.int32),
         page_table.astype(jnp.int32), qg, k_cache, v_cache, pages_per_split=pps,
-        num_splits=num_splits, sm_scale=scale, interpret=interpret)
-    # Merge splits: weight each split's normalised output by its share of the softmax mass.
-    w = l * jnp.exp(m - m.max(axis=0))  # [S, B, K, Gp]; empty splits have l = 0
-    total = w.sum(axis=0)
-    out = (o * w[..., None]).sum(axis=0) / jnp.where(total > 0, total, 1.0)[..., None]
+        num_splits=num_splits, pages_per_step=step, sm_scale=scale, num_warps=num_warps,
+        num_stages=num_stages, interpret=interpret)
+    if num_splits == 1:
+        out = o[0]
+    else:  # weight each split's normalised output by its share of the softmax mass
+        w = l * jnp.exp(m - m.max(axis=0))  # [S, B, K, Gp]; empty splits have l = 0
+        total = w.sum(axis=0)
+        out = (o * w[..., None]).sum(axis=0) / jnp.where(total > 0, total, 1.0)[..., None]
     return out[:, :, :group].reshape(batch, num_heads, head_dim).astype(q.dtype)
 
 

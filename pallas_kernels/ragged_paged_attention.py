@@ -13,9 +13,9 @@ Packing heads into the rows lets a decode row fill a tile with its G heads as th
 does. Tiles are numbered as vLLM's unified attention numbers them: row r's tiles start at
 `query_start[r] // Bq + r`, so `T // Bq + R` tiles always suffice and each program finds its row
 by a binary search over `query_start`; tiles past their row's queries run no page loop and write
-zeros. A program visits only the pages its last query can see (causal bound), optionally split
-into page ranges whose partial (out, max, sum) a jnp combine merges, so a few long rows still fill
-the GPU.
+zeros. A program visits only the pages its last query can see (causal bound), several pages per
+loop step (one softmax update per step), optionally split into page ranges whose partial (out,
+max, sum) a jnp combine merges, so a few long rows still fill the GPU (docs/perf_kernels.md).
 
 GPU (Triton) support: head_dim 64 or 128 (powers of 2), bf16 and f32 (f32 dots at IEEE
 precision, not TF32), block sizes 8..128 (powers of 2) and 256 in bf16: at 256 slots the f32
@@ -39,7 +39,10 @@ _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 _MIN_DOT_ROWS = 16       # tile rows: Triton's tensor-core dot wants M >= 16
 _PREFILL_DOT_ROWS = 64   # tile rows when the step is mostly prefill: fewer re-reads of the pages
 _MAX_PREFILL_TILE_BLOCK = 64  # largest block size that takes the taller prefill tile
-_TARGET_PROGRAMS = 264   # 2 x 132 SMs (H200)
+_NUM_SMS = 132           # H200
+_TARGET_PROGRAMS = 264   # 2 x 132 SMs
+_MAX_SPLITS = 16         # at most this many programs share one row's pages (as JAX's GPU kernel)
+_STEP_KEYS = {"bfloat16": 128}  # keys per loop step by default (other dtypes: a page)
 
 
 def _dot(a, b, b_contract: int, precision):
@@ -58,12 +61,24 @@ def _find_row(qs_ref, tile, *, num_rows: int, block_q: int):
     return lo
 
 
+def _load_page(k_ref, v_ref, pt_ref, layer, r, h, page, in_split):
+    """Keys and values `[BS, Dh]` of row r's page `page` for KV head h. A page outside the
+    split's visible pages (`in_split` false: the next split's, or past the table) reads the null
+    block, in bounds, for the caller to mask; the table itself is read in bounds."""
+    block_size, head_dim = k_ref.shape[2], k_ref.shape[4]
+    block = jnp.where(in_split, pt_ref[r, jnp.minimum(page, pt_ref.shape[1] - 1)], 0)
+    index = (layer, block, pl.ds(0, block_size), h, pl.ds(0, head_dim))
+    return k_ref[index], v_ref[index]
+
+
 def _ragged_kernel(layer_ref, qs_ref, lens_ref, pt_ref, q_ref, k_ref, v_ref,  # inputs
-                   o_ref, m_ref, l_ref,  # outputs: one split's partial result for one tile
-                   *, block_q: int, gp: int, pages_per_split: int, sm_scale: float):
+                   o_ref, *ml_refs,  # outputs: one split's partial result for one tile
+                   block_q: int, gp: int, pages_per_split: int, pages_per_step: int,
+                   sm_scale: float):
     # layer_ref [1], qs_ref [R + 1], lens_ref [R], pt_ref [R, P]: whole arrays (scalars).
     # q_ref [K, (T + Bq) * Gp, Dh] whole (token-major, heads of a group inner, zero padded).
-    # k_ref/v_ref [L, NB, BS, K, Dh] whole caches; o_ref [M, Dh]; m_ref/l_ref [M].
+    # k_ref/v_ref [L, NB, BS, K, Dh] whole caches; o_ref [M, Dh]; ml_refs: m_ref, l_ref [M],
+    # absent when there is one split (o_ref then holds the final output in q's dtype).
     t, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     block_size, head_dim = k_ref.shape[2], k_ref.shape[4]
     rows = block_q * gp
@@ -88,49 +103,63 @@ def _ragged_kernel(layer_ref, qs_ref, lens_ref, pt_ref, q_ref, k_ref, v_ref,  # 
     q_pos = offset + first + lax.broadcasted_iota(jnp.int32, (rows, 1), 0) // gp  # [M, 1]
     slot = lax.broadcasted_iota(jnp.int32, (1, block_size), 1)  # [1, BS]
 
-    def body(i, carry):
-        acc, m_prev, l_prev = carry  # [M, Dh], [M], [M] float32
-        page = first_page + i
-        block = pt_ref[r, page]
-        k = k_ref[layer_ref[0], block, pl.ds(0, block_size), h, pl.ds(0, head_dim)]  # [BS, Dh]
-        v = v_ref[layer_ref[0], block, pl.ds(0, block_size), h, pl.ds(0, head_dim)]
-        key_pos = page * block_size + slot  # [1, BS]
+    def page_logits(i, j):
+        """Masked logits `[M, BS]` f32 and values `[BS, Dh]` of step i's page j."""
+        local = i * pages_per_step + j  # page within this split
+        in_split = local < n_pages
+        k, v = _load_page(k_ref, v_ref, pt_ref, layer_ref[0], r, h, first_page + local,
+                          in_split)
+        key_pos = (first_page + local) * block_size + slot  # [1, BS]
         # Slots past the context hold anything, NaN included: p = 0 alone would not cancel
         # 0 * NaN in p @ v, so zero them.
-        v = jnp.where((key_pos < length).reshape(block_size, 1), v, jnp.zeros_like(v))
+        v = jnp.where(((key_pos < length) & in_split).reshape(block_size, 1), v,
+                      jnp.zeros_like(v))
         # Causal within the row; a query's own position is < length, so this also hides the
         # slots past the context (from all but the tile rows past the row's queries, which
         # are discarded).
-        visible = key_pos <= q_pos  # [M, BS]
+        visible = (key_pos <= q_pos) & in_split  # [M, BS]
         logits = _dot(q, k, 1, precision) * sm_scale  # [M, BS] f32
-        logits = jnp.where(visible, logits, _MASK_VALUE)
-        m_next = jnp.maximum(m_prev, logits.max(axis=-1))
+        return jnp.where(visible, logits, _MASK_VALUE), v
+
+    def body(i, carry):
+        acc, m_prev, l_prev = carry  # [M, Dh], [M], [M] float32
+        # All of a step's pages are loaded before the softmax update: one max and one
+        # correction per step, and several pages' loads in flight.
+        pages = [page_logits(i, j) for j in range(pages_per_step)]
+        m_next = m_prev
+        for logits, _ in pages:
+            m_next = jnp.maximum(m_next, logits.max(axis=-1))
         correction = jnp.exp(m_prev - m_next)
-        # A row that sees nothing in a split gets garbage (p = 1) there, but its mass l meets
-        # exp(_MASK_VALUE - max) = 0 in the combine; every real query sees key 0.
-        p = jnp.exp(logits - m_next[:, None])
-        l_next = l_prev * correction + p.sum(axis=-1)
-        pv = _dot(p.astype(v.dtype), v, 0, precision)  # [M, Dh] f32
-        return acc * correction[:, None] + pv, m_next, l_next
+        acc, l_next = acc * correction[:, None], l_prev * correction
+        for logits, v in pages:
+            # A row that sees nothing in a split gets garbage (p = 1) there, but its mass l
+            # meets exp(_MASK_VALUE - max) = 0 in the combine; every real query sees key 0.
+            p = jnp.exp(logits - m_next[:, None])
+            l_next = l_next + p.sum(axis=-1)
+            acc = acc + _dot(p.astype(v.dtype), v, 0, precision)  # [M, Dh] f32
+        return acc, m_next, l_next
 
     init = (jnp.zeros((rows, head_dim), jnp.float32),
             jnp.full((rows,), _MASK_VALUE, jnp.float32),
             jnp.zeros((rows,), jnp.float32))
-    acc, m, l = lax.fori_loop(0, n_pages, body, init)
-    o_ref[...] = acc / jnp.where(l > 0, l, 1.0)[:, None]
-    m_ref[...] = m
-    l_ref[...] = l
+    acc, m, l = lax.fori_loop(0, pl.cdiv(n_pages, pages_per_step), body, init)
+    o_ref[...] = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
+    if ml_refs:
+        ml_refs[0][...] = m
+        ml_refs[1][...] = l
 
 
 def _ragged_call(layer, query_start, context_lens, page_table, qp, k_cache, v_cache, *,
                  num_tiles: int, block_q: int, gp: int, pages_per_split: int, num_splits: int,
-                 sm_scale: float, interpret):
+                 pages_per_step: int, sm_scale: float, num_warps: int, num_stages: int,
+                 interpret):
     """Partial results per split and tile: out `[S, NT, K, M, Dh]` f32, max and sum
-    `[S, NT, K, M]` f32."""
+    `[S, NT, K, M]` f32; with one split only the out, `[1, NT, K, M, Dh]` in q's dtype."""
     num_kv_heads, _, head_dim = qp.shape
     rows = block_q * gp
     kernel = functools.partial(_ragged_kernel, block_q=block_q, gp=gp,
-                               pages_per_split=pages_per_split, sm_scale=sm_scale)
+                               pages_per_split=pages_per_split, pages_per_step=pages_per_step,
+                               sm_scale=sm_scale)
 
     # Whole arrays: on Triton a ref is a pointer into global memory, nothing is copied; the
     # kernel computes its own indices (see paged_attention.py).
@@ -139,21 +168,27 @@ def _ragged_call(layer, query_start, context_lens, page_table, qp, k_cache, v_ca
 
     part = (num_splits, num_tiles, num_kv_heads, rows)
     row = pl.BlockSpec((None, None, None, rows), lambda t, h, s: (s, t, h, 0))
-    return pl.pallas_call(
+    out_specs = [pl.BlockSpec((None, None, None, rows, head_dim),
+                              lambda t, h, s: (s, t, h, 0, 0))]
+    out_shape = [jax.ShapeDtypeStruct(part + (head_dim,),
+                                      qp.dtype if num_splits == 1 else jnp.float32)]
+    if num_splits > 1:  # the combine needs each split's max and sum
+        out_specs += [row, row]
+        out_shape += [jax.ShapeDtypeStruct(part, jnp.float32)] * 2
+    outs = pl.pallas_call(
         kernel,
         grid=(num_tiles, num_kv_heads, num_splits),
         in_specs=[whole(layer), whole(query_start), whole(context_lens), whole(page_table),
                   whole(qp), whole(k_cache), whole(v_cache)],
-        out_specs=[pl.BlockSpec((None, None, None, rows, head_dim),
-                                lambda t, h, s: (s, t, h, 0, 0)), row, row],
-        out_shape=[jax.ShapeDtypeStruct(part + (head_dim,), jnp.float32),
-                   jax.ShapeDtypeStruct(part, jnp.float32),
-                   jax.ShapeDtypeStruct(part, jnp.float32)],
+        out_specs=out_specs,
+        out_shape=out_shape,
         # Interpreters ignore Triton params, and the strict (TPU) interpreter rejects them.
-        compiler_params=None if interpret else plgpu.CompilerParams(num_warps=4, num_stages=2),
+        compiler_params=None if interpret else plgpu.CompilerParams(num_warps=num_warps,
+                                                                    num_stages=num_stages),
         interpret=interpret,
         name="ragged_paged_attention",
     )(layer, query_start, context_lens, page_table, qp, k_cache, v_cache)
+    return tuple(outs) if num_splits > 1 else (outs[0], None, None)
 
 
 def _next_pow2(n: int) -> int:
@@ -170,11 +205,37 @@ def _default_queries_per_tile(num_tokens: int, num_rows: int, gp: int,
     return max(1, (_PREFILL_DOT_ROWS if prefill else _MIN_DOT_ROWS) // gp)
 
 
-def _default_pages_per_split(num_tiles: int, num_kv_heads: int, num_pages: int) -> int:
-    # About two programs per SM of an H200; a step with enough tiles needs no split (and
-    # skips the combine's extra traffic).
-    splits = min(num_pages, max(1, pl.cdiv(_TARGET_PROGRAMS, num_tiles * num_kv_heads)))
-    return pl.cdiv(num_pages, splits)
+def _default_pages_per_step(block_size: int, dtype, num_pages: int) -> int:
+    # bf16: enough pages per loop step for 128 keys, but no more than the table holds. f32 (IEEE
+    # dots, many registers) keeps one page: two already spill in the tall prefill tile.
+    keys = _STEP_KEYS.get(jnp.dtype(dtype).name, block_size)
+    return min(max(1, keys // block_size), num_pages)
+
+
+def _default_pages_per_split(num_tiles: int, num_kv_heads: int, num_pages: int,
+                             pages_per_step: int) -> int:
+    # A step whose tiles give every SM of an H200 a program needs no split (and skips the
+    # combine's partial results). Otherwise about two programs per SM, a whole number of steps
+    # each, at most _MAX_SPLITS splits.
+    programs = num_tiles * num_kv_heads
+    if programs >= _NUM_SMS:
+        return num_pages
+    steps = pl.cdiv(num_pages, pages_per_step)
+    splits = min(_MAX_SPLITS, steps, pl.cdiv(_TARGET_PROGRAMS, programs))
+    return pl.cdiv(steps, splits) * pages_per_step
+
+
+def _schedule(num_tiles: int, num_kv_heads: int, num_pages: int, block_size: int, dtype,
+              rows: int, pages_per_step, pages_per_split, num_warps) -> tuple[int, int, int]:
+    """(pages per step, pages per split, warps): the given values, else the defaults."""
+    step = pages_per_step or min(_default_pages_per_step(block_size, dtype, num_pages),
+                                 pages_per_split or num_pages)
+    if step < 1:
+        raise ValueError(f"pages_per_step must be >= 1, got {pages_per_step}")
+    pps = pages_per_split or _default_pages_per_split(num_tiles, num_kv_heads, num_pages, step)
+    # 8 warps only for the tall prefill tile: the 16-row tile spills with 8 (sm_90a ptxas).
+    tall = rows >= _PREFILL_DOT_ROWS
+    return step, pps, num_warps or (8 if tall and step * block_size >= 128 else 4)
 
 
 def _token_rows(query_start, num_tokens: int):
@@ -201,11 +262,14 @@ def _merge_splits(o, m, l):
     return (o * w[..., None]).sum(axis=0) / jnp.where(total > 0, total, 1.0)[..., None]
 
 
-@functools.partial(jax.jit, static_argnames=("queries_per_tile", "pages_per_split", "sm_scale",
-                                             "interpret"))
+@functools.partial(jax.jit, static_argnames=("queries_per_tile", "pages_per_split",
+                                             "pages_per_step", "sm_scale", "num_warps",
+                                             "num_stages", "interpret"))
 def ragged_paged_attention(q, k_cache, v_cache, layer, page_table, query_start, context_lens, *,
                            queries_per_tile: int | None = None,
-                           pages_per_split: int | None = None, sm_scale: float | None = None,
+                           pages_per_split: int | None = None,
+                           pages_per_step: int | None = None, sm_scale: float | None = None,
+                           num_warps: int | None = None, num_stages: int = 2,
                            interpret=False) -> jax.Array:
     """Causal attention of ragged rows of queries over their pages of the KV cache.
 
@@ -223,9 +287,14 @@ def ragged_paged_attention(q, k_cache, v_cache, layer, page_table, query_start, 
       queries_per_tile: Bq, a power of 2 with Bq * Gp >= 16 on GPU (any in interpret mode);
         None picks 16 / Gp tile rows for decode-shaped steps (T <= 2R) and 64 / Gp otherwise
         (16 / Gp for block sizes over 64).
-      pages_per_split: pages each program handles; None picks enough splits to give an H200
-        about 264 programs (none when the tiles alone give that many).
+      pages_per_split: pages each program handles; None: no split when the tiles alone give an
+        H200 132 programs, else enough splits for about 264, at most 16, each a whole number
+        of steps.
+      pages_per_step: pages loaded per loop step (one softmax update for all of them); None
+        picks 128 keys per step in bf16 (at most the table's width), one page in f32.
       sm_scale: logit scale, default `1 / sqrt(Dh)`.
+      num_warps, num_stages: Triton launch parameters; num_warps None picks 8 for 64-row
+        tiles whose steps hold 128 keys or more, else 4.
       interpret: False on GPU; True (or an interpreter's params object) to run on CPU.
     Returns:
       `[T, H, Dh]` in q.dtype; tokens that belong to no row are zeros.
@@ -249,7 +318,8 @@ def ragged_paged_attention(q, k_cache, v_cache, layer, page_table, query_start, 
                          f"{_MIN_DOT_ROWS} rows Triton's dot needs: use at least "
                          f"{_MIN_DOT_ROWS // gp}")
     num_tiles = num_tokens // bq + num_rows
-    pps = pages_per_split or _default_pages_per_split(num_tiles, num_kv_heads, num_pages)
+    step, pps, warps = _schedule(num_tiles, num_kv_heads, num_pages, block_size, q.dtype,
+                                 bq * gp, pages_per_step, pages_per_split, num_warps)
     num_splits = pl.cdiv(num_pages, pps)
     query_start = query_start.astype(jnp.int32)
     # [K, (T + Bq) * Gp, Dh]: a tile starting at any token reads Bq tokens in bounds.
@@ -260,7 +330,8 @@ def ragged_paged_attention(q, k_cache, v_cache, layer, page_table, query_start, 
     o, m, l = _ragged_call(
         jnp.asarray(layer, jnp.int32).reshape(1), query_start, context_lens.astype(jnp.int32),
         page_table.astype(jnp.int32), qp, k_cache, v_cache, num_tiles=num_tiles, block_q=bq,
-        gp=gp, pages_per_split=pps, num_splits=num_splits, sm_scale=scale, interpret=interpret)
+        gp=gp, pages_per_split=pps, num_splits=num_splits, pages_per_step=step, sm_scale=scale,
+        num_warps=warps, num_stages=num_stages, interpret=interpret)
     tiles = _merge_splits(o, m, l)  # [NT, K, Bq * Gp, Dh]
     # Back to the flat token axis: token t of row r is query t - query_start[r] of the row.
     row, owned = _token_rows(query_start, num_tokens)

@@ -1,25 +1,32 @@
 """GPU check: the one prepared script to run when an H200 is lent (see docs/gpu.md).
 
-One call, about 8 minutes on the GPU, every section on its own (a failure is recorded and the
-rest still runs; `--time-budget` skips what is left once exceeded):
+One call fits 8 minutes on a fresh H200 with start-up: a default budget of 330 s, checked
+between sections, cases, engine variants and batches (what would start after it is skipped,
+with a reason); every section on its own (a failure is recorded and the rest still runs):
 
   environment        python / jax / jaxlib / plugin versions, devices, device memory
   bandwidth          measured device copy and read bandwidth, dispatch floor, bf16 matmul rate
   kernel_correctness paged attention (decode and ragged) and int4 matmul on the device vs
-                     their jnp references
+                     their jnp references, plus an f32 ragged step and one over a > 4 GiB cache
+                     (Pallas indexes it with 64-bit offsets)
   kernel_timings     the same cases timed (warm, median) against the nominal 4.3 TB/s and the
                      measured bandwidth, side by side with the XLA paths the engine runs
                      (its XLA ragged attention on the same rows and pages, laid out by
                      step_layout.build; XLA int4 dequantize-matmul)
-  e2e_llama3_8b      engine decode tok/s, random Llama-3-8B-shaped model, bf16 vs int4, batch 1/64
-  e2e_smollm2        the same on SmolLM2-135M (from --gguf if loadable, else random weights)
+  e2e_smollm2        engine decode tok/s on SmolLM2-135M (from --gguf if loadable, else random
+                     weights), bf16 vs int4, batch 1/64, with the engine's per-step host /
+                     device-wait breakdown
+  llm_defaults       a short run of plain `LLM(model)`: every engine setting at its default
+  e2e_llama3_8b      the same as e2e_smollm2 on a random Llama-3-8B-shaped model
+  step_dump          the XLA dump of every engine step compiled above (--xla_dump_to, limited
+                     to the step module), saved under --out-dir/xla_dump_step
   hf_peer            HF transformers `generate` on the same GPU, SmolLM2 shapes, bf16
   kernel_tests       the kernel test suite compiled on the GPU (`pytest -m gpu`), where pytest
                      is installed
 
 Kernel inputs and tolerances are the kernel tests' own (tests/kernel_cases.py), at GPU sizes.
 
-    python scripts/gpu_check.py --out-dir $OUT [--gguf SmolLM2.gguf] [--time-budget 450]
+    python scripts/gpu_check.py --out-dir $OUT [--gguf SmolLM2.gguf] [--time-budget 330]
     python scripts/gpu_check.py --dry-run --out-dir /tmp/gc    # CPU, interpret-mode kernels
 
 Writes gpu_check.json after every section (a killed run keeps what it finished) and
@@ -61,6 +68,8 @@ NOMINAL_BW = 4.3e12          # B/s, H200 device copy bandwidth measured on the H
 NOMINAL_BF16_FLOPS = 790e12  # FLOP/s, H200 dense bf16 (docs/peers.md)
 L2_BYTES = 50 * 2**20        # H200 L2; timed inputs cycle through > 2x this so reads hit HBM
 TOKEN_LOW = 100              # random prompt ids start here (skips special tokens)
+GPU_BUDGET_S = 330.0         # default --time-budget on a GPU: one call in 8 min with start-up
+DRY_BUDGET_S = 1200.0        # a CPU dry run is not on the clock; interpreted kernels are slow
 
 warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
 
@@ -116,6 +125,12 @@ class Profile:
     block_size: int = 16
     # Ragged steps (model, block_size, max_context, decode rows): one mixed step each.
     ragged_cases: tuple = ()
+    # Checked only: (model, block_size, max_context, decode rows, dtype, min cache GiB).
+    ragged_extra_cases: tuple = ()
+    defaults_prompts: int = 4    # plain LLM() run: prompts of prompt_len, new_tokens each
+    # (section, seconds): a section starts only with this much budget left (8B init + compiles).
+    section_min_s: tuple = ()
+    variant_min_s: float = 0.0   # an engine variant (bf16, int4) starts only with this left
 
 
 GPU_PROFILE = Profile(
@@ -126,7 +141,12 @@ GPU_PROFILE = Profile(
                      for m in (1, 64)),
     iters=20, reps=7, copy_bytes=2 << 30, matmul_n=8192, max_layers=32, max_copies=64,
     e2e_batches=(1, 64), e2e_variants=(None, "int4"), prompt_len=136, new_tokens=64,
-    max_model_len=256, ragged_cases=(("llama3_8b", 16, 2048, 48),))
+    max_model_len=256, ragged_cases=(("llama3_8b", 16, 2048, 48),),
+    ragged_extra_cases=(("smollm2", 16, 1024, 8, "float32", 0.0),
+                        ("llama3_8b", 16, 2048, 8, "bfloat16", 4.5)),
+    # llm_defaults warms up every bucket (its construct_s is that start-up cost).
+    section_min_s=(("e2e_llama3_8b", 90.0), ("llm_defaults", 60.0), ("hf_peer", 20.0)),
+    variant_min_s=25.0)
 
 # CPU: the same code paths through the Pallas interpreter, each at a fraction of a second of
 # work. Cases cover both head layouts, both block sizes, the split (batch 1) and batched paths;
@@ -137,7 +157,12 @@ DRY_PROFILE = Profile(
     int4_cases=(("smollm2", 128, 256, 1), ("llama3_8b", 256, 128, 4)),
     iters=2, reps=2, copy_bytes=8 << 20, matmul_n=256, max_layers=2, max_copies=2,
     e2e_batches=(2,), e2e_variants=(None, "int4"), prompt_len=20, new_tokens=6,
-    max_model_len=64, ragged_cases=(("smollm2", 16, 64, 4),))
+    max_model_len=64, ragged_cases=(("smollm2", 16, 64, 4),),
+    # The large-cache case at a few MiB: the same code path; the > 4 GiB indexing itself is
+    # compiled deviceless in tests/test_ragged_paged_attention.py.
+    ragged_extra_cases=(("smollm2", 16, 64, 2, "float32", 0.0),
+                        ("llama3_8b", 16, 64, 2, "bfloat16", 1 / 256)),
+    defaults_prompts=2)
 
 
 
@@ -154,6 +179,9 @@ class Ctx:
 
     def over_budget(self) -> bool:
         return time.monotonic() > self.deadline
+
+    def remaining(self) -> float:
+        return self.deadline - time.monotonic()
 
     def log(self, msg: str) -> None:
         print(f"[gpu_check {time.monotonic() - self.start:6.1f}s] {msg}", flush=True)
@@ -301,30 +329,46 @@ def attention_case(ctx: Ctx, model: str, block: int, batch: int) -> dict:
     return case
 
 
-def ragged_step_case(ctx: Ctx, model: str, block: int, max_ctx: int, decode: int) -> dict:
-    """One mixed engine step on the kernel tests' NaN-filled ragged case, bf16: `decode` rows of
-    1 query (lengths as context_lengths), 4 speculative rows of 4, a later prefill chunk of
-    max_ctx / 8 at context max_ctx / 2, a first chunk of max_ctx / 16, a padding row and a
-    padded tail; layers cycled to exceed 2x L2 as attention_case does."""
+def ragged_rows(max_ctx: int, decode: int, block: int) -> list[tuple[int, int]]:
+    """`decode` rows of 1 query (lengths as context_lengths), 4 speculative rows of 4, a later
+    prefill chunk of max_ctx / 8 at context max_ctx / 2, a first chunk of max_ctx / 16 and a
+    padding row: (q_len, context_len) each."""
+    rows = [(1, n) for n in context_lengths(decode, max_ctx, block, seed=decode)]
+    rows += [(4, max_ctx // 4 + i) for i in range(4)]
+    return rows + [(max_ctx // 8, max_ctx // 2), (max_ctx // 16, max_ctx // 16), (0, 0)]
+
+
+def ragged_step_case(ctx: Ctx, model: str, block: int, max_ctx: int, decode: int,
+                     dtype: str = "bfloat16", cache_gib: float = 0.0) -> dict:
+    """One mixed engine step (`ragged_rows`, a padded tail) on the kernel tests' NaN-filled
+    ragged case; layers cycled to exceed 2x L2 as attention_case does. cache_gib > 0: two
+    layers and spare blocks until each of K and V exceeds that many GiB (not cached in ctx)."""
+    import jax.numpy as jnp
     from kernel_cases import ragged_case
-    key = ("ragged", model, block, max_ctx, decode)
+    key = ("ragged", model, block, max_ctx, decode, dtype, cache_gib)
     if key in ctx.cases:
         return ctx.cases[key]
     kh, g, dh = ATTN_HEADS[model]
-    rows = [(1, n) for n in context_lengths(decode, max_ctx, block, seed=decode)]
-    rows += [(4, max_ctx // 4 + i) for i in range(4)]
-    rows += [(max_ctx // 8, max_ctx // 2), (max_ctx // 16, max_ctx // 16), (0, 0)]
+    rows = ragged_rows(max_ctx, decode, block)
     pages = [-(-c // block) for _, c in rows]
-    per_layer = sum(pages) * block * kh * dh * 2 * 2  # K + V pages, each read once, bf16
+    block_bytes = block * kh * dh * jnp.dtype(dtype).itemsize  # one layer's K (or V) block
+    per_layer = sum(pages) * block_bytes * 2  # K + V pages, each read once
     layers = int(min(ctx.prof.max_layers, max(2, math.ceil(2 * L2_BYTES / per_layer))))
+    spare = 5
+    if cache_gib:
+        layers = 2
+        spare = max(5, math.ceil(cache_gib * 2**30 / (layers * block_bytes)) - sum(pages))
     q, k, v, table, qs, lens = ragged_case(
-        zlib.crc32(repr(key).encode()), dtype="bfloat16", block_size=block, num_kv_heads=kh,
-        group=g, head_dim=dh, rows=rows, num_pages=max(pages), tail=5, num_layers=layers)
+        zlib.crc32(repr(key).encode()), dtype=dtype, block_size=block, num_kv_heads=kh,
+        group=g, head_dim=dh, rows=rows, num_pages=max(pages), tail=5, num_layers=layers,
+        num_spare=spare)
     case = {"args": (q, k, v, table, qs, lens), "layers": layers, "bytes_per_call": per_layer,
             "desc": {"model": model, "kv_heads": kh, "group": g, "head_dim": dh,
                      "block_size": block, "rows": len(rows), "tokens": int(q.shape[0]),
-                     "max_len": max_ctx, "pages": max(pages), "cache_shape": list(k.shape)}}
-    ctx.cases[key] = case
+                     "max_len": max_ctx, "pages": max(pages), "cache_shape": list(k.shape),
+                     "dtype": dtype, "cache_bytes": int(k.nbytes)}}
+    if not cache_gib:
+        ctx.cases[key] = case
     return case
 
 
@@ -383,21 +427,26 @@ def check_attention(ctx: Ctx, model: str, block: int, batch: int) -> dict:
             "max_abs_ref": float(np.max(np.abs(ref))), "tolerance": tol, "within_tol": ok}
 
 
-def check_ragged(ctx: Ctx, model: str, block: int, max_ctx: int, decode: int) -> dict:
+def check_ragged(ctx: Ctx, model: str, block: int, max_ctx: int, decode: int,
+                 dtype: str = "bfloat16", cache_gib: float = 0.0) -> dict:
+    """The kernel vs its reference on one step; cache_gib > 0 builds a cache over that size
+    (Pallas indexes it with 64-bit offsets above 4 GiB) and frees it afterwards."""
     import jax.numpy as jnp
     import numpy as np
     from pallas_kernels.ragged_paged_attention import (ragged_paged_attention,
                                                        ragged_paged_attention_reference)
-    c = ragged_step_case(ctx, model, block, max_ctx, decode)
+    c = ragged_step_case(ctx, model, block, max_ctx, decode, dtype, cache_gib)
     q, k, v, table, qs, lens = c["args"]
     args = (q, k, v, jnp.int32(c["layers"] - 1), table, qs, lens)
     out = np.asarray(ragged_paged_attention(*args, interpret=ctx.prof.interpret), np.float32)
     ref = np.asarray(ragged_paged_attention_reference(*args), np.float32)
-    tol = ATTENTION_TOLERANCE["bfloat16"]
+    ragged_desc = c["desc"]
+    del c, q, k, v, args
+    tol = ATTENTION_TOLERANCE[dtype]
     err = np.abs(out - ref)
     finite = bool(np.isfinite(out).all())
     ok = finite and bool(np.all(err <= tol["atol"] + tol["rtol"] * np.abs(ref)))
-    return {**c["desc"], "dtype": "bfloat16", "finite": finite,
+    return {**ragged_desc, "dtype": dtype, "finite": finite,
             "max_abs_err": float(np.nanmax(err)) if finite else float("nan"),
             "max_rel_err": float(np.nanmax(err / np.maximum(np.abs(ref), tol["atol"]))),
             "max_abs_ref": float(np.max(np.abs(ref))), "tolerance": tol, "within_tol": ok}
@@ -453,10 +502,14 @@ def section_kernel_correctness(ctx: Ctx) -> dict:
     attn, s1 = run_cases(ctx, ctx.prof.attn_cases, check_attention, "attention")
     int4, s2 = run_cases(ctx, ctx.prof.int4_cases, check_int4, "int4")
     ragged, s3 = run_cases(ctx, ctx.prof.ragged_cases, check_ragged, "ragged attention")
-    rows = attn + int4 + ragged
+    # An f32 step (the kernel's other dtype) and a cache over 4 GiB (64-bit offsets).
+    extra, s4 = run_cases(ctx, ctx.prof.ragged_extra_cases, check_ragged, "ragged extra")
+    gc.collect()
+    rows = attn + int4 + ragged + extra
     bad = [r for r in rows if "error" in r or not r.get("within_tol")]
     res = {"paged_attention": attn, "int4_matmul": int4, "ragged_attention": ragged,
-           "num_cases": len(rows), "num_bad": len(bad)}
+           "ragged_extra": extra, "num_cases": len(rows), "num_bad": len(bad)}
+    s3 = s3 + s4
     if s1 or s2 or s3:
         res["skipped_cases"] = s1 + s2 + s3
     if bad:
@@ -673,6 +726,7 @@ def decode_run(engine, batch: int, prompt_len: int, new_tokens: int, seed: int) 
     for p in prompts:
         engine.add_request(engine.next_request_id(), p.tolist(), params)
     counts, t_dec, base, steps, now = {}, None, 0, 0, t0
+    stats = []  # the engine's StepStats of each decode step
     while engine.has_unfinished_requests():
         outs = engine.step()
         now = time.perf_counter()
@@ -683,6 +737,8 @@ def decode_run(engine, batch: int, prompt_len: int, new_tokens: int, seed: int) 
                 t_dec, base = now, sum(counts.values())
         else:
             steps += 1
+            if engine.last_step is not None:
+                stats.append(engine.last_step)
     total = sum(counts.values())
     dec_s = now - t_dec if t_dec is not None else float("nan")
     return {"batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens,
@@ -691,7 +747,25 @@ def decode_run(engine, batch: int, prompt_len: int, new_tokens: int, seed: int) 
             "decode_steps": steps, "decode_s": dec_s,
             "decode_tok_s": (total - base) / dec_s if steps else float("nan"),
             "decode_steps_per_s": steps / dec_s if steps else float("nan"),
-            "compiles_during_run": engine.runner.num_compiled - compiled}
+            "compiles_during_run": engine.runner.num_compiled - compiled,
+            "step_breakdown": step_breakdown(stats)}
+
+
+def step_breakdown(stats) -> dict:
+    """Median seconds per decode step from the engine's own step statistics
+    (jaxserve/tools/step_stats.py): host work (schedule, launch, postprocess) against the
+    time blocked on the device (wait), and the host's share of the step."""
+    if not stats:
+        return {"steps": 0}
+    med = {name: statistics.median(getattr(st, name) for st in stats)
+           for name in ("schedule_s", "device_s", "wait_s", "postprocess_s")}
+    total = statistics.median(st.total_s for st in stats)
+    host = statistics.median(st.total_s - st.wait_s for st in stats)
+    return {"steps": len(stats), **{f"median_{k}": v for k, v in med.items()},
+            "median_launch_s": statistics.median(st.device_s - st.wait_s for st in stats),
+            "median_host_s": host, "median_total_s": total,
+            "host_fraction": host / total if total > 0 else float("nan"),
+            "median_h2d_bytes": statistics.median(st.h2d_bytes for st in stats)}
 
 
 def weight_bytes_per_step(model) -> int:
@@ -778,7 +852,7 @@ def bench_model(ctx: Ctx, name: str, model, source: str) -> dict:
            "block_size": ctx.prof.block_size, "max_model_len": ctx.prof.max_model_len,
            "variants": []}
     for quant in ctx.prof.e2e_variants:
-        if ctx.over_budget():
+        if ctx.remaining() < ctx.prof.variant_min_s:
             res["variants"].append({"quantization": quant, "skipped": "time budget exceeded"})
             continue
         try:
@@ -828,6 +902,64 @@ def load_smollm2(ctx: Ctx):
 def section_e2e_smollm2(ctx: Ctx) -> dict:
     model, source = load_smollm2(ctx)
     return bench_model(ctx, "smollm2", model, source)
+
+
+# ---- plain LLM() -------------------------------------------------------------------------------
+
+def default_dtype() -> str:
+    """The engine's default weight dtype when it names one; else what the GPU defaults should be
+    (bf16 on a GPU, f32 on CPU) for the random model, which needs a concrete dtype."""
+    import jax
+    from jaxserve.config import EngineConfig
+    default = EngineConfig.__dataclass_fields__["dtype"].default
+    if default in ("float32", "bfloat16", "float16"):
+        return default
+    return "bfloat16" if jax.default_backend() == "gpu" else "float32"
+
+
+def section_llm_defaults(ctx: Ctx) -> dict:
+    """A short greedy run of `LLM(model)` with every engine setting at its default (backends,
+    KV cache size, buckets, warm-up): what a user gets on this machine. The GGUF by path when
+    given (all defaults, dtype included), else random SmolLM2 weights in the default dtype.
+    The dry run turns the warm-up off: on CPU compiling every bucket would dominate it."""
+    from jaxserve import LLM, SamplingParams
+    from models.random_init import random_model
+    import numpy as np
+    p = ctx.prof
+    path = ctx.args.gguf
+    overrides = {"warmup": False} if ctx.args.dry_run else {}
+    t0 = time.perf_counter()
+    if path and pathlib.Path(path).is_file() and importable("gguf") is None:
+        llm, source = LLM(path, **overrides), f"gguf {path}"
+    else:
+        dtype = default_dtype()
+        cfg = model_configs(ctx.args.dry_run)["smollm2"]
+        llm = LLM(random_model(cfg, dtype), **overrides)
+        source = f"random weights, SmolLM2 config, {dtype}"
+    construct_s = time.perf_counter() - t0
+    vocab = llm.engine.model.config.vocab_size
+    prompts = np.random.default_rng(7).integers(TOKEN_LOW, min(vocab, 40000),
+                                                size=(p.defaults_prompts, p.prompt_len))
+    params = SamplingParams(temperature=0.0, max_tokens=p.new_tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = llm.generate([row.tolist() for row in prompts], params, use_tqdm=False)
+    generate_s = time.perf_counter() - t0
+    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    stats = llm.stats()
+    totals = {k: v for k, v in stats["step_totals"].items() if k != "histograms"}
+    cfg = llm.engine.config
+    res = {"source": source, "overrides": overrides, "construct_s": construct_s,
+           "generate_s": generate_s,
+           "prompts": p.defaults_prompts, "generated": generated,
+           "all_lengths_ok": generated == p.defaults_prompts * p.new_tokens,
+           "tok_s": generated / generate_s,
+           "config": {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)},
+           "model_dtype": str(llm.engine.model.dtype), "step_totals": totals,
+           "kv_memory": stats.get("kv_memory"),
+           "num_compiles_after_warmup": stats.get("num_compiles_after_warmup")}
+    del llm
+    gc.collect()
+    return res
 
 
 # ---- HF transformers peer ----------------------------------------------------------------------
@@ -914,6 +1046,71 @@ def section_hf_peer(ctx: Ctx) -> dict:
     return res
 
 
+# ---- the compiled step, as XLA dumped it --------------------------------------------------------
+
+STEP_MODULE_RE = ".*_step_impl.*"  # the runner's jitted step (jaxserve/runtime/runner.py)
+MAX_DUMP_FILE_BYTES = 8 << 20       # larger dump files (e.g. a big module's PTX) are dropped
+DUMP_KEEP_SUFFIXES = (".txt", ".ptx")  # HLO, buffer assignment, thunk sequence, PTX; no objects
+# The compiled-program reader of scripts/gpu_step_report.py plugs in here: ("module", "function")
+# pairs tried in order, the function taking the dump directory and returning a JSON-able dict.
+STEP_DUMP_READERS: tuple = ()
+
+
+def step_dump_dir(args) -> pathlib.Path:
+    return pathlib.Path(args.out_dir) / "xla_dump_step"
+
+
+def enable_step_dump(args) -> None:
+    """Before jax starts: XLA dumps each compile of the engine's step (HLO before and after
+    optimisation, and on a GPU the thunk sequence with every launch) under the out dir; no
+    other module is dumped."""
+    if args.no_step_dump:
+        return
+    flags = os.environ.get("XLA_FLAGS", "")
+    os.environ["XLA_FLAGS"] = (f"{flags} --xla_dump_to={step_dump_dir(args)} "
+                               f"--xla_dump_hlo_module_re={STEP_MODULE_RE}").strip()
+
+
+def read_step_dump(path: pathlib.Path):
+    """The first importable STEP_DUMP_READERS entry's summary of the dump, or None."""
+    for module, function in STEP_DUMP_READERS:
+        try:
+            reader = getattr(importlib.import_module(module), function)
+        except (ImportError, AttributeError):
+            continue
+        return {"reader": f"{module}.{function}", "summary": reader(path)}
+    return None
+
+
+def section_step_dump(ctx: Ctx) -> dict:
+    """What XLA dumped of the steps the engine sections compiled: the files (oversized ones
+    dropped so the out dir stays small) and, when available, the reader's summary."""
+    d = step_dump_dir(ctx.args)
+    if ctx.args.no_step_dump or not d.is_dir():
+        return {"_status": "skipped", "_reason": "no dump (--no-step-dump, or no step compiled)"}
+    removed = []
+    for f in sorted(d.rglob("*")):
+        if f.is_file() and (f.stat().st_size > MAX_DUMP_FILE_BYTES
+                            or not f.name.endswith(DUMP_KEEP_SUFFIXES)):
+            removed.append(f.name)
+            f.unlink()
+    for sub in sorted((x for x in d.rglob("*") if x.is_dir()), reverse=True):
+        if not any(sub.iterdir()):  # emptied above (e.g. a module's object files)
+            sub.rmdir()
+    files = [f for f in d.rglob("*") if f.is_file()]
+    modules = sorted({".".join(f.name.split(".")[:2]) for f in files
+                      if f.name.startswith("module_")})
+    res = {"dir": str(d), "files": len(files), "bytes": sum(f.stat().st_size for f in files),
+           "modules": modules, "removed": len(removed), "removed_examples": removed[:10],
+           "kept_suffixes": DUMP_KEEP_SUFFIXES, "max_file_bytes": MAX_DUMP_FILE_BYTES,
+           "thunk_files": sorted(f.name for f in files if "thunk" in f.name)}
+    try:
+        res["reader"] = read_step_dump(d)
+    except Exception as e:  # noqa: BLE001 - the files are there anyway
+        res["reader"] = {"error": f"{type(e).__name__}: {e}"}
+    return res
+
+
 # ---- the kernel test suite, compiled -----------------------------------------------------------
 
 KERNEL_TESTS = ("tests/test_paged_attention.py", "tests/test_ragged_paged_attention.py",
@@ -979,7 +1176,7 @@ def md_bandwidth(r: dict) -> list[str]:
 
 def md_correctness(r: dict) -> list[str]:
     out = ["| kernel | case | max abs err | max rel err | ok |", "|---|---|---|---|---|"]
-    for kind in ("paged_attention", "int4_matmul", "ragged_attention"):
+    for kind in ("paged_attention", "int4_matmul", "ragged_attention", "ragged_extra"):
         for row in r.get(kind, []):
             if "error" in row:
                 out.append(f"| {kind} | {row['case']} | ERROR: {row['error'][:120]} | | no |")
@@ -988,6 +1185,8 @@ def md_correctness(r: dict) -> list[str]:
                     f"maxlen {row['max_len']}" if kind == "paged_attention" else
                     f"{row['model']} bs{row['block_size']} R{row['rows']} T{row['tokens']} "
                     f"maxlen {row['max_len']}" if kind == "ragged_attention" else
+                    f"{row['model']} bs{row['block_size']} R{row['rows']} {row['dtype']} "
+                    f"cache {row['cache_bytes'] / 2**30:.2f} GiB" if kind == "ragged_extra" else
                     f"{row['model']} {row['K']}->{row['N']} M{row['M']} g{row['group_size']}")
             out.append(f"| {kind} | {case} | {fmt(row['max_abs_err'])} | "
                        f"{fmt(row['max_rel_err'])} | {'yes' if row['within_tol'] else 'NO'} |")
@@ -1036,8 +1235,8 @@ def md_e2e(r: dict) -> list[str]:
     out = [f"- model: {r['model']} ({r['num_params'] / 1e6:.0f}M params), source: "
            f"{r['source']}, backend {r['backend']}, block {r['block_size']}", "",
            "| weights | batch | decode tok/s | steps/s | overall tok/s | MBU (weights) vs 4.3 | "
-           "vs measured copy | compiles in run | lengths ok |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "vs measured copy | step ms: host / wait / total | compiles in run | lengths ok |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for v in r["variants"]:
         label = v.get("quantization") or "bf16"
         if "error" in v or "skipped" in v:
@@ -1052,9 +1251,44 @@ def md_e2e(r: dict) -> list[str]:
                        f"{fmt(run['overall_tok_s'], '.1f')} | "
                        f"{fmt(run.get('mbu_weights_vs_nominal'), '.3f')} | "
                        f"{fmt(run.get('mbu_weights_vs_measured_copy'), '.3f')} | "
+                       f"{md_step_ms(run.get('step_breakdown', {}))} | "
                        f"{run['compiles_during_run']} | {run['all_lengths_ok']} |")
         if v.get("note"):
             out.append(f"\nnote ({label}): {v['note']}\n")
+    return out
+
+
+def md_step_ms(b: dict) -> str:
+    if not b.get("steps"):
+        return "-"
+    return " / ".join(f"{b[k] * 1e3:.2f}" for k in ("median_host_s", "median_wait_s",
+                                                     "median_total_s"))
+
+
+def md_llm_defaults(r: dict) -> list[str]:
+    c = r["config"]
+    return [f"- {r['source']}: built in {r['construct_s']:.1f}s, {r['generated']} tokens in "
+            f"{r['generate_s']:.2f}s ({r['tok_s']:.1f} tok/s), lengths ok {r['all_lengths_ok']}",
+            f"- defaults: dtype {c.get('dtype')} (model {r['model_dtype']}), attention "
+            f"{c.get('attention_backend')}, linear {c.get('linear_backend')}, kv_cache_dtype "
+            f"{c.get('kv_cache_dtype')}, block {c.get('block_size')}, warmup {c.get('warmup')}",
+            f"- steps {r['step_totals'].get('num_steps')}: schedule "
+            f"{r['step_totals'].get('schedule_s', 0):.3f}s, device "
+            f"{r['step_totals'].get('device_s', 0):.3f}s (wait "
+            f"{r['step_totals'].get('wait_s', 0):.3f}s), postprocess "
+            f"{r['step_totals'].get('postprocess_s', 0):.3f}s; compiles after warm-up "
+            f"{r['num_compiles_after_warmup']}"]
+
+
+def md_step_dump(r: dict) -> list[str]:
+    out = [f"- `{r['dir']}`: {r['files']} files, {r['bytes'] / 2**20:.1f} MiB, modules: "
+           f"{', '.join(r['modules']) or 'none'}"]
+    if r.get("removed"):
+        out.append(f"- removed {r['removed']} files (not {'/'.join(r['kept_suffixes'])}, or "
+                   f"over {r['max_file_bytes'] / 2**20:.0f} MiB), e.g. "
+                   f"{', '.join(r['removed_examples'][:3])}")
+    if r.get("reader"):
+        out.append(f"- reader: {json.dumps(r['reader'], default=str)[:1500]}")
     return out
 
 
@@ -1078,8 +1312,8 @@ def md_kernel_tests(r: dict) -> list[str]:
 
 MD = {"environment": md_environment, "bandwidth": md_bandwidth,
       "kernel_correctness": md_correctness, "kernel_timings": md_timings,
-      "e2e_llama3_8b": md_e2e, "e2e_smollm2": md_e2e, "hf_peer": md_hf,
-      "kernel_tests": md_kernel_tests}
+      "e2e_llama3_8b": md_e2e, "e2e_smollm2": md_e2e, "llm_defaults": md_llm_defaults,
+      "step_dump": md_step_dump, "hf_peer": md_hf, "kernel_tests": md_kernel_tests}
 
 
 def markdown(report: dict) -> str:
@@ -1101,17 +1335,25 @@ def markdown(report: dict) -> str:
 
 # ---- driver ------------------------------------------------------------------------------------
 
+# Cheapest and most needed first: SmolLM2 (the served model) before the 8B model, whose random
+# init and compiles cost the most; the dump of the steps compiled so far after both.
 SECTIONS = [("environment", section_environment), ("bandwidth", section_bandwidth),
             ("kernel_correctness", section_kernel_correctness),
             ("kernel_timings", section_kernel_timings),
-            ("e2e_llama3_8b", section_e2e_llama3_8b), ("e2e_smollm2", section_e2e_smollm2),
+            ("e2e_smollm2", section_e2e_smollm2), ("llm_defaults", section_llm_defaults),
+            ("e2e_llama3_8b", section_e2e_llama3_8b), ("step_dump", section_step_dump),
             ("hf_peer", section_hf_peer), ("kernel_tests", section_kernel_tests)]
 
 
 def run_section(ctx: Ctx, name: str, fn) -> dict:
-    if ctx.over_budget() and name != "environment":
+    if ctx.over_budget() and name not in ("environment", "step_dump"):
         return {"status": "skipped", "seconds": 0.0,
                 "reason": f"time budget ({ctx.args.time_budget:.0f}s) exceeded before this section"}
+    need = dict(ctx.prof.section_min_s).get(name, 0.0)
+    if need and ctx.remaining() < need:
+        return {"status": "skipped", "seconds": 0.0,
+                "reason": f"time budget: this section needs about {need:.0f}s, "
+                          f"{ctx.remaining():.0f}s left"}
     ctx.log(f"section {name} ...")
     t0 = time.monotonic()
     try:
@@ -1134,13 +1376,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out-dir", default="gpu_check_out")
     ap.add_argument("--gguf", default=None, help="SmolLM2 .gguf file (else random weights)")
-    ap.add_argument("--time-budget", type=float, default=450.0,
-                    help="seconds; sections starting after this are skipped")
+    ap.add_argument("--time-budget", type=float, default=None,
+                    help="seconds; checked between sections, cases, variants and batches: what "
+                         f"would start after it is skipped. Default {GPU_BUDGET_S:.0f} on a GPU "
+                         f"(with start-up, one call fits 8 min), {DRY_BUDGET_S:.0f} in a dry run")
     ap.add_argument("--dry-run", action="store_true",
                     help="CPU, interpret-mode kernels, tiny shapes and models")
+    ap.add_argument("--no-step-dump", action="store_true",
+                    help="do not dump the compiled engine step (XLA_FLAGS) under --out-dir")
     ap.add_argument("--sections", default=",".join(n for n, _ in SECTIONS),
                     help="comma-separated subset of sections to run")
     args = ap.parse_args(argv)
+    if args.time_budget is None:
+        args.time_budget = DRY_BUDGET_S if args.dry_run else GPU_BUDGET_S
     unknown = set(args.sections.split(",")) - {n for n, _ in SECTIONS}
     if unknown:
         ap.error(f"unknown sections {sorted(unknown)}; known: {[n for n, _ in SECTIONS]}")
@@ -1158,6 +1406,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.dry_run:
         os.environ["JAX_PLATFORMS"] = "cpu"
+    enable_step_dump(args)  # XLA reads its flags once, when jax starts the backend
     import jax
     if not args.dry_run and jax.default_backend() != "gpu":
         print(f"gpu_check: no GPU (jax backend {jax.default_backend()!r}); use --dry-run",

@@ -57,19 +57,20 @@ def paged_layout(rng: np.random.Generator, *, block_size: int, lens: Sequence[in
 
 def paged_case(seed: int, *, dtype, block_size: int, num_kv_heads: int, group: int,
                head_dim: int, lens: Sequence[int], num_pages: int, num_layers: int = 2,
-               live_layers: Sequence[int] | None = None):
+               live_layers: Sequence[int] | None = None, num_spare: int = 5):
     """Random q and NaN-filled caches with each row's context written at shuffled blocks.
 
     Every cache slot that is not part of some row's context (spare blocks, the null block 0,
     slots past a context on its last page, layers not in `live_layers`; None = all layers) is
     NaN, and table entries past a context point at NaN blocks, so a stray read shows.
+    `num_spare` unused blocks pad the cache (a large count makes a cache over 4 GiB).
     Returns q `[B, K * G, Dh]`, k and v `[L, NB, BS, K, Dh]`, page table `[B, P]` and context
     lengths `[B]`; values are drawn on the device, so GPU-sized cases build in milliseconds.
     """
     import jax
     import jax.numpy as jnp
     table, valid = paged_layout(np.random.default_rng(seed), block_size=block_size,
-                                lens=lens, num_pages=num_pages)
+                                lens=lens, num_pages=num_pages, num_spare=num_spare)
     shape = (num_layers, valid.size, block_size, num_kv_heads, head_dim)
     live = np.zeros(num_layers, bool)  # [L]
     live[list(range(num_layers) if live_layers is None else live_layers)] = True
@@ -97,7 +98,7 @@ def ragged_layout(rows: Sequence[tuple[int, int]], head: int = 0,
 def ragged_case(seed: int, *, dtype, block_size: int, num_kv_heads: int, group: int,
                 head_dim: int, rows: Sequence[tuple[int, int]], num_pages: int,
                 head: int = 0, tail: int = 0, num_layers: int = 2,
-                live_layers: Sequence[int] | None = None):
+                live_layers: Sequence[int] | None = None, num_spare: int = 5):
     """`paged_case`'s NaN-filled caches for rows of (q_len, context_len), and q on a flat axis.
 
     Row r's queries are its last q_len positions (context_len >= q_len; q_len 0 is a padding
@@ -112,7 +113,8 @@ def ragged_case(seed: int, *, dtype, block_size: int, num_kv_heads: int, group: 
     _, k, v, table, lens = paged_case(seed, dtype=dtype, block_size=block_size,
                                       num_kv_heads=num_kv_heads, group=group, head_dim=head_dim,
                                       lens=[c for _, c in rows], num_pages=num_pages,
-                                      num_layers=num_layers, live_layers=live_layers)
+                                      num_layers=num_layers, live_layers=live_layers,
+                                      num_spare=num_spare)
     q = jax.random.normal(jax.random.key(seed + 1), (num_tokens, num_kv_heads * group, head_dim),
                           jnp.float32)
     return q.astype(dtype), k, v, table, jnp.asarray(query_start), lens

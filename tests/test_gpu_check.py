@@ -24,8 +24,10 @@ from tests.kernel_cases import attention_tolerance, paged_case, ragged_case
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "gpu_check.py"
+# SmolLM2 (the served model) before the costlier 8B model.
 SECTIONS = ["environment", "bandwidth", "kernel_correctness", "kernel_timings",
-            "e2e_llama3_8b", "e2e_smollm2", "hf_peer", "kernel_tests"]
+            "e2e_smollm2", "llm_defaults", "e2e_llama3_8b", "step_dump", "hf_peer",
+            "kernel_tests"]
 # May be skipped (with a reason) where the packages are missing, as in .venv on CPU; the
 # compiled kernel tests always are in a dry run.
 MAY_SKIP = {"hf_peer", "kernel_tests"}
@@ -187,3 +189,63 @@ def test_xla_baseline_takes_the_ragged_kernels_rows():
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), **attention_tolerance("float32"))
     np.testing.assert_allclose(np.asarray(out), np.asarray(engine_attention(q, k, v, meta, flat)),
                                rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.subprocess
+def test_f32_and_large_cache_cases_within_tolerance(dry_run):
+    _, report, _ = dry_run
+    rows = report["sections"]["kernel_correctness"]["result"]["ragged_extra"]
+    assert [r["dtype"] for r in rows] == ["float32", "bfloat16"]
+    for row in rows:
+        tol = row["tolerance"]
+        assert row["finite"] and row["within_tol"], row
+        assert 0 <= row["max_abs_err"] <= tol["atol"] + tol["rtol"] * row["max_abs_ref"]
+    assert rows[0]["tolerance"] == attention_tolerance("float32")
+    # The large-cache case's spare blocks grow its cache to the profile's size.
+    gib = report["profile"]["ragged_extra_cases"][1][-1]
+    assert rows[1]["cache_bytes"] >= gib * 2**30
+
+
+@pytest.mark.subprocess
+def test_engine_runs_carry_the_step_breakdown(dry_run):
+    _, report, _ = dry_run
+    for name in ("e2e_smollm2", "e2e_llama3_8b"):
+        for variant in report["sections"][name]["result"]["variants"]:
+            for run in variant["runs"]:
+                b = run["step_breakdown"]
+                assert b["steps"] == run["decode_steps"] > 0, b
+                assert 0 < b["median_host_s"] <= b["median_total_s"], b
+                assert 0 <= b["median_wait_s"] <= b["median_device_s"], b
+
+
+@pytest.mark.subprocess
+def test_plain_llm_defaults_run_and_step_dump_saved(dry_run):
+    _, report, out = dry_run
+    res = report["sections"]["llm_defaults"]["result"]
+    assert res["all_lengths_ok"] and res["generated"] > 0, res
+    assert res["config"]["attention_backend"] == "auto"  # nothing but warm-up overridden
+    assert res["overrides"] == {"warmup": False}
+    dump = report["sections"]["step_dump"]["result"]
+    assert dump["modules"] and all("_step_impl" in m for m in dump["modules"]), dump
+    files = list((out / "xla_dump_step").iterdir())
+    assert files and all(f.name.endswith((".txt", ".ptx")) for f in files)
+    assert any(f.name.endswith("after_optimizations.txt") for f in files)
+
+
+def test_budget_is_checked_between_cases_and_variants():
+    gpu_check = load_gpu_check()
+    args = gpu_check.parse_args(["--dry-run", "--time-budget", "0"])
+    ctx = gpu_check.Ctx(args, gpu_check.DRY_PROFILE)
+    calls = []
+    rows, skipped = gpu_check.run_cases(ctx, [(1,), (2,)], lambda c, k: calls.append(k), "x")
+    assert rows == [] and skipped == [[1], [2]] and calls == []
+    res = gpu_check.bench_model(ctx, "m", type("M", (), {"config": _Config()})(), "src")
+    assert [v["skipped"] for v in res["variants"]] == ["time budget exceeded"] * 2
+
+
+class _Config:
+    def to_dict(self):
+        return {}
+
+    def num_params(self):
+        return 0

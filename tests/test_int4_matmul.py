@@ -17,7 +17,8 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.int4_matmul import (dequantize_int4, int4_matmul, int4_matmul_reference,
-                                        pack_int4, pick_blocks, quantize_int4, unpack_int4)
+                                        num_programs, pack_int4, pick_blocks, quantize_int4,
+                                        unpack_int4)
 from tests import cuda_lowering
 from tests.cuda_lowering import lower_for_h200
 from tests.kernel_cases import (INT4_MODEL_SHAPES, int4_activations, int4_error_bound,
@@ -75,6 +76,11 @@ def test_kernel_matches_reference_m_dtype(m, dtype, symmetric, interpret):
     (7, 512, 128, 32, dict(split_k=4, block_k=64)),
     (40, 256, 128, 64, dict(block_m=16, block_n=32)),     # 3 M blocks, padding 40 -> 48
     (130, 256, 128, 64, {}),                              # prefill-sized: block_m 64, M -> 192
+    (7, 576, 64, 64, dict(split_k=18)),                   # each group cut in 2 (32 rows)
+    (1, 1536, 64, 128, dict(split_k=48)),                 # each group cut in 4, one-row partials
+    (1, 1536, 64, 128, dict(split_k=24, block_k=32)),     # 2 steps per sub-group
+    (1, 256, 128, 64, dict(split_k=1)),                   # M = 1 without split: one-row store
+    (3, 512, 128, 64, dict(num_warps=8, num_stages=2)),   # launch params (ignored interpreted)
 ])
 def test_kernel_block_variants(m, k, n, g, blocks, interpret):
     _run(m, k, n, g, False, jnp.float32, interpret, **blocks)
@@ -112,9 +118,32 @@ def test_default_blocks_are_valid(m, k, n):
     bm, bn, bk, sk = pick_blocks(m, k, n, g)
     assert n % bn == 0 and bn >= 16 and bn & (bn - 1) == 0
     assert bm in (16, 32, 64) and bm >= min(64, m)
-    assert (k // g) % sk == 0 and (k // sk) % bk == 0 and bk >= 32 and bk & (bk - 1) == 0
+    # split_k divides the group count, or cuts every group into parts of >= 32 rows.
+    assert (k // g) % sk == 0 or (sk % (k // g) == 0 and (g // (sk // (k // g))) >= 32)
+    assert (k // sk) % bk == 0 and bk >= 32 and bk & (bk - 1) == 0
     if n in (576, 192):  # SmolLM2: 64 divides 576 and 192, 128 does not
         assert bn == 64
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_nibble_unpacking_is_exact_for_every_byte(dtype):
+    """The mantissa-bias unpacking gives each byte's two codes exactly (vs numpy's shifts)."""
+    from pallas_kernels.int4_matmul import _unpack_nibbles
+    q = np.arange(256, dtype=np.uint8).reshape(16, 16)
+    lo, hi = jax.jit(_unpack_nibbles, static_argnums=1)(jnp.asarray(q), dtype)
+    assert lo.dtype == hi.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(lo, np.float32), q & 0xF)
+    np.testing.assert_array_equal(np.asarray(hi, np.float32), q >> 4)
+
+
+@pytest.mark.parametrize("model", sorted(INT4_MODEL_SHAPES))
+def test_default_blocks_fill_an_h200_at_decode(model):
+    """At M = 1 every engine GEMM with N >= 576 runs >= 132 programs (one per SM) and every
+    other (SmolLM2's 576 x 192) at least 54; M = 64 at least 81 (docs/perf_kernels.md)."""
+    for k, n in INT4_MODEL_SHAPES[model]:
+        g = int4_group_size(k)
+        assert num_programs(1, k, n, g) >= (132 if n >= 576 else 54), (k, n)
+        assert num_programs(64, k, n, g) >= min(81, num_programs(1, k, n, g)), (k, n)
 
 
 def _numpy_dequantize(packed, scales, offsets, g):
@@ -235,6 +264,13 @@ CUDA_CASES = ([(m, k, n) for k, n in ENGINE_SHAPES[:4] for m in (1, 16, 64)]
 def test_lowers_for_h200(m, k, n, symmetric):
     g = 64 if k == 576 else 128
     text = lower_for_h200(_engine_fn(g, symmetric), *_engine_args(m, k, n, g, symmetric))
+    assert pltriton.CUSTOM_CALL_TARGET_NAME in text
+
+
+def test_launch_params_lower_for_h200():
+    fn = lambda x, p, s: int4_matmul(x, p, s, None, group_size=64, num_warps=8,  # noqa: E731
+                                     num_stages=2)
+    text = lower_for_h200(fn, *_engine_args(1, 576, 1536, 64, True))
     assert pltriton.CUSTOM_CALL_TARGET_NAME in text
 
 

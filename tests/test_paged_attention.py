@@ -65,6 +65,61 @@ def test_split_counts_agree(pages_per_split, interpret):
     check(out, q, k, v, LAYER, pt, cl, jnp.float32)
 
 
+# (dtype, block_size, pages_per_step, pages_per_split): steps of 1..8 pages, splits that end
+# mid-step (the next split's pages in the step must be masked), steps wider than the table.
+STEP_CASES = [("f32", 8, 2, 3), ("f32", 8, 4, None), ("f32", 8, 8, 5), ("f32", 8, 16, 64),
+              ("bf16", 16, None, None), ("bf16", 16, 4, 1)]
+
+
+@pytest.mark.parametrize("case", STEP_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_pages_per_step_variants(case, interpret):
+    dtype, block_size, step, split = case
+    dtype = {"f32": jnp.float32, "bf16": jnp.bfloat16}[dtype]
+    lens = [37, 6, 64, 17, 1]
+    q, k, v, pt, cl = make_case(4, dtype=dtype, block_size=block_size, group=3, head_dim=64,
+                                lens=lens, num_pages=9)
+    out = paged_attention(q, k, v, LAYER, pt, cl, pages_per_split=split, pages_per_step=step,
+                          interpret=interpret)
+    check(out, q, k, v, LAYER, pt, cl, dtype)
+
+
+def _pallas_calls(jaxpr):
+    """pallas_call equations in `jaxpr` and the jaxprs its equations hold (e.g. a jit's)."""
+    calls = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            calls.append(eqn)
+            continue
+        for param in eqn.params.values():
+            inner = getattr(param, "jaxpr", None)
+            if inner is not None and hasattr(inner, "eqns"):
+                calls += _pallas_calls(inner)
+    return calls
+
+
+@pytest.mark.parametrize("model", sorted(ATTENTION_MODELS))
+def test_batch_one_splits_at_most_16_ways(model):
+    """At batch 1 with 256 pages one row's pages go to <= 16 programs per KV head; a batch of 64
+    (>= 132 programs) takes no split and writes q's dtype, no f32 partials."""
+    kv_heads, group, head_dim, _ = ATTENTION_MODELS[model]
+    s = jax.ShapeDtypeStruct
+    cache = s((2, 300, 16, kv_heads, head_dim), jnp.bfloat16)
+
+    def outputs(batch):
+        args = (s((batch, kv_heads * group, head_dim), jnp.bfloat16), cache, cache,
+                s((), jnp.int32), s((batch, 256), jnp.int32), s((batch,), jnp.int32))
+        jaxpr = jax.make_jaxpr(lambda *a: paged_attention(*a, interpret=True))(*args)
+        calls = _pallas_calls(jaxpr.jaxpr)
+        assert len(calls) == 1
+        return [(o.aval.shape, o.aval.dtype) for o in calls[0].outvars]
+
+    outs = outputs(1)
+    assert 1 < outs[0][0][0] <= 16, outs
+    if kv_heads * 64 >= 132:
+        outs = outputs(64)
+        assert len(outs) == 1 and outs[0][0][0] == 1 and outs[0][1] == jnp.bfloat16, outs
+
+
 def test_layer_is_traced_inside_scan(interpret):
     lens = [21, 9]
     q, k, v, pt, cl = make_case(2, dtype=jnp.float32, block_size=8, group=3, head_dim=64,
@@ -95,6 +150,11 @@ def test_strict_interpreter_finds_no_out_of_bounds_read():
     strict = pltpu.InterpretParams()
     out = paged_attention(q, k, v, LAYER, jnp.asarray(garbage), cl, pages_per_split=2,
                           interpret=strict)
+    check(out, q, k, v, LAYER, pt, cl, jnp.float32)
+
+    # Steps of 4 pages over splits of 3: each step's 4th page (the next split's) is masked.
+    out = paged_attention(q, k, v, LAYER, jnp.asarray(garbage), cl, pages_per_split=3,
+                          pages_per_step=4, interpret=strict)
     check(out, q, k, v, LAYER, pt, cl, jnp.float32)
 
     # Control: the same garbage inside a context must be caught, or this test proves nothing.
@@ -137,4 +197,21 @@ def test_compiles_for_sm90a(model, block_size, dtype):
     if why_not:
         pytest.skip(why_not)
     compiled = compile_for_h200(paged_attention, *engine_shapes(model, block_size, dtype, 64))
+    assert "pallas_call" in compiled.as_text()
+
+
+@pytest.mark.parametrize("model,dtype,batch,num_blocks,kw", [
+    # bf16 caches of 6.4 GB each: Pallas switches the kernel's load offsets to 64 bits above
+    # 4 GiB (an 8B model's cache on an H200 is that size).
+    ("llama3_8b", jnp.bfloat16, 64, 6144, {}),
+    ("smollm2", jnp.bfloat16, 1, 1024, {}),  # batch 1: split, 8 pages per step
+    ("llama3_8b", jnp.bfloat16, 1, 1024, dict(num_warps=8, pages_per_step=4)),
+])
+def test_compiles_for_sm90a_variants(model, dtype, batch, num_blocks, kw):
+    why_not = cuda_compiler_available()
+    if why_not:
+        pytest.skip(why_not)
+    fn = lambda *a: paged_attention(*a, **kw)  # noqa: E731
+    compiled = compile_for_h200(fn, *engine_shapes(model, 16, dtype, batch,
+                                                   num_blocks=num_blocks))
     assert "pallas_call" in compiled.as_text()

@@ -4,6 +4,8 @@ lowering / deviceless sm_90a compilation for the engine's shapes."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -138,6 +140,54 @@ def test_split_counts_agree(pages_per_split, interpret):
     check(out, (q, k, v, LAYER, pt, qs, cl), jnp.float32)
 
 
+# (dtype, block_size, pages_per_step, pages_per_split): steps of 1..8 pages, splits that end
+# mid-step (the next split's pages in the step must be masked), steps wider than the table.
+STEP_CASES = [("f32", 8, 1, None), ("f32", 8, 2, 3), ("f32", 8, 4, None), ("f32", 8, 8, 5),
+              ("f32", 8, 16, 64), ("bf16", 16, None, None), ("bf16", 16, 4, 1)]
+
+
+@pytest.mark.parametrize("case", STEP_CASES, ids=case_id)
+def test_pages_per_step_variants(case, interpret):
+    dtype, block_size, step, split = case
+    dtype = DTYPES[dtype]
+    q, k, v, pt, qs, cl = make_case(6, dtype=dtype, block_size=block_size, group=3,
+                                    head_dim=64, mix="mixed")
+    out = ragged_paged_attention(q, k, v, LAYER, pt, qs, cl, queries_per_tile=8,
+                                 pages_per_split=split, pages_per_step=step,
+                                 interpret=interpret)
+    check(out, (q, k, v, LAYER, pt, qs, cl), dtype)
+
+
+def _kernel_outputs(*args, **kw):
+    """Shapes of the pallas_call's outputs in the traced function."""
+    jaxpr = jax.make_jaxpr(functools.partial(ragged_paged_attention, **kw))(*args)
+    calls = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "pallas_call"]
+    if not calls:  # inside the jit's inner jaxpr
+        inner = jaxpr.jaxpr.eqns[0].params["jaxpr"].jaxpr
+        calls = [e for e in inner.eqns if e.primitive.name == "pallas_call"]
+    assert len(calls) == 1
+    return [(v.aval.shape, v.aval.dtype) for v in calls[0].outvars]
+
+
+@pytest.mark.parametrize("model", sorted(ATTENTION_MODELS))
+def test_batch_one_decode_splits_at_most_16_ways(model):
+    """At batch 1 with 256 pages the row's pages go to <= 16 programs per KV head; a full decode
+    batch takes no split and writes its output in the cache's dtype, no f32 partials."""
+    kv_heads, group, head_dim, _ = ATTENTION_MODELS[model]
+    s = jax.ShapeDtypeStruct
+    cache = s((2, 300, 16, kv_heads, head_dim), jnp.bfloat16)
+
+    def args(rows, tokens):
+        return (s((tokens, kv_heads * group, head_dim), jnp.bfloat16), cache, cache,
+                s((), jnp.int32), s((rows, 256), jnp.int32), s((rows + 1,), jnp.int32),
+                s((rows,), jnp.int32))
+
+    outs = _kernel_outputs(*args(1, 1), interpret=True)
+    assert 1 < outs[0][0][0] <= 16, outs
+    outs = _kernel_outputs(*args(64, 64), interpret=True)
+    assert len(outs) == 1 and outs[0][0][0] == 1 and outs[0][1] == jnp.bfloat16, outs
+
+
 def test_all_padding_step_gives_zeros(interpret):
     spec = dict(rows=[(0, 0), (0, 5), (0, 0)], head=2, tail=3)
     q, k, v, pt, qs, cl = make_case(2, dtype=jnp.float32, block_size=8, group=3, head_dim=64,
@@ -179,6 +229,11 @@ def test_strict_interpreter_finds_no_out_of_bounds_read():
     strict = pltpu.InterpretParams()
     args = (q, k, v, LAYER, jnp.asarray(garbage), qs, cl)
     out = ragged_paged_attention(*args, queries_per_tile=4, pages_per_split=2, interpret=strict)
+    check(out, (q, k, v, LAYER, pt, qs, cl), jnp.float32)
+
+    # Steps of 4 pages over splits of 3: each step's 4th page (the next split's) is masked.
+    out = ragged_paged_attention(*args, queries_per_tile=4, pages_per_split=3, pages_per_step=4,
+                                 interpret=strict)
     check(out, (q, k, v, LAYER, pt, qs, cl), jnp.float32)
 
     # Control: the same garbage inside a context must be caught, or this test proves nothing.
@@ -244,4 +299,20 @@ def test_compiles_for_sm90a(model, block_size, dtype, step):
         pytest.skip(why_not)
     compiled = compile_for_h200(ragged_paged_attention,
                                 *engine_shapes(model, block_size, dtype, step))
+    assert "pallas_call" in compiled.as_text()
+
+
+@pytest.mark.parametrize("model,dtype,step,num_blocks,kw", [
+    # A bf16 cache of 6.4 GB per K and V: Pallas switches the kernel's load offsets to 64 bits
+    # above 4 GiB (a real 8B cache on an H200 is that size).
+    ("llama3_8b", jnp.bfloat16, "decode", 6144, {}),
+    ("smollm2", jnp.bfloat16, "decode", 1024, dict(pages_per_step=4, num_warps=8)),
+    ("smollm2", jnp.bfloat16, "mixed", 1024, dict(pages_per_step=2, num_stages=3)),
+])
+def test_compiles_for_sm90a_variants(model, dtype, step, num_blocks, kw):
+    why_not = cuda_compiler_available()
+    if why_not:
+        pytest.skip(why_not)
+    fn = functools.partial(ragged_paged_attention, **kw)
+    compiled = compile_for_h200(fn, *engine_shapes(model, 16, dtype, step, num_blocks=num_blocks))
     assert "pallas_call" in compiled.as_text()
