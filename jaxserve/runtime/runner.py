@@ -137,6 +137,10 @@ def _nbytes(tree) -> int:
 
 
 class ModelRunner:
+    # The CPU program's shape unless __init__ says otherwise (see its docstring).
+    unroll_layers: bool = False
+    branch_free_sampling: bool = False
+
     def __init__(self, model: Model, *, max_num_seqs: int, max_num_batched_tokens: int,
                  block_size: int, num_blocks: int, max_model_len: int, eos_ids=(),
                  attention: AttentionBackend | None = None, linear=None,
