@@ -109,3 +109,28 @@ def test_counts_of_the_hand_written_step():
     assert r.host_sync == 2 and r.command_buffers == 2 and r.cache_aliased
     assert r.kernels == {"ragged_paged_attention": {"registers": 63, "spill_bytes": 0},
                          "int4_matmul": {"registers": 255, "spill_bytes": 28}}
+
+
+def test_unrolled_layers_are_counted_by_their_ops_names():
+    seq = """\
+000: kCommandBuffer [source | sink] 
+    001: kCustomKernel [source | sink] a grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
+    002: kCustomKernel [source | sink] b grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
+    003: kCustomKernel [source | sink] c grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
+"""
+    hlo = """\
+ENTRY %main (p: f32[2]) -> f32[2] {
+  %a = f32[2]{0} fusion(%p), kind=kLoop, calls=%x, metadata={op_name="jit(f)/Llama/layers_0/mlp/mul"}
+  %b = f32[2]{0} fusion(%a), kind=kLoop, calls=%x, metadata={op_name="jit(f)/Llama/layers_1/mlp/mul"}
+  %c = f32[2]{0} fusion(%b), kind=kLoop, calls=%x, metadata={op_name="jit(f)/sampling/max"}
+}
+"""
+    tree = thunks.parse_sequence(seq)
+    for t, _ in thunks.walk(tree):
+        t.hlo = {1: "a", 2: "b", 3: "c"}.get(t.id)
+    memory = SimpleNamespace(alias_size_in_bytes=0, argument_size_in_bytes=0,
+                             temp_size_in_bytes=0)
+    r = compiled_report.analyse(tree, Module.parse(hlo), num_layers=2, stacked=set(),
+                                memory=memory, cache_bytes=0)
+    assert not r.layer_loop and r.kernels_per_layer == 1 and r.kernels_per_step == 3
+    assert r.launches_per_step == 1 and r.host_sync == 0

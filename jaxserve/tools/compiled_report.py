@@ -123,6 +123,14 @@ def _count(seq, module: Module, trips: dict, *, graph: bool = False) -> dict:
     return out
 
 
+_LAYER_OP = re.compile(r'op_name="[^"]*/layers_\d+/')
+
+
+def _in_a_layer(t: th.Thunk, module: Module) -> bool:
+    ins = module.instructions.get(t.hlo) if t.hlo else None
+    return ins is not None and _LAYER_OP.search(ins.line) is not None
+
+
 def _layer_loops(tree, trips: dict, num_layers: int) -> list[tuple[th.Thunk, bool]]:
     return [(t, g) for t, g in th.walk(tree) if t.kind == "kWhile"
             and trips.get(t.hlo) == num_layers]
@@ -161,10 +169,12 @@ def analyse(tree: list[th.Thunk], module: Module, *, num_layers: int,
         body = loop.children.get("body", [])
         kernels = _count(body, module, trips)["kernels"]
         copies = sum(1 for _ in _copy_thunks(body))
-    else:  # unrolled: per layer is the step's share (the LM head and sampler included)
+    else:  # unrolled: the thunks whose HLO op comes from a layer's module ("layers_3/...")
         in_graph = False
-        kernels = total["kernels"] / num_layers
-        copies = sum(1 for _ in _copy_thunks(tree)) / num_layers
+        in_layers = [t for t, _ in th.walk(tree) if _in_a_layer(t, module)]
+        kernels = sum(t.kind not in th.CONTROL and t.kind not in th.COPIES
+                      for t in in_layers) / num_layers
+        copies = sum(_is_copy(t) for t in in_layers) / num_layers
     sync = sum(1 for t, g in th.walk(tree) if not g and (
         t.kind == "kConditional" or (t.kind == "kWhile" and trips.get(t.hlo) is None)))
     return StepReport(
