@@ -54,8 +54,10 @@ class EngineConfig:
 
     model: str = dataclasses.field(default="smollm2-135m", metadata=_help(
         "model name, .gguf file, HF directory or orbax checkpoint"))
-    dtype: Dtype = dataclasses.field(default="float32", metadata=_help(
-        "weight and activation dtype"))
+    # GPUs read half the bytes and run the bf16 kernels; on CPU float32 is the faster path.
+    dtype: Dtype | None = dataclasses.field(default=None, metadata=_help(
+        "weight and activation dtype; default: bfloat16 on GPU, float32 on CPU "
+        "(kv_cache_dtype auto follows it)"))
     block_size: int = dataclasses.field(default=16, metadata=_help(
         "tokens per KV block (a power of 2)"))
     max_num_seqs: int = dataclasses.field(default=64, metadata=_help(

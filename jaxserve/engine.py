@@ -36,16 +36,21 @@ from jaxserve.core.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from jaxserve.core.sequence import Sequence, SequenceStatus
 from jaxserve.tools.step_stats import StepStats, StepTotals
 from models import Model, load_model
+from models.llama import unstack_layers
 
 log = logging.getLogger("jaxserve")
 
 CPU_KV_CACHE_BYTES = 1 << 30
 
 
+def _memory_stats() -> dict:
+    return jax.local_devices()[0].memory_stats() or {}  # this process's (multi-host)
+
+
 def _kv_budget(config: EngineConfig, model: Model) -> int:
     if config.kv_cache_memory is not None:
         return config.kv_cache_memory
-    stats = jax.local_devices()[0].memory_stats() or {}  # this process's (multi-host)
+    stats = _memory_stats()
     if "bytes_limit" in stats:  # accelerators report their memory; the CPU does not
         free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
         return int(free * config.gpu_memory_utilization)
@@ -67,10 +72,15 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, model: Model | None = None):
         self.config = config
         self.model = model if model is not None else load_model(
-            config.model, config.dtype, weights_cache=config.weights_cache)
+            config.model, backends.default_dtype(config.dtype),
+            weights_cache=config.weights_cache)
         # Tensor parallel: a mesh, and heads padded for it (float weights: before quantization).
         tp, self.model = sharding.setup(config.tensor_parallel_size, self.model)
         self.model, self.quantization = prepare_model(self.model, config.quantization)
+        unroll = backends.gpu_step() and tp is None
+        if unroll:  # split before the KV plan, so that the stacked copy is freed by then
+            self.model = dataclasses.replace(self.model, params=unstack_layers(
+                self.model.params, self.model.config.num_layers))
         mc, bs = self.model.config, config.block_size
         # The budget is one device's memory, so plan with the KV heads one device holds.
         plan_mc = sharding.per_device_config(mc, tp.size) if tp else mc
@@ -104,7 +114,10 @@ class LLMEngine:
                 backends.resolve(config.attention_backend, attention=True), mc, bs,
                 config.attention_backend),
             linear=linear, tp=tp, kv_cache_dtype=kv_dtype,
-            structured_outputs=config.structured_outputs and tok is not None)
+            structured_outputs=config.structured_outputs and tok is not None,
+            # Unrolled layers need the weights whole on one device: tensor parallel keeps the loop.
+            unroll_layers=unroll,
+            branch_free_sampling=backends.gpu_step())
         self.model = self.runner.model  # with TP, the placed shards: no unsharded copy is kept
         # Multi-host: process 0 schedules and broadcasts every step; the others follow().
         self.channel = multihost.attach(self.runner)

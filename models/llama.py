@@ -1,6 +1,7 @@
 """Flax Llama-family decoder (Llama, SmolLM2, Qwen2): RMSNorm, RoPE, GQA, SwiGLU.
 
-Layers are stacked and run with `nn.scan`, so compile time stays flat in model depth. Attention
+Layers are stacked and run with `nn.scan`, so compile time stays flat in model depth (the GPU
+step runs them as separate blocks instead: `unroll_layers`, `unstack_layers`). Attention
 goes through a backend function so the paged KV cache (and Pallas kernels) plug in without
 touching the model: `attention(q, k, v, cache, layer, meta) -> (out, cache)`. The whole cache
 (all layers) rides in the scan carry and each layer updates its slice in place: a cache passed
@@ -72,6 +73,24 @@ def dense_causal_attention(q, k, v, cache, layer, meta):
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("BKGTS,BSKD->BTKGD", probs, v, preferred_element_type=jnp.float32)
     return out.reshape(b, t, h, dh).astype(q.dtype), cache
+
+
+def layer_name(i: int) -> str:
+    """Layer i's params key when the layers are unrolled (stacked: all under "layers")."""
+    return f"layers_{i}"
+
+
+def unstack_layers(params: dict, num_layers: int) -> dict:
+    """Params with the stacked "layers" `[L, ...]` split into L per-layer trees (what
+    `unroll_layers` reads); arrays are copied once, ShapeDtypeStructs stay abstract."""
+    if "layers" not in params:
+        return params
+    def take(i):
+        return lambda a: (jax.ShapeDtypeStruct(a.shape[1:], a.dtype)
+                          if isinstance(a, jax.ShapeDtypeStruct) else a[i])
+    rest = {k: v for k, v in params.items() if k != "layers"}
+    return {**rest, **{layer_name(i): jax.tree.map(take(i), params["layers"])
+                       for i in range(num_layers)}}
 
 
 class Linear(nn.Module):
@@ -192,6 +211,11 @@ class Llama(nn.Module):
     dtype: Any = jnp.float32
     attention: AttentionFn = dense_causal_attention
     linear: LinearFn = dense_linear
+    # Layers as L separate blocks ("layers_0", ...; params from unstack_layers) instead of one
+    # loop over stacked weights, where XLA:GPU first copies each layer's weight slices into
+    # fresh buffers (a kernel operand must be a whole buffer): docs/gpu_step_report.md. The
+    # loop keeps compile time flat in depth, so CPU and tests keep it.
+    unroll_layers: bool = False
 
     @nn.compact
     def __call__(self, tokens, positions, kv_cache=None, meta=None, logits_index=None):
@@ -205,10 +229,17 @@ class Llama(nn.Module):
         embedding = self.param("embedding", nn.initializers.normal(0.02),
                                (c.vocab_size, c.hidden_size), self.dtype)
         x = jnp.take(embedding, tokens, axis=0)  # [B, T, D]
-        layers = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
-                         in_axes=(nn.broadcast, nn.broadcast), length=c.num_layers)
-        (x, kv_cache, _), _ = layers(c, self.attention, self.dtype, self.linear, name="layers")(
-            (x, kv_cache, jnp.int32(0)), positions, meta)
+        carry = (x, kv_cache, jnp.int32(0))
+        if self.unroll_layers:
+            for i in range(c.num_layers):
+                carry, _ = Block(c, self.attention, self.dtype, self.linear,
+                                 name=layer_name(i))(carry, positions, meta)
+        else:
+            layers = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
+                             in_axes=(nn.broadcast, nn.broadcast), length=c.num_layers)
+            carry, _ = layers(c, self.attention, self.dtype, self.linear, name="layers")(
+                carry, positions, meta)
+        x, kv_cache, _ = carry
         if logits_index is not None:
             x = x.reshape(-1, x.shape[-1])[logits_index]  # [R, D]
         x = RMSNorm(c.rms_norm_eps, self.dtype, name="final_norm")(x)

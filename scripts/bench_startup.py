@@ -84,11 +84,13 @@ def child(args) -> None:
     t0 = args.child
     import jax
     from jaxserve import EngineConfig, LLMEngine, SamplingParams
+    from jaxserve.runtime import backends
     from models import load_model
     marks = {"imports": time.time()}
     config = EngineConfig(**engine_kwargs(args))
     # What LLMEngine(config) does first, done here so that the load is timed on its own.
-    model = load_model(config.model, config.dtype, weights_cache=config.weights_cache)
+    model = load_model(config.model, backends.default_dtype(config.dtype),
+                       weights_cache=config.weights_cache)
     marks["model_load"] = time.time()
     engine = LLMEngine(config, model=model)
     marks["engine_ready"] = time.time()

@@ -45,6 +45,19 @@ def resolve(kind: str, attention: bool = False) -> str:
     return kind
 
 
+def default_dtype(requested: str | None) -> str:
+    """The model dtype for EngineConfig.dtype: bfloat16 on GPU, float32 elsewhere (None)."""
+    if requested is not None:
+        return requested
+    return "bfloat16" if jax.default_backend() == "gpu" else "float32"
+
+
+def gpu_step() -> bool:
+    """Whether the step takes its GPU shape: layers unrolled and a branch-free sampler
+    (ModelRunner's unroll_layers and branch_free_sampling; docs/gpu_step_report.md)."""
+    return jax.default_backend() == "gpu"
+
+
 def attention_backend(kind: str, config: ModelConfig, block_size: int,
                       requested: str) -> AttentionBackend:
     """The attention backend for `kind` (resolved); falls back to XLA where the kernel cannot run."""

@@ -43,6 +43,7 @@ from jaxserve.runtime.slot_state import SlotsCall, SlotState
 from jaxserve.core.scheduler import ScheduledSeq, SchedulerOutput
 from jaxserve.runtime.sharding import TensorParallel
 from jaxserve.runtime.step_layout import Row
+from models.llama import unstack_layers
 from models.model import Model
 
 log = logging.getLogger("jaxserve")
@@ -146,18 +147,32 @@ def _nbytes(tree) -> int:
 
 
 class ModelRunner:
+    # The CPU program's shape unless __init__ says otherwise (see its docstring).
+    unroll_layers: bool = False
+    branch_free_sampling: bool = False
+
     def __init__(self, model: Model, *, max_num_seqs: int, max_num_batched_tokens: int,
                  block_size: int, num_blocks: int, max_model_len: int, eos_ids=(),
                  attention: AttentionBackend | None = None, linear=None,
                  tp: TensorParallel | None = None, kv_cache_dtype=None,
-                 structured_outputs: bool = False):
+                 structured_outputs: bool = False, unroll_layers: bool = False,
+                 branch_free_sampling: bool = False):
+        """unroll_layers, branch_free_sampling: the GPU program's shape (backends.gpu_step):
+        layers unrolled so no weight slice is copied, and a sampler without conditionals, each
+        of which would make the host wait for the device mid-step."""
         c = model.config
         # Steps with constrained rows run a masked variant of each program, so steps without
         # any pay nothing for the feature. Warm-up compiles the plain ones; the masked ones
-        # can follow off the engine thread (warmup_masked), so they do not delay serving.
+        # can follow off the engine thread (masked_warmup), so they do not delay serving.
         self.structured_outputs = structured_outputs
         self.mask_words = -(-c.vocab_size // 32)
         attention = _checked(XlaAttention() if attention is None else attention, c, block_size)
+        if unroll_layers:
+            if tp is not None:
+                raise ValueError("unroll_layers runs on one device; tensor parallel keeps the "
+                                 "layer loop")
+            model = dataclasses.replace(model, params=unstack_layers(model.params,
+                                                                     c.num_layers))
         jit_kwargs = {}
         if tp is not None:  # tensor parallel: params and cache sharded over tp's mesh
             shardings = tp.param_shardings(model.params, c)
@@ -189,7 +204,8 @@ class ModelRunner:
         if tp is not None:
             attention = tp.attention(attention)
         self.attention = attention
-        self._module = step_module(model, attention, linear)
+        self.branch_free_sampling, self.unroll_layers = branch_free_sampling, unroll_layers
+        self._module = step_module(model, attention, linear, unroll_layers)
         self._step = jax.jit(self._step_impl, donate_argnums=(1, 2), **jit_kwargs)
         self._write_slots = jax.jit(slot_state.write_slots, donate_argnums=(0,))
         # Copy-on-write copies run in fixed batches of (src, dst) pairs, padded with (0, 0)
@@ -221,11 +237,17 @@ class ModelRunner:
                 st = slot_state.rows_sampling(state, row_slot, ctx)
                 want = f("scalars")[1] != 0
                 out = sample(logits, st, history[row_slot], ctx, state.prompt_lens[row_slot], ctx,
-                             want, mask=inp.mask)
+                             want, mask=inp.mask, branch_free=self.branch_free_sampling)
             written = jnp.where(f("samples") != 0, row_slot, self.idle_slot)
             state = dataclasses.replace(state, history=history,
                                         last_tokens=state.last_tokens.at[written].set(out.tokens))
         return cache, state, out
+
+    @property
+    def step_function(self):
+        """The step before jit: (params, cache, state, StepInputs) -> (cache, state, sampled);
+        cache and state are donated. For compiling it elsewhere (jaxserve/tools/gpu_step.py)."""
+        return self._step_impl
 
     @property
     def num_compiled(self) -> int:
@@ -484,7 +506,10 @@ def _checked(attention, config, block_size: int) -> AttentionBackend:
     return attention
 
 
-def step_module(model: Model, attention: AttentionBackend, linear=None):
+def step_module(model: Model, attention: AttentionBackend, linear=None,
+                unroll_layers: bool = False):
     """The model with the backend's attention (and linear) entry points."""
     kw = {"linear": linear} if linear else {}
+    if unroll_layers:
+        kw["unroll_layers"] = True
     return model.module(attention=attention.attend, **kw)

@@ -6,7 +6,10 @@ Logprobs are of the raw logits (vLLM's default), not of the processed distributi
 
 Shapes are fixed (S = max_num_seqs slots, V = vocab) and every knob is a traced value, so one
 compile serves all batches. The costly parts (penalties, filtering, the draw, top logprobs) sit
-under `lax.cond`, so batches that do not use them skip them.
+under `lax.cond`, so batches that do not use them skip them. With `branch_free` (the GPU step)
+every part runs and selects replace the conds: XLA:GPU runs a conditional by copying its
+predicate to the host and waiting for it, which stalls the host mid-step; the tokens are the
+same either way.
 
 Batch independence: a slot's token depends only on its own row, seed and position. Filters
 become a per-row logit cutoff and the draw is always made in vocab order, so a slot gets the
@@ -128,29 +131,33 @@ class SamplerOutput:
 def sample(logits: jax.Array, st: SamplingTensors, history: jax.Array, context_lens: jax.Array,
            prompt_lens: jax.Array, positions: jax.Array, want_logprobs: jax.Array | bool = True,
            *, max_logprobs: int = MAX_LOGPROBS, top_candidates: int = TOP_CANDIDATES,
-           mask: jax.Array | None = None) -> SamplerOutput:
+           mask: jax.Array | None = None, branch_free: bool = False) -> SamplerOutput:
     """Pick one token per slot. logits [S, V]; history [S, L] ids (valid below context_lens
     [S], prompt below prompt_lens [S]); positions [S] = position of the token being sampled.
     mask [S, ceil(V / 32)] int32: a packed bitmask of allowed tokens (bit t % 32 of word
     t // 32), applied before everything else; None (a separate program) allows all.
-    max_logprobs and top_candidates are static (mark them static when jitting)."""
+    max_logprobs, top_candidates and branch_free are static (mark them static when jitting)."""
     logits = logits.astype(jnp.float32)
     lse = jax.nn.logsumexp(logits, axis=-1)  # [S]
     raw, logits = logits, apply_token_bitmask(logits, mask)  # logprobs stay those of raw
-    adjust = jnp.any((st.repetition_penalty != 1.0) | (st.presence_penalty != 0.0)
-                     | (st.frequency_penalty != 0.0) | (st.num_generated < st.min_tokens))
-    choose = functools.partial(_choose, st, positions, top_candidates)
-    # Branches return only [S] tokens: on XLA:CPU an [S, V] cond result costs ~10 ms at S=64,
-    # V=49152 (more than the whole greedy path), so the choice runs inside each branch.
-    tokens = lax.cond(adjust,
-                      lambda x: choose(_ban_stop_ids(
-                          apply_penalties(x, st, history, context_lens, prompt_lens), st)),
-                      choose, logits)
+    choose = functools.partial(_choose, st, positions, top_candidates, branch_free)
+    if branch_free:  # neutral penalties and inactive bans leave a row's logits unchanged
+        tokens = choose(_ban_stop_ids(apply_penalties(logits, st, history, context_lens,
+                                                      prompt_lens), st))
+    else:
+        adjust = jnp.any((st.repetition_penalty != 1.0) | (st.presence_penalty != 0.0)
+                         | (st.frequency_penalty != 0.0) | (st.num_generated < st.min_tokens))
+        # Branches return only [S] tokens: on XLA:CPU an [S, V] cond result costs ~10 ms at
+        # S=64, V=49152 (more than the whole greedy path), so the choice runs inside each.
+        tokens = lax.cond(adjust,
+                          lambda x: choose(_ban_stop_ids(
+                              apply_penalties(x, st, history, context_lens, prompt_lens), st)),
+                          choose, logits)
     logprob = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0] - lse  # [S]
     k = min(max_logprobs, logits.shape[-1])
-    top_ids, top_lps = lax.cond(jnp.asarray(want_logprobs, bool),
-                                lambda: _top_logprobs(raw, lse, k),
-                                lambda: _no_logprobs(logits.shape[0], k))
+    top_ids, top_lps = _branch(branch_free, jnp.asarray(want_logprobs, bool),
+                               lambda: _top_logprobs(raw, lse, k),
+                               lambda: _no_logprobs(logits.shape[0], k))
     return SamplerOutput(tokens=tokens, logprob=logprob, top_ids=top_ids, top_logprobs=top_lps)
 
 
@@ -165,12 +172,21 @@ def apply_token_bitmask(logits: jax.Array, mask: jax.Array | None) -> jax.Array:
     return jnp.where(allowed, logits, -jnp.inf)
 
 
-def _choose(st, positions, top_candidates, x):
+def _branch(branch_free: bool, pred, true_fn, false_fn, *operands):
+    """`lax.cond`, or (branch_free) both branches and a select: the same values either way."""
+    if not branch_free:
+        return lax.cond(pred, true_fn, false_fn, *operands)
+    return jax.tree.map(lambda a, b: jnp.where(pred, a, b), true_fn(*operands),
+                        false_fn(*operands))
+
+
+def _choose(st, positions, top_candidates, branch_free, x):
     """Tokens [S] from processed logits x [S, V]: argmax for greedy rows, a draw for the rest."""
     greedy = st.temperature < GREEDY_EPS  # [S]
     tokens = _argmax(x)  # [S]
-    drawn = lax.cond(jnp.any(~greedy), functools.partial(_sample_random, top_candidates),
-                     lambda x, st, pos: tokens, x, st, positions)
+    drawn = _branch(branch_free, jnp.any(~greedy),
+                    functools.partial(_sample_random, top_candidates, branch_free),
+                    lambda x, st, pos: tokens, x, st, positions)
     return jnp.where(greedy, tokens, drawn)
 
 
@@ -208,13 +224,13 @@ def _filters_on(st, v):
         & (st.temperature >= GREEDY_EPS)
 
 
-def _sample_random(top_candidates, x, st, positions):
+def _sample_random(top_candidates, branch_free, x, st, positions):
     v = x.shape[-1]
     temp = jnp.where(st.temperature < GREEDY_EPS, 1.0, st.temperature)  # greedy rows: unused
     scaled = x / temp[:, None]  # [S, V]
-    cutoff = lax.cond(jnp.any(_filters_on(st, v)),
-                      functools.partial(_filter_cutoff, top_candidates),
-                      lambda scaled, st: jnp.full(scaled.shape[:1], -jnp.inf), scaled, st)  # [S]
+    cutoff = _branch(branch_free, jnp.any(_filters_on(st, v)),
+                     functools.partial(_filter_cutoff, top_candidates, branch_free),
+                     lambda scaled, st: jnp.full(scaled.shape[:1], -jnp.inf), scaled, st)  # [S]
     u = jax.vmap(_uniform)(st.seed, positions)  # [S]
     return _inverse_cdf(scaled, cutoff, u)
 
@@ -225,7 +241,7 @@ def _uniform(seed, position):
     return jax.random.uniform(key, (), jnp.float32)
 
 
-def _filter_cutoff(top_candidates, scaled, st):
+def _filter_cutoff(top_candidates, branch_free, scaled, st):
     """Smallest kept logit per row after top-k, top-p (on the top-k renormalised probs) and
     min-p. Each filter keeps a prefix of the descending order, so one cutoff captures all three
     (ties at the cutoff are all kept). No [S, V] sort (~0.5 s on CPU at S=64, V=49152): rows are
@@ -252,22 +268,23 @@ def _filter_cutoff(top_candidates, scaled, st):
 
     def deep():  # resolved rows pass k = V so they do not force the top-k bisection
         return jnp.where(resolved, kp, _bisect_cutoff(scaled, jnp.where(resolved, v, k), top_p,
-                                                      top))
+                                                      top, branch_free))
 
-    kp = lax.cond(jnp.all(resolved), lambda: kp, deep)
+    kp = _branch(branch_free, jnp.all(resolved), lambda: kp, deep)
     return jnp.maximum(kp, top + jnp.log(st.min_p)[:, None])[:, 0]
 
 
-def _bisect_cutoff(scaled, k, top_p, top):
+def _bisect_cutoff(scaled, k, top_p, top, branch_free=False):
     """Exact top-k then top-p cutoff [S, 1] by bisection on the floats' order keys."""
     keys = _order_key(scaled)  # [S, V] u32, same order as the floats
-    k_key = lax.cond(jnp.any(k < scaled.shape[-1]),  # top_p-only rows skip half the work
-                     lambda: _bisect(keys, lambda t: jnp.sum(keys >= t, -1, keepdims=True) >= k),
-                     lambda: jnp.zeros_like(keys[:, :1]))
+    k_key = _branch(branch_free, jnp.any(k < scaled.shape[-1]),  # top_p-only rows: half the work
+                    lambda: _bisect(keys, lambda t: jnp.sum(keys >= t, -1, keepdims=True) >= k,
+                                    branch_free),
+                    lambda: jnp.zeros_like(keys[:, :1]))
     w = jnp.where(keys >= k_key, jnp.exp(scaled - top), 0.0)  # [S, V] top-k probs * Z
     need = top_p * jnp.sum(w, axis=-1, keepdims=True)
     p_key = _bisect(keys, lambda t: jnp.sum(jnp.where(keys >= t, w, 0.0), -1, keepdims=True)
-                    >= need)
+                    >= need, branch_free)
     p_key = jnp.where(top_p >= 1.0, 0, p_key)  # a float sum may fall short of Z
     return _from_order_key(jnp.maximum(k_key, p_key))
 
@@ -283,9 +300,11 @@ def _from_order_key(k):
                                     jnp.float32)
 
 
-def _bisect(keys, pred):
+def _bisect(keys, pred, unroll: bool = False):
     """Per row, the largest key t with pred(t) true, given pred(row min) true and pred monotone
-    (true below a threshold). 32 halvings of the u32 range land exactly on an element's key."""
+    (true below a threshold). 32 halvings of the u32 range land exactly on an element's key.
+    unroll (the GPU step): XLA:GPU launches a loop's body from the host at every trip, while
+    straight-line kernels go into one CUDA graph."""
     lo = jnp.min(keys, axis=-1, keepdims=True)  # [S, 1]
     hi = jnp.max(keys, axis=-1, keepdims=True) + 1  # pred(max + 1) is false for these filters
 
@@ -295,7 +314,7 @@ def _bisect(keys, pred):
         ok = pred(mid) & (hi - lo > 1)
         return jnp.where(ok, mid, lo), jnp.where(ok | (hi - lo <= 1), hi, mid)
 
-    return lax.fori_loop(0, 32, step, (lo, hi))[0]
+    return lax.fori_loop(0, 32, step, (lo, hi), unroll=32 if unroll else 1)[0]
 
 
 def _inverse_cdf(scaled, cutoff, u):

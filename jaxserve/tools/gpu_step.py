@@ -1,0 +1,120 @@
+"""The engine's ragged step compiled for an H200 without a GPU, and its compiled-program report.
+
+`step_report(StepSpec(...))` builds the step the engine runs on a GPU (the runner's own jitted
+step with Pallas attention and linears) for an abstract model (`jax.ShapeDtypeStruct` params:
+an 8B shape costs no memory), compiles it deviceless (jaxserve/tools/deviceless.py) and reads
+the program (jaxserve/tools/compiled_report.py). A decode step is the token bucket of
+`max_num_seqs` tokens; the mixed step is the `max_num_batched_tokens` bucket (decodes and
+prefill chunks share one program per bucket, whatever the mix).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.runtime import backends
+from jaxserve.runtime.kv_cache import KVCache
+from jaxserve.runtime.runner import ModelRunner
+from jaxserve.tools import compiled_report, deviceless, thunks
+from jaxserve.tools.hlo_text import Module, array_type
+from models.config import ModelConfig
+from models.llama import Llama
+from models.model import Model
+
+STEP_MODULE = "jit__step_impl"  # the runner's jitted step, as XLA names its dump files
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepSpec:
+    """One compile: model shape and weights, batch shape, and how the step program is built."""
+
+    config: ModelConfig
+    weights: Literal["bf16", "int4"] = "bf16"
+    tokens: int = 64                 # the token bucket (64: a batch-64 decode step)
+    max_num_seqs: int = 64
+    max_model_len: int = 2048
+    block_size: int = 16
+    unroll_layers: bool = True       # the GPU default (ModelRunner.unroll_layers)
+    branch_free_sampling: bool = True  # the GPU default (ModelRunner.branch_free_sampling)
+    compiler_options: tuple = ()     # extra XLA options, as (name, value) pairs
+
+    def __post_init__(self):
+        if self.weights not in ("bf16", "int4"):
+            raise ValueError(f"weights must be 'bf16' or 'int4', got {self.weights!r}")
+        if self.tokens < 1 or self.tokens > self.max_model_len * self.max_num_seqs:
+            raise ValueError(f"tokens must be in [1, max_num_seqs * max_model_len], got "
+                             f"{self.tokens}")
+
+
+def abstract_params(config: ModelConfig, weights: str):
+    """The model's params as ShapeDtypeStructs (bf16, or int4 as the engine quantizes them)."""
+    module = Llama(config, dtype=jnp.bfloat16)
+    tokens = jnp.zeros((1, 1), jnp.int32)  # [B, T]
+    params = jax.eval_shape(lambda k: module.init(k, tokens, tokens)["params"],
+                            jax.random.key(0))
+    if weights == "int4":
+        from jaxserve.quantization import quantize_params_int4
+        params = jax.eval_shape(quantize_params_int4, params)
+    return params
+
+
+def _runner(spec: StepSpec, params) -> ModelRunner:
+    # Two KV blocks: the runner's own cache is never used, the compile takes an abstract one.
+    model = Model(config=spec.config, params=params, tokenizer=None, dtype="bfloat16",
+                  source="abstract")
+    c, bs = spec.config, spec.block_size
+    return ModelRunner(
+        model, max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=max(spec.tokens,
+                                                                          spec.max_num_seqs),
+        block_size=bs, num_blocks=2, max_model_len=spec.max_model_len,
+        attention=backends.attention_backend("pallas", c, bs, "pallas"),
+        linear=backends.linear_backend("pallas"), unroll_layers=spec.unroll_layers,
+        branch_free_sampling=spec.branch_free_sampling)
+
+
+def step_report(spec: StepSpec) -> tuple[compiled_report.StepReport, dict]:
+    """(report, extras: compile seconds, ptxas note) of the engine's step for `spec`."""
+    params = abstract_params(spec.config, spec.weights)
+    runner = _runner(spec, params)
+    c = spec.config
+    # Room for every slot's full context, plus the null block.
+    num_blocks = spec.max_num_seqs * -(-spec.max_model_len // spec.block_size) + 1
+    cache = jax.ShapeDtypeStruct((c.num_layers, num_blocks, spec.block_size, c.num_kv_heads,
+                                  c.head_dim), jnp.bfloat16)  # [L, N, bs, K, Dh]
+    inputs = runner.step_template(spec.tokens).inputs
+    # The runner's params: per-layer trees when it unrolls the layers (unstack_layers).
+    args = (runner.model.params, KVCache(k=cache, v=cache), runner.state, inputs)
+    with tempfile.TemporaryDirectory(prefix="jaxserve-step-") as dump:
+        out = deviceless.compile_for_h200(runner.step_function, args, dump_dir=dump,
+                                          donate_argnums=(1, 2),
+                                          compiler_options=dict(spec.compiler_options))
+        tree, hlo = thunks.load_dump(dump, STEP_MODULE)
+    stacked = {array_type(x.dtype, x.shape) for x in jax.tree.leaves(params["layers"])}
+    report = compiled_report.analyse(
+        tree, Module.parse(hlo), num_layers=c.num_layers, stacked=stacked,
+        memory=out.compiled.memory_analysis(), cache_bytes=2 * int(np.prod(cache.shape)) * 2,
+        ptxas_log=out.ptxas_log)
+    return report, {"compile_s": out.compile_s, "ptxas_note": out.ptxas_note}
+
+
+def model_shapes() -> dict[str, ModelConfig]:
+    """The shapes the report covers: SmolLM2-135M and a Llama-3-8B-shaped model."""
+    from models.config import RopeScaling
+    return {
+        "smollm2": ModelConfig(
+            vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+            num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
+            max_position_embeddings=8192, tie_word_embeddings=True, bos_token_id=1,
+            eos_token_ids=(2,)),
+        "llama3-8b": ModelConfig(
+            vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+            num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
+            rope_scaling=RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                     original_max_position_embeddings=8192),
+            max_position_embeddings=8192, bos_token_id=128000, eos_token_ids=(128009,))}

@@ -1,0 +1,144 @@
+"""The engine's step compiled for an H200 without a GPU, and what the compiled program does.
+
+For each model shape (SmolLM2-135M, a Llama-3-8B-shaped random model), weights (bf16, int4),
+step (decode: the batch-64 token bucket; mixed: the 512-token bucket that carries decodes and
+prefill chunks together) and program variant, it compiles the runner's step deviceless
+(jax-cuda13-plugin) and prints kernels / copies / weight copies per layer, launches per step,
+CUDA graphs, host-synchronising branches, alias vs KV cache bytes, temporaries, Pallas kernels'
+registers and spills, and compile seconds (jaxserve/tools/gpu_step.py).
+
+Variants: `gpu` is what the engine runs on a GPU (unrolled layers over per-layer weights, a
+branch-free sampler); `loop` is the step as the CPU runs it (layer loop, lax.cond sampler);
+`loop-cublas-dsf` is `loop` with XLA's dynamic-slice fusion into cuBLAS GEMMs; `loop-cmdbuf`
+asks XLA to capture loops and conditionals in CUDA graphs too.
+
+  .venv/bin/python scripts/gpu_step_report.py [--json] [--md docs/gpu_step_report_table.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # this checkout's project, not the installed one
+    sys.path.insert(0, str(REPO))
+PLUGIN = REPO / ".cuda-plugin"  # scripts/setup.sh --test installs the compiler plugin here
+if PLUGIN.is_dir():
+    sys.path.insert(0, str(PLUGIN))
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only: no GPU needed (or used)
+
+import warnings  # noqa: E402
+
+from jaxserve.tools import deviceless, gpu_step  # noqa: E402
+
+warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
+
+STEPS = {"decode": 64, "mixed": 512}
+PALLAS = ("ragged_paged_attention", "int4_matmul", "paged_attention")  # ptxas entry names
+VARIANTS = {
+    "gpu": dict(unroll_layers=True, branch_free_sampling=True),
+    "loop": dict(unroll_layers=False, branch_free_sampling=False),
+    "loop-cublas-dsf": dict(unroll_layers=False, branch_free_sampling=False, compiler_options=(
+        ("xla_gpu_enable_dynamic_slice_fusion", True), ("xla_gpu_enable_triton_gemm", False))),
+    "loop-cmdbuf": dict(unroll_layers=False, branch_free_sampling=False, compiler_options=(
+        ("xla_gpu_enable_command_buffer",
+         "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL"),)),
+}
+COLUMNS = (("kernels/layer", "kernels_per_layer"), ("copies/layer", "copies_per_layer"),
+           ("weight copies/layer", "weight_copies_per_layer"),
+           ("launches/step", "launches_per_step"), ("kernels/step", "kernels_per_step"),
+           ("CUDA graphs", "command_buffers"), ("host syncs", "host_sync"),
+           ("alias MB", "alias_bytes"), ("cache MB", "cache_bytes"),
+           ("temp MB", "temp_bytes"), ("compile s", "compile_s"))
+
+
+def row(model: str, weights: str, step: str, variant: str) -> dict:
+    spec = gpu_step.StepSpec(config=gpu_step.model_shapes()[model], weights=weights,
+                             tokens=STEPS[step], **VARIANTS[variant])
+    report, extra = gpu_step.step_report(spec)
+    out = {"model": model, "weights": weights, "step": step, "variant": variant,
+           **report.as_dict(), **extra}
+    # Pallas kernels by name; XLA's own fusions (hundreds) only as a count of those spilling.
+    kernels = out.pop("kernels")
+    out["pallas_kernels"] = {n: k for n, k in kernels.items() if n.startswith(PALLAS)}
+    out["xla_kernels_spilling"] = sum(1 for n, k in kernels.items()
+                                      if not n.startswith(PALLAS) and k["spill_bytes"])
+    return out
+
+
+def fmt(key: str, value) -> str:
+    if key.endswith("_bytes"):
+        return f"{value / 1e6:.0f}"
+    if isinstance(value, float):
+        return f"{value:.1f}" if value != int(value) else str(int(value))
+    return str(value)
+
+
+def pallas_summary(kernels: dict) -> str:
+    """Registers/spills of the Pallas kernels."""
+    names = list(kernels)
+    if not names:
+        return "-"
+    regs = [kernels[n]["registers"] or 0 for n in names]
+    spills = sum(kernels[n]["spill_bytes"] for n in names)
+    return f"{len(names)} kernels, {min(regs)}-{max(regs)} regs, {spills} B spilled"
+
+
+def markdown(rows: list[dict]) -> str:
+    head = ["model", "weights", "step", "variant"] + [c for c, _ in COLUMNS] + ["Pallas ptxas"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["model"], r["weights"], r["step"], r["variant"]]
+        cells += [fmt(k, r[k]) for _, k in COLUMNS] + [pallas_summary(r["pallas_kernels"])]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="smollm2,llama3-8b")
+    ap.add_argument("--weights", default="bf16,int4")
+    ap.add_argument("--steps", default="decode,mixed")
+    ap.add_argument("--variants", default="loop,gpu", help=f"of {sorted(VARIANTS)}")
+    ap.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    ap.add_argument("--md", type=pathlib.Path, help="also write the table here")
+    ap.add_argument("--out", type=pathlib.Path, help="also write the JSON here")
+    args = ap.parse_args(argv)
+    for name, allowed in (("models", gpu_step.model_shapes()), ("weights", ("bf16", "int4")),
+                          ("steps", STEPS), ("variants", VARIANTS)):
+        bad = [v for v in getattr(args, name).split(",") if v not in allowed]
+        if bad:
+            ap.error(f"--{name}: unknown {bad}; choose from {sorted(allowed)}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    why = deviceless.unavailable_reason()
+    if why:
+        print(f"cannot compile for an H200 here: {why}", file=sys.stderr)
+        return 2
+    rows = []
+    for model in args.models.split(","):
+        for weights in args.weights.split(","):
+            for step in args.steps.split(","):
+                for variant in args.variants.split(","):
+                    rows.append(row(model, weights, step, variant))
+                    print(f"{model} {weights} {step} {variant}: "
+                          f"{rows[-1]['weight_copies_per_layer']} weight copies/layer, "
+                          f"{rows[-1]['compile_s']:.0f} s", file=sys.stderr, flush=True)
+                    if args.out:  # after every compile: a long run keeps what it measured
+                        args.out.write_text(json.dumps(rows, indent=1))
+    table = markdown(rows)
+    if args.md:
+        args.md.write_text(table)
+    print(json.dumps(rows, indent=1) if args.json else table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""The engine's GPU step, compiled for an H200 without a GPU (jax-cuda13-plugin), does no
+wasted work: no per-layer weight copies, the KV cache updated in place, no branch that makes
+the host wait for the device mid-step, no register spills in the Pallas kernels, and a number
+of host launches that does not grow with depth. Skipped where the plugin is missing.
+
+SmolLM2's widths, head layout and vocabulary with 8 layers (the counts are per layer or per
+step, and 8 layers compile in a fraction of 30's time). scripts/gpu_step_report.py prints the
+same counts for the full shapes and the other variants (docs/gpu_step_report.md).
+"""
+
+import dataclasses
+
+import pytest
+
+from jaxserve.tools import deviceless, gpu_step
+
+LAYERS = 8
+# Host launches per step. The step is one CUDA graph; XLA may close a graph around an op it
+# cannot capture, so a few launches are allowed, but fewer than one per layer: a layer loop
+# run from the host, a host-driven sampler loop or a kernel outside the graphs in every layer
+# each costs at least LAYERS launches.
+MAX_LAUNCHES = LAYERS // 2
+
+
+@pytest.fixture(scope="module", params=["bf16", "int4"])
+def report(request):
+    why = deviceless.unavailable_reason()
+    if why:
+        pytest.skip(why)
+    config = dataclasses.replace(gpu_step.model_shapes()["smollm2"], num_layers=LAYERS)
+    return gpu_step.step_report(gpu_step.StepSpec(config=config, weights=request.param))
+
+
+def test_no_layer_weight_is_copied(report):
+    r, _ = report
+    assert r.weight_copies_per_layer == 0, r
+
+
+def test_kv_cache_is_updated_in_place(report):
+    r, _ = report
+    assert r.cache_bytes > 0 and r.alias_bytes >= r.cache_bytes, r
+
+
+def test_no_host_synchronising_branch(report):
+    r, _ = report
+    assert r.host_sync == 0, r
+
+
+def test_launches_per_step_do_not_grow_with_depth(report):
+    r, _ = report
+    assert not r.approximate, "a loop without a known trip count: launches are a guess"
+    assert 1 <= r.launches_per_step <= MAX_LAUNCHES, r
+
+
+def test_pallas_kernels_do_not_spill(report):
+    r, extra = report
+    if extra["ptxas_note"]:
+        pytest.skip(f"no ptxas report: {extra['ptxas_note']}")
+    pallas = {n: k for n, k in r.kernels.items()
+              if n.startswith(("ragged_paged_attention", "int4_matmul"))}
+    assert "ragged_paged_attention" in pallas  # the report did read the kernels
+    assert all(k["registers"] for k in pallas.values()), pallas
+    assert all(k["spill_bytes"] == 0 for k in pallas.values()), pallas
