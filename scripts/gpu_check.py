@@ -1053,7 +1053,7 @@ MAX_DUMP_FILE_BYTES = 8 << 20       # larger dump files (e.g. a big module's PTX
 DUMP_KEEP_SUFFIXES = (".txt", ".ptx")  # HLO, buffer assignment, thunk sequence, PTX; no objects
 # The compiled-program reader of scripts/gpu_step_report.py plugs in here: ("module", "function")
 # pairs tried in order, the function taking the dump directory and returning a JSON-able dict.
-STEP_DUMP_READERS: tuple = ()
+STEP_DUMP_READERS: tuple = (("jaxserve.tools.compiled_report", "summarise_dump"),)
 
 
 def step_dump_dir(args) -> pathlib.Path:

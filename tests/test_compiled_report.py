@@ -134,3 +134,18 @@ ENTRY %main (p: f32[2]) -> f32[2] {
                                 memory=memory, cache_bytes=0)
     assert not r.layer_loop and r.kernels_per_layer == 1 and r.kernels_per_step == 3
     assert r.launches_per_step == 1 and r.host_sync == 0
+
+
+def test_dump_folder_summary_counts_the_hand_written_step(tmp_path):
+    """gpu_check's reader of its XLA dump folder: the same launch, graph and sync counts as
+    the by-hand figures above, found by the dump's file names."""
+    name = "module_0042.jit__step_impl"
+    (tmp_path / f"{name}.thunk_sequence_after_thunk_passes.txt").write_text(SEQUENCE)
+    (tmp_path / f"{name}.thunk_metadata.txt").write_text(METADATA)
+    (tmp_path / f"{name}.sm_9.0a_gpu_after_optimizations.txt").write_text(HLO)
+    s = compiled_report.summarise_dump(tmp_path)
+    assert list(s) == [name]
+    got = s[name]
+    assert got["launches_per_step"] == got["kernels_per_step"] == 1 + 4 * 3 + 2
+    assert (got["host_sync"], got["command_buffers"], got["copies"]) == (2, 2, 1)
+    assert compiled_report.summarise_dump(tmp_path / "nothing-here") == {}

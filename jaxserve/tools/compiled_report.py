@@ -203,3 +203,30 @@ def _weight_copy_runs(seq, module: Module, trips: dict, stacked, slices) -> int:
         else:
             n += _weight_copy_runs(t.all_children(), module, trips, stacked, slices)
     return n
+
+
+def summarise_dump(directory) -> dict:
+    """Per step module found in an XLA dump folder (gpu_check's `step_dump`): launches and
+    kernels per step, copies, CUDA graphs and host-synchronising control flow. Without the
+    step's weights and memory analysis, weight copies and aliasing are left to `analyse`."""
+    import pathlib
+    d = pathlib.Path(directory)
+    out = {}
+    for seq_file in sorted(d.glob("*.thunk_sequence_after_thunk_passes.txt")):
+        name = seq_file.name.split(".thunk_sequence")[0]
+        try:
+            tree, hlo = th.load_dump(d, name)
+        except FileNotFoundError as e:
+            out[name] = {"error": str(e)}
+            continue
+        module = Module.parse(hlo)
+        trips = {n: i.trip_count for n, i in module.instructions.items() if i.opcode == "while"}
+        total = _count(tree, module, trips)
+        out[name] = {
+            "launches_per_step": total["launches"], "kernels_per_step": total["kernels"],
+            "approximate": total["approximate"],
+            "copies": sum(1 for _ in _copy_thunks(tree)),
+            "command_buffers": sum(1 for t, _ in th.walk(tree) if t.kind == "kCommandBuffer"),
+            "host_sync": sum(1 for t, g in th.walk(tree) if not g and (
+                t.kind == "kConditional" or (t.kind == "kWhile" and trips.get(t.hlo) is None)))}
+    return out
