@@ -27,6 +27,7 @@ QUANTIZATION_ALIASES: Mapping[QuantizationAlias, QuantizationPath] = MappingProx
     {"int4": "w4a16"})
 Quantization = Literal[QuantizationPath, QuantizationAlias]
 KVCacheDtype = Literal["auto", Dtype]
+LayerLoop = Literal["auto", "scan", "unrolled"]
 
 BACKENDS = get_args(Backend)
 QUANTIZATION_PATHS = get_args(QuantizationPath)
@@ -102,10 +103,14 @@ class EngineConfig:
     warmup: bool = dataclasses.field(default=True, metadata=_help(
         "compile every shape bucket at start-up", cli=False))
     # Constrained rows run a second program per token bucket (the sampler with a token
-    # bitmask), compiled at warm-up with the others: off halves the step programs.
+    # bitmask), compiled after warm-up on a thread of its own: off halves the step programs.
     structured_outputs: bool = dataclasses.field(default=True, metadata=_help(
         "serve JSON-schema / regex / choice / grammar constraints and tool calls (compiles a "
-        "masked variant of every step program at warm-up)"))
+        "masked variant of every step program after warm-up, while serving)"))
+    layer_loop: LayerLoop = dataclasses.field(default="auto", metadata=_help(
+        "how the step runs the layers: scan (one loop over stacked weights: compile time flat "
+        "in depth), unrolled (one block per layer: no weight slice is copied, slower "
+        "compiles); auto: unrolled on GPU, scan elsewhere; tensor parallel always scans"))
     weights_cache: bool = dataclasses.field(default=True, metadata=_help(
         "keep a GGUF file's converted weights in the cache directory so the next start skips "
         "dequantizing it (models/weights_cache.py)"))

@@ -77,7 +77,7 @@ class LLMEngine:
         # Tensor parallel: a mesh, and heads padded for it (float weights: before quantization).
         tp, self.model = sharding.setup(config.tensor_parallel_size, self.model)
         self.model, self.quantization = prepare_model(self.model, config.quantization)
-        unroll = backends.gpu_step() and tp is None
+        unroll = backends.unroll_layers(config.layer_loop, tensor_parallel=tp is not None)
         if unroll:  # split before the KV plan, so that the stacked copy is freed by then
             self.model = dataclasses.replace(self.model, params=unstack_layers(
                 self.model.params, self.model.config.num_layers))

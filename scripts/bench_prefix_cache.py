@@ -86,7 +86,9 @@ def make_engine(args, model, caching: bool):
                           max_num_batched_tokens=args.max_num_batched_tokens,
                           max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
                           enable_prefix_caching=caching)
-    return LLMEngine(config, model=model)
+    engine = LLMEngine(config, model=model)
+    engine.wait_until_warm()  # the structured-output variants compile after warm-up
+    return engine
 
 
 def shared_system_workload(args, rng):

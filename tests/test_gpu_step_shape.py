@@ -62,3 +62,22 @@ def test_engine_with_the_gpu_step_shape_generates_what_the_cpu_step_does(model, 
             for a, b in zip(lp_got, lp_want):
                 assert a.keys() == b.keys()
                 np.testing.assert_allclose(list(a.values()), list(b.values()), atol=1e-4)
+
+
+def test_layer_loop_knob_picks_the_loop(model, monkeypatch):
+    monkeypatch.setattr(backends, "gpu_step", lambda: False)
+    runs = {}
+    for loop in ("auto", "scan", "unrolled"):
+        llm = LLM(model, attention_backend="xla", max_num_seqs=2, max_model_len=64,
+                  warmup=False, layer_loop=loop)
+        assert llm.engine.runner.unroll_layers == (loop == "unrolled")
+        runs[loop] = [o.outputs[0].token_ids for o in llm.generate(
+            [[5, 9, 13, 2, 7], [100, 3]], SamplingParams(max_tokens=6, temperature=0.0),
+            use_tqdm=False)]
+    assert runs["unrolled"] == runs["scan"] == runs["auto"]
+    assert backends.unroll_layers("auto", tensor_parallel=True) is False
+    with pytest.raises(ValueError, match="layer_loop='unrolled' runs on one device"):
+        backends.unroll_layers("unrolled", tensor_parallel=True)
+    with pytest.raises(ValueError, match="layer_loop"):
+        from jaxserve import EngineConfig
+        EngineConfig(model="x", layer_loop="loop")

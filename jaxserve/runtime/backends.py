@@ -52,6 +52,17 @@ def default_dtype(requested: str | None) -> str:
     return "bfloat16" if jax.default_backend() == "gpu" else "float32"
 
 
+def unroll_layers(layer_loop: str, tensor_parallel: bool) -> bool:
+    """EngineConfig.layer_loop resolved: unrolled on GPU by default; never with tensor
+    parallelism (the unrolled step needs each weight whole on one device)."""
+    if tensor_parallel:
+        if layer_loop == "unrolled":
+            raise ValueError("layer_loop='unrolled' runs on one device; with tensor_parallel_size "
+                             "> 1 use 'scan' or 'auto'")
+        return False
+    return layer_loop == "unrolled" or (layer_loop == "auto" and gpu_step())
+
+
 def gpu_step() -> bool:
     """Whether the step takes its GPU shape: layers unrolled and a branch-free sampler
     (ModelRunner's unroll_layers and branch_free_sampling; docs/gpu_step_report.md)."""
