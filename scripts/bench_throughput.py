@@ -78,6 +78,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=2, help="threads for the peers")
     ap.add_argument("--async-scheduling", choices=("default", "on", "off"), default="default",
                     help="jaxserve's async_scheduling (default: the engine's default)")
+    ap.add_argument("--layer-loop", choices=("auto", "scan", "unrolled"), default="auto",
+                    help="jaxserve's layer_loop (EngineConfig)")
     ap.add_argument("--out", help="write the results as JSON here")
     ap.add_argument("--md", help="write the report as markdown here")
     args = ap.parse_args(argv)
@@ -102,7 +104,7 @@ def environment(args) -> dict:
             "max_num_seqs": args.max_num_seqs,
             "max_num_batched_tokens": args.max_num_batched_tokens,
             "max_model_len": args.max_model_len, "kv_cache_dtype": args.kv_cache_dtype,
-            "async_scheduling": args.async_scheduling}
+            "async_scheduling": args.async_scheduling, "layer_loop": args.layer_loop}
 
 
 # ---- jaxserve ----------------------------------------------------------------------------------
@@ -114,6 +116,7 @@ def build_llm(args, dtype: str, quantization: str | None = None):
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
               quantization=quantization, kv_cache_dtype=args.kv_cache_dtype,
+              **({} if args.layer_loop == "auto" else {"layer_loop": args.layer_loop}),
               **({} if args.async_scheduling == "default" else
                  {"async_scheduling": args.async_scheduling == "on"}))
     build_s = time.perf_counter() - t0
