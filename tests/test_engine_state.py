@@ -1,0 +1,173 @@
+"""GET /v1/engine/state: its schema and its agreement with the engine, on real requests.
+
+A tiny random model (several KV blocks per request, prefix caching on) serves requests over
+HTTP while the test polls the endpoint. What the snapshot says is checked against what the
+block manager and the engine's stats say independently (block counts, refcounts, slots), and
+against what the test itself sent (prompt lengths, a repeated prompt's cache hits).
+"""
+
+import time
+
+import jsonschema
+import pytest
+import requests
+
+from jaxserve.server.engine_state import StateSampler
+import engine_state_fixtures as fx
+
+INT = {"type": "integer", "minimum": 0}
+NUM = {"type": "number", "minimum": 0}
+INT_LIST = {"type": "array", "items": {"type": "integer"}}
+SLOT = {"type": "object", "required": ["slot", "request_id", "phase", "prompt_tokens",
+                                       "output_tokens", "computed_tokens", "blocks"],
+        "properties": {"slot": {"type": ["integer", "null"]}, "request_id": {"type": "string"},
+                       "phase": {"enum": ["prefill", "decode"]}, "prompt_tokens": INT,
+                       "output_tokens": INT, "computed_tokens": INT, "blocks": INT}}
+WAITING = {"type": "object", "required": ["request_id", "prompt_tokens", "preempted"],
+           "properties": {"request_id": {"type": "string"}, "prompt_tokens": INT,
+                          "output_tokens": INT, "preempted": {"type": "boolean"}}}
+SCHEMA = {
+    "type": "object",
+    "required": ["version", "time", "monotonic", "age_s", "loop_iteration", "config", "slots",
+                 "waiting", "blocks", "gauges", "counters", "server", "model"],
+    "properties": {
+        "version": {"const": 1}, "time": NUM, "age_s": NUM, "loop_iteration": INT,
+        "model": {"type": "string"},
+        "config": {"type": "object", "required": ["max_num_seqs", "block_size", "max_model_len",
+                                                  "prefix_caching"]},
+        "slots": {"type": "array", "items": SLOT},
+        "waiting": {"type": "array", "items": WAITING},
+        "blocks": {"type": "object",
+                   "required": ["num_blocks", "block_size", "first_usable", "ref_counts",
+                                "cached", "owner", "owners"],
+                   "properties": {"num_blocks": INT, "block_size": INT, "first_usable": INT,
+                                  "ref_counts": INT_LIST, "cached": INT_LIST, "owner": INT_LIST,
+                                  "owners": {"type": "array", "items": {"type": "string"}}}},
+        "gauges": {"type": "object", "additionalProperties": INT,
+                   "required": ["kv_blocks_total", "kv_blocks_free", "kv_blocks_in_use",
+                                "prefix_cache_blocks", "running", "waiting"]},
+        "counters": {"type": "object", "additionalProperties": INT,
+                     "required": ["tokens_computed", "num_preemptions", "cow_copies",
+                                  "prefix_cache_hits_tokens", "prefix_cache_queries_tokens",
+                                  "num_steps", "decode_tokens", "prefill_tokens"]},
+        "server": {"type": "object", "required": ["ttft_sum_s", "ttft_count",
+                                                  "generation_tokens", "in_flight"]},
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return fx.tiny_engine()
+
+
+@pytest.fixture(scope="module")
+def loop(engine):
+    loop = fx.start_loop(engine, state_interval_s=0.05)
+    yield loop
+    loop.stop()
+
+
+@pytest.fixture(scope="module")
+def server(loop):
+    with fx.serve(loop) as s:
+        yield s
+
+
+def check_consistent(snap: dict) -> None:
+    """What the snapshot must satisfy by itself, whatever the engine was doing."""
+    jsonschema.validate(snap, SCHEMA)
+    b, g = snap["blocks"], snap["gauges"]
+    n = b["num_blocks"]
+    assert len(b["ref_counts"]) == len(b["cached"]) == len(b["owner"]) == n
+    usable = range(b["first_usable"], n)
+    assert g["kv_blocks_total"] == len(usable)
+    assert sum(1 for i in usable if b["ref_counts"][i] > 0) == g["kv_blocks_in_use"]
+    assert sum(b["cached"]) == g["prefix_cache_blocks"]
+    for i in range(n):  # a block has an owner exactly when someone references it
+        assert (b["owner"][i] >= 0) == (b["ref_counts"][i] > 0), i
+    owned = {}
+    for i, o in enumerate(b["owner"]):
+        if o >= 0:
+            owned[b["owners"][o]] = owned.get(b["owners"][o], 0) + 1
+    for s in snap["slots"]:  # a request holds at least the blocks it names first
+        assert owned.get(s["request_id"], 0) <= s["blocks"]
+    assert len(snap["slots"]) == g["running"] and len(snap["waiting"]) == g["waiting"]
+
+
+def test_requires_the_api_key(server):
+    r = requests.get(server.url + "/v1/engine/state", timeout=30)
+    assert r.status_code == 401
+    assert fx.get_state(server.url)["model"] == fx.MODEL
+
+
+def test_idle_snapshot_matches_the_block_manager(server, loop, engine):
+    fx.wait_idle(loop)
+    snap = fx.get_state(server.url)
+    check_consistent(snap)
+    bm = engine.scheduler.block_manager
+    assert snap["blocks"]["num_blocks"] == bm.num_blocks
+    assert snap["gauges"]["kv_blocks_free"] == bm.num_free_blocks == bm.num_usable_blocks
+    assert snap["config"]["block_size"] == fx.BLOCK_SIZE and snap["slots"] == []
+
+
+def test_running_requests_show_slots_and_blocks_then_free_them(server, loop, engine):
+    fx.wait_idle(loop)
+    tok = engine.model.tokenizer
+    prompts = [f"request number {i} says hello" for i in range(3)]
+    lens = {len(tok.encode(p)) + (1 if tok.add_bos else 0) for p in prompts}
+    threads = fx.in_background(server.url, prompts, max_tokens=80)
+    seen, deadline = [], time.monotonic() + 60
+    while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
+        snap = fx.get_state(server.url)
+        check_consistent(snap)
+        if snap["slots"]:
+            seen.append(snap)
+        time.sleep(0.05)
+    assert seen, "no snapshot caught the requests running"
+    busiest = max(seen, key=lambda s: len(s["slots"]))
+    assert len(busiest["slots"]) >= 2
+    assert {s["prompt_tokens"] for s in busiest["slots"]} <= lens
+    assert all(s["slot"] is not None for s in busiest["slots"] if s["output_tokens"])
+    slots = [s["slot"] for s in busiest["slots"] if s["slot"] is not None]
+    assert len(slots) == len(set(slots)) and all(0 <= x < fx.MAX_NUM_SEQS for x in slots)
+    # Outputs grow between snapshots of one request: the map follows decode.
+    first = {s["request_id"]: s["output_tokens"] for s in seen[0]["slots"]}
+    later = {s["request_id"]: s["output_tokens"] for s in seen[-1]["slots"]}
+    assert any(later[r] > first[r] for r in first.keys() & later.keys()) or len(seen) < 3
+    assert max(s["blocks"] for s in busiest["slots"]) >= 2  # 80 tokens span several blocks
+    fx.wait_idle(loop)
+    idle = fx.get_state(server.url)
+    check_consistent(idle)
+    assert idle["slots"] == [] and not any(idle["blocks"]["ref_counts"])
+    assert idle["counters"]["decode_tokens"] >= busiest["counters"]["decode_tokens"] + 1
+
+
+def test_a_repeated_prompt_shows_cached_blocks_and_hits(server, loop, engine):
+    fx.wait_idle(loop)
+    before = fx.get_state(server.url)
+    fx.complete(server.url, fx.SHARED_PREFIX, max_tokens=4)
+    after_first = fx.wait_idle(loop)
+    cached_free = [i for i, c in enumerate(after_first["blocks"]["cached"])
+                   if c and after_first["blocks"]["ref_counts"][i] == 0]
+    tok = engine.model.tokenizer
+    prompt_len = len(tok.encode(fx.SHARED_PREFIX)) + (1 if tok.add_bos else 0)
+    assert prompt_len > 2 * fx.BLOCK_SIZE  # the prompt spans several full blocks
+    # Every full block of the prompt is registered once computed (and the last one decoded).
+    assert len(cached_free) >= prompt_len // fx.BLOCK_SIZE
+    fx.complete(server.url, fx.SHARED_PREFIX, max_tokens=4)
+    after = fx.get_state(server.url)
+    hits = after["counters"]["prefix_cache_hits_tokens"] - \
+        before["counters"]["prefix_cache_hits_tokens"]
+    assert hits == ((prompt_len - 1) // fx.BLOCK_SIZE) * fx.BLOCK_SIZE
+    assert after["server"]["ttft_count"] >= before["server"]["ttft_count"] + 2
+
+
+def test_sampler_rebuilds_only_after_its_interval(engine):
+    sampler = StateSampler(interval_s=60.0)
+    stats = engine.stats()
+    assert sampler.maybe_refresh(engine, stats, 1) and sampler.latest()["loop_iteration"] == 1
+    assert not sampler.maybe_refresh(engine, stats, 2)
+    assert sampler.latest()["loop_iteration"] == 1 and sampler.num_built == 1
+    with pytest.raises(ValueError, match="interval"):
+        StateSampler(interval_s=0)
