@@ -51,6 +51,17 @@ def get_state(url, key=KEY) -> dict:
     return r.json()
 
 
+def fresh_state(url, key=KEY, timeout=10.0) -> dict:
+    """A snapshot built after this call started (the endpoint's may be an interval old)."""
+    since, deadline = time.monotonic(), time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        snap = get_state(url, key)
+        if snap["monotonic"] >= since:
+            return snap
+        time.sleep(0.02)
+    raise AssertionError(f"no snapshot newer than {timeout}s")
+
+
 def complete(url, prompt, max_tokens, key=KEY) -> dict:
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True}

@@ -103,7 +103,7 @@ def test_requires_the_api_key(server):
 
 def test_idle_snapshot_matches_the_block_manager(server, loop, engine):
     fx.wait_idle(loop)
-    snap = fx.get_state(server.url)
+    snap = fx.fresh_state(server.url)
     check_consistent(snap)
     bm = engine.scheduler.block_manager
     assert snap["blocks"]["num_blocks"] == bm.num_blocks
@@ -137,7 +137,7 @@ def test_running_requests_show_slots_and_blocks_then_free_them(server, loop, eng
     assert any(later[r] > first[r] for r in first.keys() & later.keys()) or len(seen) < 3
     assert max(s["blocks"] for s in busiest["slots"]) >= 2  # 80 tokens span several blocks
     fx.wait_idle(loop)
-    idle = fx.get_state(server.url)
+    idle = fx.fresh_state(server.url)
     check_consistent(idle)
     assert idle["slots"] == [] and not any(idle["blocks"]["ref_counts"])
     assert idle["counters"]["decode_tokens"] >= busiest["counters"]["decode_tokens"] + 1
@@ -145,7 +145,7 @@ def test_running_requests_show_slots_and_blocks_then_free_them(server, loop, eng
 
 def test_a_repeated_prompt_shows_cached_blocks_and_hits(server, loop, engine):
     fx.wait_idle(loop)
-    before = fx.get_state(server.url)
+    before = fx.fresh_state(server.url)
     fx.complete(server.url, fx.SHARED_PREFIX, max_tokens=4)
     after_first = fx.wait_idle(loop)
     cached_free = [i for i, c in enumerate(after_first["blocks"]["cached"])
@@ -156,7 +156,7 @@ def test_a_repeated_prompt_shows_cached_blocks_and_hits(server, loop, engine):
     # Every full block of the prompt is registered once computed (and the last one decoded).
     assert len(cached_free) >= prompt_len // fx.BLOCK_SIZE
     fx.complete(server.url, fx.SHARED_PREFIX, max_tokens=4)
-    after = fx.get_state(server.url)
+    after = fx.fresh_state(server.url)
     hits = after["counters"]["prefix_cache_hits_tokens"] - \
         before["counters"]["prefix_cache_hits_tokens"]
     assert hits == ((prompt_len - 1) // fx.BLOCK_SIZE) * fx.BLOCK_SIZE
@@ -171,3 +171,36 @@ def test_sampler_rebuilds_only_after_its_interval(engine):
     assert sampler.latest()["loop_iteration"] == 1 and sampler.num_built == 1
     with pytest.raises(ValueError, match="interval"):
         StateSampler(interval_s=0)
+
+
+def test_block_map_refcounts_agree_with_the_block_manager_when_shared():
+    """Refcounts the snapshot counts from block tables equal the block manager's own, with a
+    fork sharing blocks and a finished sequence's blocks left cached."""
+    import types
+    from jaxserve.core.sampling_params import SamplingParams
+    from jaxserve.core.scheduler import Scheduler, SchedulerConfig
+    from jaxserve.core.sequence import Sequence
+    from jaxserve.server.engine_state import snapshot
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256,
+                                      max_model_len=64, block_size=4, num_blocks=32,
+                                      enable_prefix_caching=True))
+    bm = sched.block_manager
+    seqs = [Sequence(f"s{i}", list(range(10 * i, 10 * i + 10)), SamplingParams(max_tokens=4))
+            for i in range(3)]
+    for seq in seqs:
+        bm.allocate(seq, cached=[])
+        seq.num_computed_tokens = seq.num_tokens
+        bm.register_computed(seq)
+    child = Sequence("s0-child", seqs[0].prompt_token_ids, SamplingParams(max_tokens=4))
+    bm.fork(seqs[0], child)
+    bm.free(seqs[2])  # its full blocks stay cached, referenced by nobody
+    sched.running.extend([seqs[0], child, seqs[1]])
+    engine = types.SimpleNamespace(
+        scheduler=sched, runner=types.SimpleNamespace(slot_of={"s0": 0, "s0-child": 1, "s1": 2}),
+        config=types.SimpleNamespace(max_num_seqs=4, block_size=4), max_model_len=64)
+    b = snapshot(engine, {}, 0)["blocks"]
+    assert b["ref_counts"] == [bm.ref_count(i) for i in range(bm.num_blocks)]
+    assert sum(1 for r in b["ref_counts"] if r == 2) == len(seqs[0].block_table)
+    assert b["cached"] == [1 if i in bm.cache.hash_of else 0 for i in range(bm.num_blocks)]
+    assert {b["owners"][b["owner"][i]] for i in seqs[0].block_table} == {"s0"}
+    assert sum(b["cached"]) == 3 * (10 // 4)  # two full blocks per sequence
