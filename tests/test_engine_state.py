@@ -204,3 +204,32 @@ def test_block_map_refcounts_agree_with_the_block_manager_when_shared():
     assert b["cached"] == [1 if i in bm.cache.hash_of else 0 for i in range(bm.num_blocks)]
     assert {b["owners"][b["owner"][i]] for i in seqs[0].block_table} == {"s0"}
     assert sum(b["cached"]) == 3 * (10 // 4)  # two full blocks per sequence
+
+
+def test_page_url_names_a_host_a_browser_can_open():
+    from types import SimpleNamespace as NS
+    from jaxserve.server.serve import page_url
+    assert page_url(NS(effective_host="127.0.0.1", effective_port=8000)) == "http://127.0.0.1:8000/"
+    assert page_url(NS(effective_host="0.0.0.0", effective_port=80)) == "http://localhost:80/"
+    assert page_url(NS(effective_host="::1", effective_port=9)) == "http://[::1]:9/"
+
+
+def test_a_failing_snapshot_does_not_stop_the_engine_loop(engine):
+    """An engine without what the snapshot reads (a wrapper, a mock) still serves."""
+    class Bare:
+        def __init__(self, inner):
+            self._inner = inner
+
+        def stats(self):
+            return self._inner.stats()
+
+        def has_unfinished_requests(self):
+            return False
+
+    loop = fx.start_loop(Bare(engine), state_interval_s=0.01)
+    try:
+        time.sleep(0.2)
+        assert loop.alive and loop.engine_state() is None
+        assert isinstance(loop.state.error, AttributeError)
+    finally:
+        loop.stop()

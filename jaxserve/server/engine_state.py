@@ -14,8 +14,11 @@ cached means evictable) and `owner[b]`, an index into `owners` (a request id) or
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
+
+log = logging.getLogger("jaxserve.server")
 
 SCHEMA_VERSION = 1
 # Counters a client turns into rates (throughput, hit rate) by differencing two snapshots.
@@ -104,12 +107,20 @@ class StateSampler:
         self._lock = threading.Lock()
         self.num_built = 0
         self.build_seconds = 0.0  # total time spent building snapshots (its cost)
+        self.error: Exception | None = None  # the first failure to build one
 
     def maybe_refresh(self, engine, stats: dict, step: int, force: bool = False) -> bool:
         now = time.monotonic()
         if not force and now - self._built_at < self.interval_s:
             return False
-        snap = snapshot(engine, stats, step)
+        try:
+            snap = snapshot(engine, stats, step)
+        except Exception as e:  # noqa: BLE001 - a view of the engine must never stop it
+            if self.error is None:
+                log.warning("the engine state snapshot failed (the engine view will be "
+                            "empty): %r", e)
+            self.error, self._built_at = e, now
+            return False
         done = time.monotonic()
         with self._lock:
             self._latest, self._built_at = snap, now

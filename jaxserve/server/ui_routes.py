@@ -54,8 +54,11 @@ def register_ui_routes(app: Flask, state) -> None:
     @app.get("/v1/engine/state")
     def engine_state():
         snap = state.loop.engine_state()
-        if snap is None or not state.loop.alive:
+        if not state.loop.alive:
             raise unavailable("the engine loop is not running", "engine_unavailable")
+        if snap is None:
+            raise unavailable(f"no engine state snapshot: {state.loop.state.error!r}",
+                              "engine_state_unavailable")
         body = dict(snap)  # shallow: the snapshot itself is shared and never mutated
         body["age_s"] = max(0.0, time.monotonic() - snap["monotonic"])
         body["server"] = _server_counters(state)
