@@ -116,7 +116,7 @@ def test_running_requests_show_slots_and_blocks_then_free_them(server, loop, eng
     tok = engine.model.tokenizer
     prompts = [f"request number {i} says hello" for i in range(3)]
     lens = {len(tok.encode(p)) + (1 if tok.add_bos else 0) for p in prompts}
-    threads = fx.in_background(server.url, prompts, max_tokens=80)
+    threads = fx.in_background(server.url, prompts, max_tokens=100)
     seen, deadline = [], time.monotonic() + 60
     while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
         snap = fx.get_state(server.url)
@@ -132,10 +132,12 @@ def test_running_requests_show_slots_and_blocks_then_free_them(server, loop, eng
     slots = [s["slot"] for s in busiest["slots"] if s["slot"] is not None]
     assert len(slots) == len(set(slots)) and all(0 <= x < fx.MAX_NUM_SEQS for x in slots)
     # Outputs grow between snapshots of one request: the map follows decode.
-    first = {s["request_id"]: s["output_tokens"] for s in seen[0]["slots"]}
-    later = {s["request_id"]: s["output_tokens"] for s in seen[-1]["slots"]}
-    assert any(later[r] > first[r] for r in first.keys() & later.keys()) or len(seen) < 3
-    assert max(s["blocks"] for s in busiest["slots"]) >= 2  # 80 tokens span several blocks
+    values: dict[str, set] = {}
+    for snap in seen:
+        for s in snap["slots"]:
+            values.setdefault(s["request_id"], set()).add(s["output_tokens"])
+    assert max(len(v) for v in values.values()) >= 2, [s["slots"] for s in seen]
+    assert max(s["blocks"] for s in busiest["slots"]) >= 2  # 100 tokens span several blocks
     fx.wait_idle(loop)
     idle = fx.fresh_state(server.url)
     check_consistent(idle)

@@ -11,11 +11,17 @@ const Engine = (() => {
   let prev = null, timer = null, hoverBlock = -1, lastSnap = null;
   const charts = {};
 
-  // A stable, readable colour per request id (hue from a string hash).
+  // A colour per request, from a palette of distinct hues in order of first sight (so requests
+  // running together differ); the same id keeps its colour in the table and on the map.
+  const PALETTE = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1",
+                   "#ff9da7", "#9c755f", "#3b8bc2", "#d37295", "#8cd17d"];
+  const colorIndex = new Map();
   function colorOf(id) {
-    let h = 0;
-    for (let i = 0; i < id.length; i++) h = (h * 31 + id.charCodeAt(i)) >>> 0;
-    return `hsl(${h % 360}, 62%, 52%)`;
+    if (!colorIndex.has(id)) {
+      colorIndex.set(id, colorIndex.size % PALETTE.length);
+      if (colorIndex.size > 4096) colorIndex.delete(colorIndex.keys().next().value);
+    }
+    return PALETTE[colorIndex.get(id)];
   }
 
   // "chatcmpl-3f2a…9e-1" style ids shortened to their start and the choice suffix.
@@ -81,8 +87,8 @@ const Engine = (() => {
 
   function drawLegend(counts) {
     const items = [["free", COLORS.free, "free"], ["evictable", COLORS.evictable, "cached prefix, free (evictable)"],
-      ["used", "linear-gradient(90deg, hsl(20,62%,52%), hsl(200,62%,52%))", "in use (colour = request)"],
-      ["cached", "linear-gradient(225deg, #1e8e3e 30%, hsl(200,62%,52%) 30%)", "in use, cached prefix"],
+      ["used", `linear-gradient(90deg, ${PALETTE[0]}, ${PALETTE[1]})`, "in use (colour = request)"],
+      ["cached", `linear-gradient(225deg, #1e8e3e 30%, ${PALETTE[0]} 30%)`, "in use, cached prefix"],
       ["shared", "#555", "shared (refcount shown)"], ["null", COLORS.null, "null block"]];
     $("block-legend").replaceChildren(...items.map(([key, color, label]) => {
       const li = document.createElement("li");
