@@ -66,5 +66,17 @@ if [ "$WITH_TEST" = 1 ]; then
     if [ -d .cuda-plugin/jax_plugins ]; then echo "$JAXVER" > .cuda-plugin/.version
     else echo "setup: CUDA compiler plugin unavailable; the deviceless compile tests will skip" >&2; fi
   fi
+  # Headless Chromium for the web page's browser tests (tests/test_webui.py), driven by
+  # Playwright (installed with .[dev]): Debian's package, as Playwright's own browser download
+  # is not reachable from every machine.
+  if [ ! -x /usr/bin/chromium ]; then
+    if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+      echo "setup: installing chromium (apt) for the browser tests"
+      { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } ||
+        echo "setup: chromium install failed; the browser tests will skip" >&2
+    else
+      echo "setup: no /usr/bin/chromium (as root: apt-get install chromium); the browser tests will skip" >&2
+    fi
+  fi
 fi
 echo "setup: ready"

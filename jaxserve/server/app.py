@@ -24,6 +24,7 @@ from jaxserve.server.profile_routes import register_profile_routes
 from jaxserve.server.protocol import ModelInfo, parse_chat, parse_completion
 from jaxserve.server.responses import Responder
 from jaxserve.server.structured import check_compiles
+from jaxserve.server.ui_routes import register_ui_routes
 
 log = logging.getLogger("jaxserve.server")
 HTTP_ERROR_TYPES = {404: "not_found_error", 405: "invalid_request_error",
@@ -200,5 +201,6 @@ def create_app(engine_loop: EngineLoop, config: ServerConfig | None = None) -> F
     app.extensions["jaxserve"] = state
     _register_routes(app, state)
     register_profile_routes(app, state)
+    register_ui_routes(app, state)
     _register_errors(app, state)
     return app

@@ -16,6 +16,7 @@ import time
 
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.server.engine_state import StateSampler
 from jaxserve.server.errors import ApiError, invalid, unavailable
 
 log = logging.getLogger("jaxserve.server")
@@ -43,7 +44,7 @@ ACCEPTED = "accepted"  # first item on a group's queue once all its sub-requests
 
 
 class EngineLoop:
-    def __init__(self, engine, idle_poll_s: float = 0.05):
+    def __init__(self, engine, idle_poll_s: float = 0.05, state_interval_s: float = 0.2):
         self.engine = engine
         self._idle_poll_s = idle_poll_s
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -54,6 +55,11 @@ class EngineLoop:
         self._error: BaseException | None = None
         self._routes: dict[str, tuple[queue.SimpleQueue, int]] = {}  # engine thread only
         self._stats = engine.stats()
+        # The engine view's snapshot (engine_state.py), rebuilt by the engine thread at most
+        # every state_interval_s; the first one is built here, before that thread exists.
+        self.state = StateSampler(state_interval_s)
+        self._iterations = 0
+        self.state.maybe_refresh(engine, self._stats, 0, force=True)
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
     # ---- any thread ------------------------------------------------------------------------
@@ -92,6 +98,10 @@ class EngineLoop:
         """The engine's stats as of the end of its last step (a copy)."""
         return dict(self._stats)
 
+    def engine_state(self) -> dict | None:
+        """The latest engine snapshot (a dict nobody mutates; see engine_state.py)."""
+        return self.state.latest()
+
     def submit(self, subs: list[SubRequest], capacity: int) -> queue.SimpleQueue:
         """Queues a group of sub-requests; their events arrive on the returned queue.
 
@@ -125,6 +135,8 @@ class EngineLoop:
                 if self.engine.has_unfinished_requests():
                     self._dispatch(self.engine.step())
                 self._stats = self.engine.stats()
+                self._iterations += 1
+                self.state.maybe_refresh(self.engine, self._stats, self._iterations)
         except BaseException as e:  # noqa: BLE001 - any failure kills serving; report it
             log.exception("engine loop died")
             self._error = e

@@ -31,6 +31,14 @@ def make_server(app, host: str, port: int, config: ServerConfig):
         ident="jaxserve")
 
 
+def page_url(server) -> str:
+    """The built-in page's URL; a wildcard bind is shown as localhost (what a browser opens)."""
+    host = server.effective_host
+    host = "localhost" if host in ("0.0.0.0", "::", "") else host
+    host = f"[{host}]" if ":" in host else host
+    return f"http://{host}:{server.effective_port}/"
+
+
 def drain(loop: EngineLoop, state, timeout: float) -> bool:
     """Refuses new requests and waits for in-flight ones; True if all finished in time."""
     loop.begin_drain()
@@ -58,6 +66,7 @@ def serve(engine, host: str = "127.0.0.1", port: int = 8000,
              server.effective_port)
     print(f"jaxserve: listening on http://{server.effective_host}:{server.effective_port}",
           flush=True)
+    print(f"jaxserve: web page (chat playground, engine view) at {page_url(server)}", flush=True)
     while not stop.wait(0.5):
         if not loop.alive:
             log.error("engine loop died: %r", loop.error)

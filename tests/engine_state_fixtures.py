@@ -1,0 +1,91 @@
+"""A tiny engine with several KV blocks per request and prefix caching, served over HTTP with
+an API key: shared by the engine-state endpoint tests and the browser tests of the web page."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import requests
+
+from jaxserve import EngineConfig, LLMEngine
+from jaxserve.server import EngineLoop, ServerConfig
+from http_server import serving
+from tiny_chat import tiny_chat_model
+from tiny_models import TINY_CHAT
+
+MODEL = "tiny-chat"
+KEY = "state-key"
+MAX_NUM_SEQS = 4
+MAX_MODEL_LEN = 128
+BLOCK_SIZE = 16  # 8 blocks for a full-length request: a block map with something to show
+# A prompt of several full blocks: a second request with it hits the prefix cache.
+SHARED_PREFIX = " ".join(["the quick brown fox jumps over the lazy dog"] * 3)
+
+
+def tiny_engine() -> LLMEngine:
+    model = tiny_chat_model(seed=0)
+    kv = 3 * MAX_NUM_SEQS * MAX_MODEL_LEN * TINY_CHAT.kv_bytes_per_token(4)
+    return LLMEngine(EngineConfig(model=model.source, warmup=True, max_num_seqs=MAX_NUM_SEQS,
+                                  max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=64,
+                                  block_size=BLOCK_SIZE, kv_cache_memory=kv,
+                                  enable_prefix_caching=True), model=model)
+
+
+def start_loop(engine, **kw) -> EngineLoop:
+    return EngineLoop(engine, **kw).start()
+
+
+def serve(loop, api_key=KEY):
+    return serving(loop, ServerConfig(served_model_name=MODEL, api_key=api_key))
+
+
+def headers(key=KEY) -> dict:
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def get_state(url, key=KEY) -> dict:
+    r = requests.get(url + "/v1/engine/state", headers=headers(key), timeout=30)
+    r.raise_for_status()
+    return r.json()
+
+
+def fresh_state(url, key=KEY, timeout=10.0) -> dict:
+    """A snapshot built after this call started (the endpoint's may be an interval old)."""
+    since, deadline = time.monotonic(), time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        snap = get_state(url, key)
+        if snap["monotonic"] >= since:
+            return snap
+        time.sleep(0.02)
+    raise AssertionError(f"no snapshot newer than {timeout}s")
+
+
+def complete(url, prompt, max_tokens, key=KEY) -> dict:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True}
+    r = requests.post(url + "/v1/completions", data=json.dumps(body), headers=headers(key),
+                      timeout=120)
+    r.raise_for_status()
+    return r.json()
+
+
+def in_background(url, prompts, max_tokens, key=KEY) -> list[threading.Thread]:
+    threads = [threading.Thread(target=complete, args=(url, p, max_tokens, key), daemon=True)
+               for p in prompts]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def wait_idle(loop, timeout=60.0) -> dict:
+    """Waits until nothing runs and the snapshot says so too (it lags up to one interval)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        snap = loop.engine_state()
+        if loop.in_flight() == 0 and not snap["slots"] and not snap["waiting"] \
+                and not any(snap["blocks"]["ref_counts"]):
+            return snap
+        time.sleep(0.05)
+    raise AssertionError(f"not idle after {timeout}s: in flight {loop.in_flight()}")
