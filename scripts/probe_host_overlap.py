@@ -1,0 +1,116 @@
+"""Can host work hide behind the device step on this machine? (docs/performance.md, third pass)
+
+Tiny random model, N sequences in steady decode (bench_host_overhead.py's set-up). Modes:
+  util     the bare device loop's cores busy: process CPU time / wall while the captured step
+           calls are replayed back to back
+  overlap  one step with X ms of pure-Python work between its dispatch and the wait for the
+           previous one, against the bare step time (ideal: max(bare, X))
+  prof     cProfile of N engine steps, by cumulative time
+
+    .venv/bin/python scripts/probe_host_overlap.py overlap --seqs 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pathlib
+import pstats
+import sys
+import time
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+for _path in (REPO, REPO / "scripts"):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+
+def engine_in_steady_decode(n: int, steps: int):
+    import numpy as np
+    import bench_host_overhead as b
+    from jaxserve import SamplingParams
+    from models.model import enable_compilation_cache
+    from models.random_init import random_model
+    enable_compilation_cache()
+    args = b.parse_args(["--batch-sizes", str(n), "--steps", str(steps * 6)])
+    settle_limit, max_tokens, max_len = b.lengths(n, args)
+    model = random_model(b.model_config("tiny", max_len), "float32", 0)
+    engine = b.make_engine(model, n, max_len, "on")
+    rng = np.random.default_rng(0)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, seed=0)
+    for i in range(n):
+        engine.add_request(f"r{i}", rng.integers(1, 256, 8).tolist(), params)
+    b.settle(engine, n, 10, settle_limit)
+    return engine
+
+
+def captured_calls(engine, steps: int) -> list:
+    calls, runner = [], engine.runner
+    runner.before_call = calls.append
+    for _ in range(steps):
+        engine.step()
+    runner.before_call = None
+    return calls
+
+
+def busy(ms: float) -> None:
+    end = time.perf_counter() + ms / 1e3
+    while time.perf_counter() < end:
+        pass
+
+
+def replay(runner, calls) -> tuple[float, float]:
+    """(wall, process CPU) seconds per call, back to back."""
+    import jax
+    jax.block_until_ready(runner.run(calls[0]))
+    w0, c0 = time.perf_counter(), time.process_time()
+    for c in calls:
+        out = runner.run(c)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - w0) / len(calls), (time.process_time() - c0) / len(calls)
+
+
+def overlapped(runner, calls, x_ms: float) -> float:
+    import jax
+    prev = runner.run(calls[0])
+    jax.block_until_ready(prev)
+    w0 = time.perf_counter()
+    for c in calls:
+        out = runner.run(c)
+        busy(x_ms)
+        jax.block_until_ready(prev)
+        prev = out
+    jax.block_until_ready(prev)
+    return (time.perf_counter() - w0) / len(calls)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("mode", choices=("util", "overlap", "prof"))
+    ap.add_argument("--seqs", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--repeats", type=int, default=2)
+    args = ap.parse_args(argv)
+    engine = engine_in_steady_decode(args.seqs, args.steps)
+    print(f"load average {os.getloadavg()}")
+    if args.mode == "prof":
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(args.steps):
+            engine.step()
+        prof.disable()
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(40)
+        return
+    calls = captured_calls(engine, args.steps)
+    for _ in range(args.repeats):
+        wall, cpu = replay(engine.runner, calls)
+        line = f"bare {1e3 * wall:.3f} ms/call, cores busy {cpu / wall:.2f}"
+        if args.mode == "overlap":
+            line += "".join(f"; X={x}: {1e3 * overlapped(engine.runner, calls, x):.3f} ms"
+                            for x in (0.25, 0.5, 1.0, 1.5, 2.5))
+        print(line, f"(load {os.getloadavg()[0]:.2f})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
