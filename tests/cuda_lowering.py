@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import jax
 
+# The H200's GpuTargetConfigProto: one copy, the one the deviceless step report compiles with.
+from jaxserve.tools.deviceless import H200_TARGET_CONFIG  # noqa: F401 (used by the tests)
+
 H200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
 
 
@@ -19,43 +22,6 @@ def lower_for_h200(fn, *args):
     return lowered.as_text()
 
 
-# GpuTargetConfigProto (text format) of an H200: sm_90, 132 SMs; shared-memory and register limits
-# are what the compiler checks kernels against.
-H200_TARGET_CONFIG = """
-gpu_device_info {
-  threads_per_block_limit: 1024
-  threads_per_warp: 32
-  shared_memory_per_block: 49152
-  shared_memory_per_core: 233472
-  threads_per_core_limit: 2048
-  core_count: 132
-  fpus_per_core: 128
-  block_dim_limit_x: 2147483647
-  block_dim_limit_y: 65535
-  block_dim_limit_z: 65535
-  memory_bandwidth: 4800000000000
-  l2_cache_size: 52428800
-  clock_rate_ghz: 1.98
-  device_memory_size: 150754820096
-  shared_memory_per_block_optin: 232448
-  cuda_compute_capability {
-    major: 9
-  }
-  registers_per_core_limit: 65536
-  registers_per_block_limit: 65536
-}
-runtime_version {
-  major: 13
-  minor: 0
-  patch: 0
-}
-platform_name: "CUDA"
-dnn_version_info {
-  major: 9
-  minor: 12
-}
-device_description_str: "NVIDIA H200"
-"""
 
 
 def cuda_compiler_available() -> str | None:
