@@ -64,7 +64,8 @@ class ServerState:
 
 def _error_response(err: ApiError, state: ServerState) -> Response:
     state.metrics.errors.labels(status=str(err.status)).inc()
-    return Response(json.dumps(err.body()), status=err.status, mimetype="application/json")
+    return Response(json.dumps(err.body()), status=err.status, mimetype="application/json",
+                    headers=err.headers)
 
 
 def _json_body():
@@ -97,7 +98,8 @@ def _generate(state: ServerState, chat: bool) -> Response:
         check_compiles(state.grammar, req.params.structured_outputs, req.constraint_param)
     disconnected = request.environ.get("waitress.client_disconnected", lambda: False)
     gen = Generation(state.loop, state.metrics, req, state.capacity,
-                     state.config.disconnect_poll_s, disconnected)
+                     state.config.disconnect_poll_s, disconnected,
+                     state.config.max_waiting_tokens)
     state.enter()
     handed_over = False  # once the stream body exists, its close() does the cleanup
     try:
