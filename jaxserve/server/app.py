@@ -29,6 +29,10 @@ from jaxserve.server.ui_routes import register_ui_routes
 log = logging.getLogger("jaxserve.server")
 HTTP_ERROR_TYPES = {404: "not_found_error", 405: "invalid_request_error",
                     413: "invalid_request_error"}
+# The only routes served without the API key when one is set: liveness for a supervisor and
+# the web page's static files (which hold no data). Every other route, including any added
+# later, needs the key: default deny (tests/test_server_security.py walks the url_map).
+OPEN_ENDPOINTS = frozenset({"health", "index", "ui_file"})
 
 
 class ServerState:
@@ -77,10 +81,13 @@ def _json_body():
 
 
 def _check_api_key(config: ServerConfig) -> None:
-    if config.api_key is None or not request.path.startswith("/v1"):
+    if config.api_key is None or request.endpoint in OPEN_ENDPOINTS:
         return
+    if request.url_rule is None and not request.path.startswith("/v1"):
+        return  # no such route: a 404 follows (under /v1, the key is asked for first)
     header = request.headers.get("Authorization", "")
     given = header[7:] if header.startswith("Bearer ") else ""
+    # Constant time: how long the comparison takes says nothing about the key.
     if not hmac.compare_digest(given.encode(), config.api_key.encode()):
         raise ApiError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
                        type="authentication_error", code="invalid_api_key")
@@ -197,7 +204,7 @@ def create_app(engine_loop: EngineLoop, config: ServerConfig | None = None) -> F
     """An OpenAI-compatible Flask app serving `engine_loop` (which must be started)."""
     config = config or ServerConfig()
     state = ServerState(engine_loop, config)
-    app = Flask("jaxserve")
+    app = Flask("jaxserve", static_folder=None)  # the page's files are served by ui_routes
     app.config["MAX_CONTENT_LENGTH"] = config.max_body_bytes
     app.json.sort_keys = False
     app.extensions["jaxserve"] = state
