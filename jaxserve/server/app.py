@@ -17,7 +17,7 @@ from werkzeug.exceptions import HTTPException
 
 from jaxserve.server.config import ServerConfig
 from jaxserve.server.engine_loop import EngineLoop
-from jaxserve.server.errors import ApiError, unavailable
+from jaxserve.server.errors import ApiError, invalid, shown, unavailable
 from jaxserve.server.generation import ClientGone, Generation
 from jaxserve.server.metrics import ServerMetrics
 from jaxserve.server.profile_routes import register_profile_routes
@@ -98,9 +98,13 @@ def _generate(state: ServerState, chat: bool) -> Response:
     name = state.config.served_model_name
     model = body.get("model") if isinstance(body, dict) else None
     if isinstance(model, str) and model != name:
-        raise ApiError(404, f"model {model[:100]!r} does not exist; this server serves {name!r}",
+        raise ApiError(404, f"model {shown(model)} does not exist; this server serves {name!r}",
                        type="not_found_error", param="model", code="model_not_found")
     req = (parse_chat if chat else parse_completion)(body, state.config, state.info)
+    slots = state.loop.engine.config.max_num_seqs
+    if req.n > slots:  # each branch holds a batch slot for the whole request
+        raise invalid(f"'n' must be at most {slots} on this server (the sequences it runs at "
+                      f"once), got {req.n}", "n")
     if req.params.structured_outputs is not None:  # a 400 now, not a failure in the engine
         check_compiles(state.grammar, req.params.structured_outputs, req.constraint_param)
     disconnected = request.environ.get("waitress.client_disconnected", lambda: False)
