@@ -108,3 +108,26 @@ def test_env_switch_is_read_at_start(model, monkeypatch):
     engine.add_request("a", PROMPTS["a"], GREEDY)
     with pytest.raises(InjectedFault):
         engine.step()
+
+
+def test_grammar_error_fails_only_its_request():
+    from jaxserve import LLMEngine, SamplingParams
+    from jaxserve.core.structured_outputs import StructuredOutputs
+    from tiny_chat import tiny_chat_model
+    from tiny_models import TINY_CHAT
+    chat = tiny_chat_model(seed=0)
+    engine = LLMEngine(EngineConfig(
+        model=chat.source, warmup=False, max_num_seqs=4, max_model_len=64,
+        max_num_batched_tokens=32, block_size=16, faults="grammar_request=bad",
+        kv_cache_memory=16 * 16 * TINY_CHAT.kv_bytes_per_token(4)), model=chat)
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = {"a": [3, 1, 4, 1, 5], "b": [2, 7, 1, 8]}
+    engine.add_request("a", prompts["a"], greedy)
+    engine.add_request("bad", [5, 5, 5], SamplingParams(
+        temperature=0, max_tokens=6, structured_outputs=StructuredOutputs(choice=["yes", "no"])))
+    engine.add_request("b", prompts["b"], greedy)
+    done = drain(engine)
+    assert done["bad"].error.startswith("InjectedFault: injected grammar fault")
+    assert done["bad"].outputs[0].finish_reason == "error"
+    for rid, p in prompts.items():
+        assert done[rid].outputs[0].token_ids == chat.greedy_generate(p, 6, stop_token_ids=())
