@@ -12,7 +12,6 @@ import dataclasses
 import functools
 import logging
 import math
-import os
 import time
 from typing import Sequence as Seq
 
@@ -26,8 +25,8 @@ from jaxserve.core.beam_search import BeamRequestState, search_params
 from jaxserve.core.decision import Decision, NewId, RequestStateProtocol
 from jaxserve.core.grammar import GrammarCompiler
 from jaxserve.config import EngineConfig
-from jaxserve.core.admission import EngineOverloaded, check_admission
-from jaxserve.faults import ENV_VAR as FAULTS_ENV_VAR, FaultConfig, FaultInjector
+from jaxserve.core.admission import check_admission
+from jaxserve.faults import injector
 from jaxserve.runtime.kv_cache import log_plan, plan_num_blocks
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.tools.profiling import Profiler
@@ -72,23 +71,13 @@ class _InFlight:
     h2d_bytes: int = 0
 
 
-def _fault_injector(config: EngineConfig) -> FaultInjector | None:
-    """The config's fault spec, else $JAXSERVE_FAULTS (read once, here); None: no faults."""
-    spec = config.faults if config.faults is not None else os.environ.get(FAULTS_ENV_VAR)
-    faults = FaultConfig.parse(spec)
-    if faults is None:
-        return None
-    log.warning("fault injection is on: %s", faults)
-    return FaultInjector(faults)
-
-
 NON_FINITE = "the model produced non-finite logits (NaN or inf) for this request"
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, model: Model | None = None):
         self.config = config
-        self.faults = _fault_injector(config)
+        self.faults = injector(config.faults)  # None (no fault injection) but in tests
         self._num_step_calls = 0
         self.model = model if model is not None else load_model(
             config.model, backends.default_dtype(config.dtype),
@@ -501,7 +490,7 @@ class LLMEngine:
                 failed[rid] = f"{type(e).__name__}: {e}"
         errors = []
         if failed:
-            step = _without(step, {s for s, o in owner.items() if o.request_id in failed})
+            step = step.without({s for s, o in owner.items() if o.request_id in failed})
             errors = self._fail(failed)
             progressed = {r: s for r, s in progressed.items() if r not in failed}
         left = self._apply(step)  # n > 1: forks off a prompt that just ran, before update
@@ -617,21 +606,6 @@ class LLMEngine:
             "kv_memory_time_avg": self.kv_tracker.to_dict(),
             "profiling": self.profiler.active,
         }
-
-
-def _without(decision: Decision, seq_ids: set[str]) -> Decision:
-    """`decision` less what it says about the sequences `seq_ids` (of failed requests)."""
-    def live(seq: Sequence) -> bool:
-        return seq.request_id not in seq_ids
-
-    return Decision(
-        reserve=[(s, n) for s, n in decision.reserve if live(s)],
-        forks=[f for f in decision.forks if live(f.parent)],
-        tokens={k: v for k, v in decision.tokens.items() if k not in seq_ids},
-        finished={k: v for k, v in decision.finished.items() if k not in seq_ids},
-        hold=decision.hold - seq_ids,
-        append=[(s, t) for s, t in decision.append if live(s)],
-        free=[(s, st) for s, st in decision.free if live(s)])
 
 
 def _in_background(job, name: str) -> concurrent.futures.Future:

@@ -20,12 +20,15 @@ No jax here: EngineConfig validates the spec before jax starts.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
+import os
 import time
 import typing
 from typing import Literal
 
 ENV_VAR = "JAXSERVE_FAULTS"
+log = logging.getLogger("jaxserve")
 NanValue = Literal["nan", "inf"]
 
 
@@ -125,6 +128,16 @@ class _RaisingMatcher:
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
+
+
+def injector(spec: str | None) -> FaultInjector | None:
+    """The engine's injector: `spec` (EngineConfig.faults), else $JAXSERVE_FAULTS, read once
+    when the engine starts; None when neither asks for a fault."""
+    faults = FaultConfig.parse(spec if spec is not None else os.environ.get(ENV_VAR))
+    if faults is None:
+        return None
+    log.warning("fault injection is on: %s", faults)
+    return FaultInjector(faults)
 
 
 class FaultInjector:
