@@ -108,3 +108,15 @@ def test_lower_priority_value_runs_first(model):
     while engine.has_unfinished_requests():
         finished += [o.request_id for o in engine.step() if o.finished]
     assert finished == ["urgent", "late"]
+
+
+def test_llm_generate_takes_priorities(model):
+    from jaxserve import LLM
+    llm = LLM(model, block_size=4, max_num_seqs=1, max_model_len=64, max_num_batched_tokens=32,
+              warmup=False, kv_cache_memory=40 * 4 * TINY_GQA.kv_bytes_per_token(4))
+    p = SamplingParams(max_tokens=2, temperature=0)
+    with pytest.raises(ValueError, match="got 1 priorities for 2 prompts"):
+        llm.generate([[1, 2], [3, 4]], p, use_tqdm=False, priority=[0])
+    outs = llm.generate([[1, 2], [3, 4]], p, use_tqdm=False, priority=[3, -3])
+    assert [o.prompt_token_ids for o in outs] == [[1, 2], [3, 4]]  # input order kept
+    assert outs[1].metrics.finished_time < outs[0].metrics.finished_time  # -3 ran first
