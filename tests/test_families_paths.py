@@ -92,3 +92,28 @@ def test_tensor_parallel_greedy_equals_dense():
         model = random_model(dataclasses.replace(base, qk_norm=label), seed=3)
         want = [model.greedy_generate(p, 5, stop_token_ids=()) for p in prompts(base.vocab_size)]
         assert runs[label]["2"]["tokens"] == want, label
+
+
+def test_qwen3_on_the_pallas_kernel_equals_dense():
+    # The q/k norms sit before the kernel: the interpreted Pallas step serves Qwen3 unchanged.
+    from jaxserve import LLM, SamplingParams
+    config = dataclasses.replace(QWEN3, head_dim=64, num_heads=2, num_kv_heads=1)
+    model = _with_random_norms(random_model(config, seed=4))
+    prompts = [PROMPTS[0], PROMPTS[2]]
+    want = [model.greedy_generate(p, 4, stop_token_ids=()) for p in prompts]
+    llm = LLM(model, attention_backend="pallas-interpret", block_size=8, max_num_seqs=2,
+              max_model_len=32, max_num_batched_tokens=16, warmup=False)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                        use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+
+
+def test_pallas_names_phi3_minis_head_dim():
+    from jaxserve.runtime.attention_backends import PallasAttention
+    from models.config import ModelConfig
+    phi3_mini = ModelConfig.from_hf({"model_type": "phi3", "vocab_size": 32064,
+                                     "hidden_size": 3072, "intermediate_size": 8192,
+                                     "num_hidden_layers": 32, "num_attention_heads": 32,
+                                     "sliding_window": 2047, "max_position_embeddings": 4096})
+    assert phi3_mini.head_dim == 96 and phi3_mini.max_position_embeddings == 2047
+    assert any("head_dim 96" in r for r in PallasAttention().supports(phi3_mini, 16))

@@ -164,3 +164,14 @@ def test_sliding_window_caps_the_context():
     q = ModelConfig.from_hf(dict(BASE, model_type="qwen3", sliding_window=48))
     assert q.max_position_embeddings == 256  # Qwen3: use_sliding_window is off by default
     assert dataclasses.replace(q).qk_norm == "per_head"
+
+
+@pytest.mark.parametrize("name", ["qwen3", "phi3"])
+def test_orbax_roundtrip_keeps_family_fields(reference, tmp_path, name):
+    from models.checkpoint import save as save_orbax
+    model = load_model(reference["workdir"] / name)
+    save_orbax(model, tmp_path / "ckpt")
+    restored = load_model(tmp_path / "ckpt")
+    assert restored.config == model.config  # qk_norm, longrope factors (JSON lists -> tuples)
+    np.testing.assert_allclose(restored.forward_logits(PROMPTS[0]), reference[f"{name}/0"],
+                               atol=ATOL, rtol=0)
