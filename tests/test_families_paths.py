@@ -117,3 +117,49 @@ def test_pallas_names_phi3_minis_head_dim():
                                      "sliding_window": 2047, "max_position_embeddings": 4096})
     assert phi3_mini.head_dim == 96 and phi3_mini.max_position_embeddings == 2047
     assert any("head_dim 96" in r for r in PallasAttention().supports(phi3_mini, 16))
+
+
+def test_awq_scale_folding_is_exact_with_qk_norms():
+    # AWQ folds input scales into the norms before q/k/v and o_proj's into v_proj: the per-head
+    # q/k norms after the projections must come through untouched.
+    from jaxserve.quantization.awq import fold_scales
+    from jaxserve.quantization.layerwise import layer_slice, replace_kernels
+    from test_awq import random_scales
+    model = _with_random_norms(random_model(QWEN3, seed=4))
+    rng = np.random.default_rng(5)
+    layers = [fold_scales(layer_slice(model.params, i), QWEN3, random_scales(rng, QWEN3))
+              for i in range(QWEN3.num_layers)]
+    folded = dataclasses.replace(model, params=replace_kernels(model.params, layers))
+    np.testing.assert_array_equal(folded.params["layers"]["attn"]["q_norm"]["scale"],
+                                  model.params["layers"]["attn"]["q_norm"]["scale"])
+    ids = np.random.default_rng(6).integers(0, QWEN3.vocab_size, 40)
+    want, got = model.forward_logits(ids), folded.forward_logits(ids)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+def test_gptq_runs_through_qk_norms():
+    # GPTQ's layer-by-layer calibration replays attention with the q/k norms: its error on the
+    # calibration logits must still beat round-to-nearest, and the norms stay as they were.
+    import jax
+    from jaxserve.quantization import QuantSpec, dequantize_weight
+    from jaxserve.quantization.calibration import random_calibration
+    from jaxserve.quantization.gptq import gptq_quantize
+    from jaxserve.quantization.layerwise import LINEARS, rtn_params
+    model = _with_random_norms(random_model(QWEN3, seed=11))
+    spec, calib = QuantSpec(4, "group", 32), random_calibration(256, num_seqs=8, seq_len=48)
+
+    def dequantized(params):
+        layers = dict(params["layers"])
+        for block, name in LINEARS:
+            layers[block] = dict(layers[block], **{name: {"kernel": jax.vmap(dequantize_weight)(
+                params["layers"][block][name]["kernel"])}})
+        return dataclasses.replace(model, params=dict(params, layers=layers))
+
+    gptq = gptq_quantize(model, spec, calib, progress=False)
+    np.testing.assert_array_equal(gptq["layers"]["attn"]["k_norm"]["scale"],
+                                  model.params["layers"]["attn"]["k_norm"]["scale"])
+    ids = calib.tokens[0]
+    want = model.forward_logits(ids)
+    err = {name: np.linalg.norm(dequantized(p).forward_logits(ids) - want)
+           for name, p in (("gptq", gptq), ("rtn", rtn_params(model.params, spec)))}
+    assert err["gptq"] < err["rtn"], err
