@@ -6,6 +6,9 @@ import dataclasses
 import math
 from typing import Any, Literal, Mapping, get_args
 
+from models.moe_config import (MOE_MODEL_TYPES, check_moe, mlp_params,  # the MoE fields
+                               moe_fields_from_hf)
+
 # Weight and activation dtypes; declared here, where models/ reads them, and imported by jaxserve.
 Dtype = Literal["float32", "bfloat16"]
 DTYPES = get_args(Dtype)
@@ -51,6 +54,11 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     architecture: str = "llama"
+    # Mixture of experts (models/moe_config.py checks and parses them); 0 experts: dense MLP.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -68,8 +76,9 @@ class ModelConfig:
             raise ValueError(f"rms_norm_eps must be positive, got {self.rms_norm_eps}")
         if not (self.rope_theta > 0 and math.isfinite(self.rope_theta)):
             raise ValueError(f"rope_theta must be positive, got {self.rope_theta}")
-        if self.architecture not in ("llama", "qwen2"):
+        if self.architecture not in ("llama", "qwen2", *MOE_MODEL_TYPES.values()):
             raise ValueError(f"unsupported architecture {self.architecture!r}: use llama or qwen2")
+        check_moe(self)
 
     @property
     def queries_per_kv(self) -> int:
@@ -80,9 +89,9 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
     def num_params(self) -> int:
-        d, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        d, v = self.hidden_size, self.vocab_size
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        per_layer = d * (q + 2 * kv) + q * d + 3 * d * f + 2 * d
+        per_layer = d * (q + 2 * kv) + q * d + mlp_params(self) + 2 * d  # MLP: dense or experts
         if self.attention_bias:
             per_layer += q + 2 * kv
         out = 0 if self.tie_word_embeddings else v * d
@@ -104,7 +113,8 @@ class ModelConfig:
         """Builds a config from a transformers ``config.json`` dict."""
         archs = hf.get("architectures") or []
         model_type = hf.get("model_type", "llama")
-        if model_type not in ("llama", "qwen2") and not any(
+        moe = moe_fields_from_hf(hf)  # {} for a dense model; refuses MoE options it lacks
+        if model_type not in ("llama", "qwen2") and not moe and not any(
                 a in ("LlamaForCausalLM", "Qwen2ForCausalLM") for a in archs):
             raise ValueError(
                 f"unsupported model_type {model_type!r} (architectures {archs}): jaxserve loads "
@@ -133,7 +143,7 @@ class ModelConfig:
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         is_qwen = model_type == "qwen2" or "Qwen2ForCausalLM" in archs
-        return cls(
+        return dataclasses.replace(cls(
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
             intermediate_size=hf["intermediate_size"],
@@ -150,7 +160,7 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
             architecture="qwen2" if is_qwen else "llama",
-        )
+        ), **moe)
 
 
 def check_dtype(dtype: str) -> str:

@@ -1,0 +1,99 @@
+"""Mixture-of-experts MLP (Mixtral, Qwen3-MoE, OLMoE): top-k routing and a grouped matmul.
+
+Each token picks its top-k experts by router softmax; its k (token, expert) pairs are sorted by
+expert so that every expert's rows are contiguous, and each expert projection is one
+`jax.lax.ragged_dot` over the sorted rows with the per-expert row counts as group sizes
+(no Python loop over experts, the number of programs independent of the routing). The rows
+are put back in token order by a gather (deterministic, unlike a scatter-add) and summed with
+their routing weights.
+
+Expert weights are stacked per layer: gate/up `[E, D, F]`, down `[E, F, D]`, router `[D, E]`
+(the decoder's `nn.scan` adds the leading `[L]`). They are not Linear layers: tensor
+parallelism replicates them (runtime/sharding.py gives paths without a LINEAR_ROLES module a
+replicated spec) and the quantization paths refuse MoE models (quantization/paths.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from models.config import ModelConfig
+
+
+def route(x, router, k: int, renormalize: bool):
+    """Top-k routing of tokens x `[N, D]` with router `[D, E]`, as transformers does.
+
+    Softmax over all E logits in float32, top-k of the probabilities, optionally renormalised
+    over the k chosen (`norm_topk_prob`; Mixtral's softmax over its top-k logits is the same).
+    Returns (logits `[N, E]` float32, weights `[N, k]` float32, experts `[N, k]` int32).
+    """
+    logits = jnp.einsum("ND,DE->NE", x, router, preferred_element_type=jnp.float32)  # [N, E]
+    probs = jax.nn.softmax(logits, axis=-1)  # [N, E]
+    weights, experts = jax.lax.top_k(probs, k)  # [N, k], [N, k]
+    if renormalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return logits, weights, experts.astype(jnp.int32)
+
+
+def sort_by_expert(experts, num_experts: int):
+    """experts `[N, k]` -> (order `[N*k]`, group_sizes `[E]` int32).
+
+    `order` lists the flat (token, slot) pairs grouped by expert (stable, so a group keeps
+    token order); pair p belongs to token p // k. An expert no token chose has group size 0.
+    """
+    flat = experts.reshape(-1)  # [N*k]
+    order = jnp.argsort(flat, stable=True)  # [N*k]
+    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # [E]
+    return order, group_sizes
+
+
+def grouped_ffn(xs, gate, up, down, group_sizes, dtype):
+    """SwiGLU expert FFN over rows sorted by expert: xs `[M, D]`, gate/up `[E, D, F]`,
+    down `[E, F, D]`, group_sizes `[E]` (summing to M). Returns `[M, D]` in `dtype`."""
+    def gmm(a, w):
+        return jax.lax.ragged_dot(a, w, group_sizes, preferred_element_type=jnp.float32)
+
+    h = (jax.nn.silu(gmm(xs, gate).astype(dtype)) * gmm(xs, up).astype(dtype))  # [M, F]
+    return gmm(h, down).astype(dtype)  # [M, D]
+
+
+def moe_ffn(x, router, gate, up, down, k: int, renormalize: bool):
+    """The MoE MLP on tokens x `[N, D]`; returns (`[N, D]` in x's dtype, experts `[N, k]`)."""
+    n, d = x.shape
+    num_experts = gate.shape[0]
+    _, weights, experts = route(x, router, k, renormalize)
+    order, group_sizes = sort_by_expert(experts, num_experts)
+    xs = jnp.take(x, order // k, axis=0)  # [N*k, D], grouped by expert
+    ys = grouped_ffn(xs, gate, up, down, group_sizes, x.dtype)  # [N*k, D]
+    back = jnp.argsort(order)  # [N*k]: the sorted row of each (token, slot) pair
+    ys = jnp.take(ys, back, axis=0).reshape(n, k, d)  # [N, k, D]
+    # transformers weights each expert's output in the activation dtype, then sums.
+    out = jnp.sum(ys * weights.astype(x.dtype)[..., None], axis=1)  # [N, D]
+    return out.astype(x.dtype), experts
+
+
+# Flax initialisers for the stacked expert kernels: fan-in along D (gate/up) or F (down).
+_EXPERT_INIT = nn.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
+
+
+class MoEMLP(nn.Module):
+    """The Block's MLP when `config.num_experts > 0`; x `[B, T, D]` -> `[B, T, D]`."""
+
+    config: ModelConfig
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        c = self.config
+        e, d, f = c.num_experts, c.hidden_size, c.moe_intermediate_size
+        router = self.param("router", nn.initializers.lecun_normal(), (d, e), self.dtype)
+        gate = self.param("gate", _EXPERT_INIT, (e, d, f), self.dtype)  # [E, D, F]
+        up = self.param("up", _EXPERT_INIT, (e, d, f), self.dtype)  # [E, D, F]
+        down = self.param("down", _EXPERT_INIT, (e, f, d), self.dtype)  # [E, F, D]
+        flat = x.reshape(-1, d)  # [B*T, D]
+        out, _ = moe_ffn(flat, router, gate, up, down, c.num_experts_per_tok, c.norm_topk_prob)
+        return out.reshape(x.shape)
