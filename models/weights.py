@@ -11,6 +11,8 @@ from typing import Callable, Mapping
 import numpy as np
 
 from models.config import ModelConfig
+from models.moe_weights import (moe_hf_shapes, moe_param_shapes,  # MoE experts
+                                moe_params_from_hf)
 
 # Flax path inside a layer -> (HF name template, transpose?)
 _LAYER_TENSORS = {
@@ -53,10 +55,12 @@ def expected_hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     if c.attention_bias:
         per_layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
                           "self_attn.v_proj.bias": (kv,)})
+    if c.num_experts:  # the experts replace the dense MLP (models/moe_weights.py)
+        per_layer = {k: v for k, v in per_layer.items() if not k.startswith("mlp.")}
     for i in range(c.num_layers):
         for name, shape in per_layer.items():
             shapes[f"model.layers.{i}.{name}"] = shape
-    return shapes
+    return shapes | moe_hf_shapes(c)
 
 
 def check_tensors(get_shape: Callable[[str], tuple[int, ...] | None], config: ModelConfig,
@@ -84,6 +88,9 @@ def params_from_hf(tensors: Mapping[str, np.ndarray], config: ModelConfig, dtype
     items = [(path, tmpl, tr) for path, (tmpl, tr) in _LAYER_TENSORS.items()]
     if config.attention_bias:
         items += [(path, tmpl, False) for path, tmpl in _BIAS_TENSORS.items()]
+    if config.num_experts:
+        items = [item for item in items if item[0][0] != "mlp"]
+        layers["mlp"] = moe_params_from_hf(get, config)
     for path, tmpl, transpose in items:
         # [L, ...]: layers are stacked for nn.scan.
         stacked = np.stack([get(tmpl.format(i=i), transpose) for i in range(config.num_layers)])
@@ -104,7 +111,9 @@ def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     items = [(path, tmpl, tr) for path, (tmpl, tr) in _LAYER_TENSORS.items()]
     if config.attention_bias:
         items += [(path, tmpl, False) for path, tmpl in _BIAS_TENSORS.items()]
-    shapes = {}
+    if config.num_experts:
+        items = [item for item in items if item[0][0] != "mlp"]
+    shapes = moe_param_shapes(config)
     for path, tmpl, transpose in items:
         one = hf[tmpl.format(i=0)]
         shapes["/".join(("layers",) + path)] = (config.num_layers,
