@@ -1,4 +1,4 @@
-"""Flax Llama-family decoder (Llama, SmolLM2, Qwen2): RMSNorm, RoPE, GQA, SwiGLU.
+"""Flax Llama-family decoder (Llama, SmolLM2, Qwen2/3, Phi-3): RMSNorm, RoPE, GQA, SwiGLU.
 
 Layers are stacked and run with `nn.scan`, so compile time stays flat in model depth (the GPU
 step runs them as separate blocks instead: `unroll_layers`, `unstack_layers`). Attention
@@ -160,8 +160,14 @@ class Attention(nn.Module):
         q = linear_layer("q_proj", c.num_heads * c.head_dim, self.dtype, lin, bias)(x)
         k = linear_layer("k_proj", c.num_kv_heads * c.head_dim, self.dtype, lin, bias)(x)
         v = linear_layer("v_proj", c.num_kv_heads * c.head_dim, self.dtype, lin, bias)(x)
+        if c.qk_norm == "full":  # OLMoE: over the whole projection, before the head split
+            q = RMSNorm(c.rms_norm_eps, self.dtype, name="q_norm")(q)  # [B, T, H * Dh]
+            k = RMSNorm(c.rms_norm_eps, self.dtype, name="k_norm")(k)  # [B, T, K * Dh]
         q = q.reshape(b, t, c.num_heads, c.head_dim)  # [B, T, H, Dh]
         k = k.reshape(b, t, c.num_kv_heads, c.head_dim)  # [B, T, K, Dh]
+        if c.qk_norm == "per_head":  # Qwen3, Gemma 3: each head over head_dim
+            q = RMSNorm(c.rms_norm_eps, self.dtype, name="q_norm")(q)
+            k = RMSNorm(c.rms_norm_eps, self.dtype, name="k_norm")(k)
         v = v.reshape(b, t, c.num_kv_heads, c.head_dim)  # [B, T, K, Dh]
         inv_freq = inv_frequencies(c)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)

@@ -49,8 +49,9 @@ def moe_fields_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
     """The ModelConfig fields of a MoE config.json ({} for a dense model).
 
     Refuses what the MoE path does not implement, naming the field: mixed dense/MoE layer
-    stacks (Qwen3-MoE `decoder_sparse_step` != 1 or `mlp_only_layers`), shared experts,
-    sliding windows and OLMoE's `clip_qkv`.
+    stacks (Qwen3-MoE `decoder_sparse_step` != 1 or `mlp_only_layers`), shared experts and
+    OLMoE's `clip_qkv`. Sets the family's q/k norm (OLMoE over the whole projection, Qwen3-MoE
+    per head). The attention fields are models/hf_config.py's, as for the dense families.
     """
     arch = moe_architecture(hf)
     if arch is None:
@@ -59,8 +60,6 @@ def moe_fields_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
     experts = hf.get("num_local_experts") or hf.get("num_experts")
     if not experts:
         raise ValueError(f"{mt}: config.json lacks num_local_experts / num_experts")
-    if hf.get("sliding_window") is not None and hf.get("use_sliding_window", True):
-        _refuse(mt, f"sliding_window={hf['sliding_window']}")
     if arch == "qwen3_moe":
         if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
             _refuse(mt, "a mix of dense and MoE layers (decoder_sparse_step="
@@ -79,6 +78,7 @@ def moe_fields_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
         moe_intermediate_size=int(hf.get("moe_intermediate_size") or hf["intermediate_size"]),
         # Mixtral always renormalises the top-k (softmax over the chosen logits).
         norm_topk_prob=True if arch == "mixtral" else bool(hf.get("norm_topk_prob", False)),
+        qk_norm={"mixtral": "none", "olmoe": "full", "qwen3_moe": "per_head"}[arch],
     )
 
 

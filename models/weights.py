@@ -33,6 +33,25 @@ _BIAS_TENSORS = {
 }
 
 
+def _qk_norm_tensors(config: ModelConfig) -> dict:
+    """q/k norm scales (Qwen3: per head `[Dh]`; OLMoE: whole projection `[H * Dh]`)."""
+    if config.qk_norm == "none":
+        return {}
+    return {("attn", "q_norm", "scale"): ("model.layers.{i}.self_attn.q_norm.weight", False),
+            ("attn", "k_norm", "scale"): ("model.layers.{i}.self_attn.k_norm.weight", False)}
+
+
+def _layer_items(config: ModelConfig) -> list[tuple[tuple[str, ...], str, bool]]:
+    """(Flax path, HF name template, transpose?) of every per-layer tensor of `config`."""
+    items = [(path, tmpl, tr) for path, (tmpl, tr) in _LAYER_TENSORS.items()]
+    if config.attention_bias:
+        items += [(path, tmpl, False) for path, tmpl in _BIAS_TENSORS.items()]
+    items += [(path, tmpl, tr) for path, (tmpl, tr) in _qk_norm_tensors(config).items()]
+    if config.num_experts:  # the experts replace the dense MLP (models/moe_weights.py)
+        items = [item for item in items if item[0][0] != "mlp"]
+    return items
+
+
 class CheckpointError(ValueError):
     """A checkpoint is unreadable, incomplete or does not match its config."""
 
@@ -57,6 +76,10 @@ def expected_hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
                           "self_attn.v_proj.bias": (kv,)})
     if c.num_experts:  # the experts replace the dense MLP (models/moe_weights.py)
         per_layer = {k: v for k, v in per_layer.items() if not k.startswith("mlp.")}
+    if c.qk_norm != "none":
+        per_head = c.qk_norm == "per_head"
+        per_layer.update({"self_attn.q_norm.weight": (c.head_dim if per_head else q,),
+                          "self_attn.k_norm.weight": (c.head_dim if per_head else kv,)})
     for i in range(c.num_layers):
         for name, shape in per_layer.items():
             shapes[f"model.layers.{i}.{name}"] = shape
@@ -85,13 +108,9 @@ def params_from_hf(tensors: Mapping[str, np.ndarray], config: ModelConfig, dtype
         return np.ascontiguousarray(x.T if transpose else x).astype(dtype)
 
     layers: dict = {}
-    items = [(path, tmpl, tr) for path, (tmpl, tr) in _LAYER_TENSORS.items()]
-    if config.attention_bias:
-        items += [(path, tmpl, False) for path, tmpl in _BIAS_TENSORS.items()]
-    if config.num_experts:
-        items = [item for item in items if item[0][0] != "mlp"]
+    if config.num_experts:  # the experts (models/moe_weights.py)
         layers["mlp"] = moe_params_from_hf(get, config)
-    for path, tmpl, transpose in items:
+    for path, tmpl, transpose in _layer_items(config):
         # [L, ...]: layers are stacked for nn.scan.
         stacked = np.stack([get(tmpl.format(i=i), transpose) for i in range(config.num_layers)])
         node = layers
@@ -108,13 +127,8 @@ def params_from_hf(tensors: Mapping[str, np.ndarray], config: ModelConfig, dtype
 def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """The shape of every leaf `params_from_hf` builds, by "/"-joined Flax path."""
     hf = expected_hf_shapes(config)
-    items = [(path, tmpl, tr) for path, (tmpl, tr) in _LAYER_TENSORS.items()]
-    if config.attention_bias:
-        items += [(path, tmpl, False) for path, tmpl in _BIAS_TENSORS.items()]
-    if config.num_experts:
-        items = [item for item in items if item[0][0] != "mlp"]
     shapes = moe_param_shapes(config)
-    for path, tmpl, transpose in items:
+    for path, tmpl, transpose in _layer_items(config):
         one = hf[tmpl.format(i=0)]
         shapes["/".join(("layers",) + path)] = (config.num_layers,
                                                  *(one[::-1] if transpose else one))
