@@ -95,5 +95,8 @@ class MoEMLP(nn.Module):
         up = self.param("up", _EXPERT_INIT, (e, d, f), self.dtype)  # [E, D, F]
         down = self.param("down", _EXPERT_INIT, (e, f, d), self.dtype)  # [E, F, D]
         flat = x.reshape(-1, d)  # [B*T, D]
-        out, _ = moe_ffn(flat, router, gate, up, down, c.num_experts_per_tok, c.norm_topk_prob)
+        out, experts = moe_ffn(flat, router, gate, up, down, c.num_experts_per_tok,
+                               c.norm_topk_prob)
+        # Kept only when the caller asks for "intermediates" (the routing tests); else a no-op.
+        self.sow("intermediates", "experts", experts.reshape(*x.shape[:-1], -1))  # [B, T, k]
         return out.reshape(x.shape)
