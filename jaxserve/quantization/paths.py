@@ -52,6 +52,16 @@ def quantize_params(model, path: str) -> dict:
     return quantize_head(params, INT8_CHANNEL)
 
 
+def refuse_moe(config, what: str) -> None:
+    """Quantization covers the decoder's Linear layers; a MoE model's experts are stacked
+    `[E, D, F]` arrays run by ragged_dot (models/moe.py), which no quantized path serves yet."""
+    if config.num_experts:
+        raise ValueError(
+            f"{what} is not supported for mixture-of-experts models ({config.architecture}, "
+            f"{config.num_experts} experts): serve them unquantized (omit quantization; "
+            "dtype='bfloat16' halves the weights)")
+
+
 def prepare_model(model, requested: str | None):
     """(model with params for the path, the path served).
 
@@ -67,5 +77,6 @@ def prepare_model(model, requested: str | None):
         return model, saved
     if requested is None:
         return model, None
+    refuse_moe(model.config, f"quantization={requested!r}")
     params = quantize_params(model, requested)
     return dataclasses.replace(model, params=params, quantization=requested, raw={}), requested
