@@ -3,6 +3,7 @@ and paged engine: the same experts per token, dense logits, and greedy tokens un
 prefill; and no compile after warm-up in a MoE engine."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -63,22 +64,31 @@ def test_num_params_counts_experts(models):
         assert m.config.num_params() == sum(x.size for x in jax.tree.leaves(m.params))
 
 
-def _our_experts(model, ids):
-    """Each layer's chosen experts per token `[L, T, k]`, sown by MoEMLP (layers unrolled)."""
+def _our_experts(model, prompts, length=64):
+    """Each layer's chosen experts per token `[L, T, k]` for each prompt, as MoEMLP sows them
+    (layers unrolled). Prompts are padded to one length (one compile): under the causal mask
+    the padding changes no earlier token's routing."""
     module = model.module(unroll_layers=True)
     params = unstack_layers(model.params, model.config.num_layers)
-    tokens = np.asarray([ids], np.int32)
-    _, state = module.apply({"params": params}, tokens, np.arange(len(ids))[None],
-                            mutable=["intermediates"])
-    inter = state["intermediates"]
-    return np.stack([np.asarray(inter[f"layers_{i}"]["mlp"]["experts"][0][0])
-                     for i in range(model.config.num_layers)])  # [L, T, k]
+
+    @jax.jit
+    def sown(tokens):  # [1, length]
+        positions = jnp.arange(length, dtype=jnp.int32)[None]
+        return module.apply({"params": params}, tokens, positions,
+                            mutable=["intermediates"])[1]["intermediates"]
+
+    out = []
+    for ids in prompts:
+        inter = sown(np.asarray([ids + [0] * (length - len(ids))], np.int32))
+        out.append(np.stack([np.asarray(inter[f"layers_{i}"]["mlp"]["experts"][0][0])
+                             for i in range(model.config.num_layers)])[:, :len(ids)])
+    return out  # per prompt [L, T, k]
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_routing_matches_hf(reference, models, name):
-    for i, ids in enumerate(PROMPTS):
-        ours = np.sort(_our_experts(models[name], ids), axis=-1)
+    for i, (ids, experts) in enumerate(zip(PROMPTS, _our_experts(models[name], PROMPTS))):
+        ours = np.sort(experts, axis=-1)
         theirs = np.sort(reference[f"{name}/experts/{i}"], axis=-1)
         assert ours.shape == theirs.shape == (3, len(ids), 2)
         np.testing.assert_array_equal(ours, theirs)
