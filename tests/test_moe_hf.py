@@ -135,3 +135,12 @@ def test_moe_engine_adds_no_compiles_after_warmup(models):
         _generate(engine, GREEDY_PROMPTS)
     assert events == []
     assert engine.stats()["num_compiles_after_warmup"] == 0
+
+
+def test_orbax_roundtrip_matches_hf(reference, models, tmp_path):
+    from models.checkpoint import save as save_orbax
+    save_orbax(models["olmoe"], tmp_path / "ckpt")
+    restored = load_model(tmp_path / "ckpt")
+    assert restored.config == models["olmoe"].config
+    np.testing.assert_allclose(restored.forward_logits(PROMPTS[0]),
+                               reference["olmoe/logits/0"], atol=ATOL, rtol=0)
