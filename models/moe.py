@@ -9,8 +9,8 @@ their routing weights.
 
 Expert weights are stacked per layer: gate/up `[E, D, F]`, down `[E, F, D]`, router `[D, E]`
 (the decoder's `nn.scan` adds the leading `[L]`). They are not Linear layers: tensor
-parallelism replicates them (runtime/sharding.py gives paths without a LINEAR_ROLES module a
-replicated spec) and the quantization paths refuse MoE models (quantization/paths.py).
+parallelism splits them by `EXPERT_ROLES` (runtime/sharding.py) and the quantization paths
+refuse MoE models (quantization/paths.py).
 """
 
 from __future__ import annotations
@@ -22,6 +22,13 @@ import jax
 import jax.numpy as jnp
 
 from models.config import ModelConfig
+
+
+# Tensor-parallel role of each stacked expert kernel, as LINEAR_ROLES declares the Linears':
+# gate/up split their F outputs over devices and down its F inputs, so every device runs every
+# expert on its share of F and the MLP ends in one all-reduce, like the dense MLP. The router
+# (and so the routing) is replicated.
+EXPERT_ROLES = {"gate": "column", "up": "column", "down": "row"}
 
 
 def route(x, router, k: int, renormalize: bool):

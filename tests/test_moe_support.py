@@ -1,6 +1,9 @@
 """What MoE models support beyond the float single-device path: tensor parallelism (experts
-replicated), and clear refusals (quantization, MoE GGUF files, HF options not implemented)."""
+split on their FFN axis), and clear refusals (quantization, MoE GGUF files, HF options not implemented)."""
 
+import dataclasses
+
+import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -17,11 +20,20 @@ MOE = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layer
                   moe_intermediate_size=16, norm_topk_prob=True)
 
 
-def test_experts_are_replicated_and_attention_split():
+def test_experts_split_on_their_ffn_axis():
     specs = param_specs(random_model(MOE).params, MOE, 2)
-    assert {k: specs["layers"]["mlp"][k] for k in ("router", "gate", "up", "down")} == \
-        {k: P() for k in ("router", "gate", "up", "down")}
+    # [L, D, E] router; [L, E, D, F] gate/up split on F (outputs); [L, E, F, D] down on F.
+    assert specs["layers"]["mlp"] == {"router": P(), "gate": P(None, None, None, "model"),
+                                      "up": P(None, None, None, "model"),
+                                      "down": P(None, None, "model", None)}
     assert specs["layers"]["attn"]["q_proj"]["kernel"] == P(None, None, "model")
+
+
+def test_expert_ffn_that_does_not_split_is_named():
+    odd = dataclasses.replace(MOE, moe_intermediate_size=15)
+    with pytest.raises(ValueError,
+                       match=r"layers/mlp/(down|gate|up) .* tensor_parallel_size=2 \(dimension 15"):
+        param_specs(random_model(odd).params, odd, 2)
 
 
 @pytest.mark.subprocess
@@ -29,6 +41,9 @@ def test_experts_are_replicated_and_attention_split():
 def test_tensor_parallel_greedy_equals_one_device():
     out = run_worker({"moe": ["tokens", {"config_name": "moe", "sizes": [1, 2]}]})["moe"]
     assert out["1"]["tokens"] == out["2"]["tokens"]
+    # Each device holds half of every expert: the experts are most of this model's weights.
+    # (replicated experts would leave each device about 0.67 of the weights here)
+    assert max(out["2"]["weights"]) < 0.6 * max(out["1"]["weights"])
     assert len(out["1"]["tokens"]) == 2 and all(len(t) == 5 for t in out["1"]["tokens"])
 
 
@@ -84,3 +99,39 @@ def test_random_moe_model_runs_in_the_engine_dense_path():
     model = random_model(MOE)
     assert model.params["layers"]["mlp"]["gate"].shape == (2, 4, 32, 16)  # [L, E, D, F]
     assert model.forward_logits([1, 2, 3]).shape == (3, 64)
+
+
+def test_sharded_experts_compile_for_2_h200s_with_one_all_reduce():
+    """The MoE MLP with EXPERT_ROLES' specs, compiled deviceless for 2 H200s: XLA partitions
+    the ragged dots on F and sums down's partial products in one all-reduce."""
+    import re
+
+    import jax.numpy as jnp
+    from jax.experimental import topologies
+    from jax.sharding import NamedSharding
+
+    from models.moe import moe_ffn
+    from tests import cuda_lowering
+    reason = cuda_lowering.cuda_compiler_available()
+    if reason:
+        pytest.skip(reason)
+    topo = topologies.get_topology_desc(platform="cuda", topology="1x1x2",
+                                        target_config=cuda_lowering.H200_TARGET_CONFIG)
+    mesh = jax.sharding.Mesh(topo.devices, ("model",))
+    n, e, d, f = 64, 8, 128, 256
+    shapes = [(n, d), (d, e), (e, d, f), (e, d, f), (e, f, d)]  # x, router, gate, up, down
+    specs = [P(), P(), P(None, None, "model"), P(None, None, "model"), P(None, "model", None)]
+    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=NamedSharding(mesh, p))
+            for s, p in zip(shapes, specs)]
+    enabled = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)  # compile-only client
+    try:
+        with jax.set_mesh(mesh):
+            fn = jax.jit(lambda *a: moe_ffn(*a, 2, True)[0],
+                         out_shardings=NamedSharding(mesh, P()))
+            hlo = fn.trace(*args).lower().compile().as_text()
+    finally:
+        jax.config.update("jax_enable_compilation_cache", enabled)
+    found = {op: len(re.findall(op + r"(?:-start)?\(", hlo))
+             for op in ("all-reduce", "all-gather", "all-to-all")}
+    assert found == {"all-reduce": 1, "all-gather": 0, "all-to-all": 0}

@@ -24,7 +24,7 @@ GQA = ModelConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_la
 SMOL_HEADS = ModelConfig(vocab_size=256, hidden_size=96, intermediate_size=256, num_layers=2,
                          num_heads=9, num_kv_heads=3, head_dim=32, max_position_embeddings=256,
                          tie_word_embeddings=True)
-# GQA's attention with a MoE MLP (4 experts, top-2): experts replicated on every device.
+# GQA's attention with a MoE MLP (4 experts, top-2): experts split on F over the devices.
 MOE = ModelConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=2,
                   num_heads=16, num_kv_heads=8, head_dim=64, max_position_embeddings=256,
                   architecture="mixtral", num_experts=4, num_experts_per_tok=2,
