@@ -21,7 +21,8 @@ import numpy as np
 # architecture -> (router, gate, up, down) name templates inside layer i, expert j.
 _NAMES = {
     "mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{j}.w1.weight",
-                "block_sparse_moe.experts.{j}.w3.weight", "block_sparse_moe.experts.{j}.w2.weight"),
+                "block_sparse_moe.experts.{j}.w3.weight",
+                "block_sparse_moe.experts.{j}.w2.weight"),
 }
 _NAMES["qwen3_moe"] = _NAMES["olmoe"] = (
     "mlp.gate.weight", "mlp.experts.{j}.gate_proj.weight", "mlp.experts.{j}.up_proj.weight",

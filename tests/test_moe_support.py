@@ -1,5 +1,6 @@
 """What MoE models support beyond the float single-device path: tensor parallelism (experts
-split on their FFN axis), and clear refusals (quantization, MoE GGUF files, HF options not implemented)."""
+split on their FFN axis), and clear refusals (quantization, MoE GGUF files, HF options not
+implemented)."""
 
 import dataclasses
 
@@ -31,8 +32,8 @@ def test_experts_split_on_their_ffn_axis():
 
 def test_expert_ffn_that_does_not_split_is_named():
     odd = dataclasses.replace(MOE, moe_intermediate_size=15)
-    with pytest.raises(ValueError,
-                       match=r"layers/mlp/(down|gate|up) .* tensor_parallel_size=2 \(dimension 15"):
+    needle = r"layers/mlp/(down|gate|up) .* tensor_parallel_size=2 \(dimension 15"
+    with pytest.raises(ValueError, match=needle):
         param_specs(random_model(odd).params, odd, 2)
 
 
