@@ -9,8 +9,9 @@ their routing weights.
 
 Expert weights are stacked per layer: gate/up `[E, D, F]`, down `[E, F, D]`, router `[D, E]`
 (the decoder's `nn.scan` adds the leading `[L]`). They are not Linear layers: tensor
-parallelism splits them by `EXPERT_ROLES` (runtime/sharding.py) and the quantization paths
-refuse MoE models (quantization/paths.py).
+parallelism splits them by `EXPERT_ROLES` (runtime/sharding.py), and w8a16 quantizes them
+per expert and output channel (jaxserve/quantization/moe.py); other quantization paths refuse
+MoE models.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from models.config import ModelConfig
+from models.quantized import Int8Weight, is_quantized
 
 
 # Tensor-parallel role of each stacked expert kernel, as LINEAR_ROLES declares the Linears':
@@ -58,11 +60,34 @@ def sort_by_expert(experts, num_experts: int):
     return order, group_sizes
 
 
+# ragged_dot on int8 codes stored output-major ([E, N, K], models/quantized.py): contract K.
+_OUTPUT_MAJOR = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0],
+    rhs_group_dimensions=[0])
+
+
+def _gmm(a, w, group_sizes):
+    """a `[M, K]` (rows grouped by expert) @ each group's expert of w `[E, K, N]` -> `[M, N]`
+    float32. An Int8Weight (per output channel, symmetric: w8a16's experts) is converted to
+    a's dtype inside the product (exact) and its per-(expert, channel) scale applied per row."""
+    if not is_quantized(w):
+        return jax.lax.ragged_dot(a, w, group_sizes, preferred_element_type=jnp.float32)
+    if not isinstance(w, Int8Weight) or w.offsets is not None or w.scales.shape[-2] != 1:
+        raise ValueError("MoE experts run int8 per-channel symmetric weights only (w8a16); got "
+                         f"{type(w).__name__} with {w.scales.shape[-2]} groups")
+    y = jax.lax.ragged_dot_general(a, w.q8.astype(a.dtype), group_sizes, _OUTPUT_MAJOR,
+                                   preferred_element_type=jnp.float32)  # [M, N]
+    row_expert = jnp.repeat(jnp.arange(group_sizes.shape[0]), group_sizes,
+                            total_repeat_length=a.shape[0])  # [M]
+    return y * jnp.take(w.scales[:, 0, :], row_expert, axis=0).astype(jnp.float32)
+
+
 def grouped_ffn(xs, gate, up, down, group_sizes, dtype):
     """SwiGLU expert FFN over rows sorted by expert: xs `[M, D]`, gate/up `[E, D, F]`,
-    down `[E, F, D]`, group_sizes `[E]` (summing to M). Returns `[M, D]` in `dtype`."""
+    down `[E, F, D]` (float, or Int8Weight), group_sizes `[E]` (summing to M). Returns
+    `[M, D]` in `dtype`."""
     def gmm(a, w):
-        return jax.lax.ragged_dot(a, w, group_sizes, preferred_element_type=jnp.float32)
+        return _gmm(a, w, group_sizes)
 
     h = (jax.nn.silu(gmm(xs, gate).astype(dtype)) * gmm(xs, up).astype(dtype))  # [M, F]
     return gmm(h, down).astype(dtype)  # [M, D]
@@ -71,7 +96,7 @@ def grouped_ffn(xs, gate, up, down, group_sizes, dtype):
 def moe_ffn(x, router, gate, up, down, k: int, renormalize: bool):
     """The MoE MLP on tokens x `[N, D]`; returns (`[N, D]` in x's dtype, experts `[N, k]`)."""
     n, d = x.shape
-    num_experts = gate.shape[0]
+    num_experts = router.shape[-1]
     _, weights, experts = route(x, router, k, renormalize)
     order, group_sizes = sort_by_expert(experts, num_experts)
     xs = jnp.take(x, order // k, axis=0)  # [N*k, D], grouped by expert
@@ -98,12 +123,20 @@ class MoEMLP(nn.Module):
         c = self.config
         e, d, f = c.num_experts, c.hidden_size, c.moe_intermediate_size
         router = self.param("router", nn.initializers.lecun_normal(), (d, e), self.dtype)
-        gate = self.param("gate", _EXPERT_INIT, (e, d, f), self.dtype)  # [E, D, F]
-        up = self.param("up", _EXPERT_INIT, (e, d, f), self.dtype)  # [E, D, F]
-        down = self.param("down", _EXPERT_INIT, (e, f, d), self.dtype)  # [E, F, D]
+        gate = self._experts("gate", (e, d, f))  # [E, D, F]
+        up = self._experts("up", (e, d, f))  # [E, D, F]
+        down = self._experts("down", (e, f, d))  # [E, F, D]
         flat = x.reshape(-1, d)  # [B*T, D]
         out, experts = moe_ffn(flat, router, gate, up, down, c.num_experts_per_tok,
                                c.norm_topk_prob)
         # Kept only when the caller asks for "intermediates" (the routing tests); else a no-op.
         self.sow("intermediates", "experts", experts.reshape(*x.shape[:-1], -1))  # [B, T, k]
         return out.reshape(x.shape)
+
+    def _experts(self, name: str, shape):
+        # A w8a16 model stores an Int8Weight here; `param` would check it against the float
+        # shape, so read it directly (as models/llama.py's Linear does).
+        stored = self.get_variable("params", name)
+        if is_quantized(stored):
+            return stored
+        return self.param(name, _EXPERT_INIT, shape, self.dtype)

@@ -5,10 +5,12 @@ implemented)."""
 import dataclasses
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxserve import EngineConfig, LLMEngine
+from jaxserve import EngineConfig, LLMEngine, SamplingParams
 from jaxserve.runtime.sharding import param_specs
 from models.config import ModelConfig
 from models.hf_config import config_fields
@@ -40,7 +42,12 @@ def test_expert_ffn_that_does_not_split_is_named():
 @pytest.mark.subprocess
 @pytest.mark.timeout(1000)
 def test_tensor_parallel_greedy_equals_one_device():
-    out = run_worker({"moe": ["tokens", {"config_name": "moe", "sizes": [1, 2]}]})["moe"]
+    # float and w8a16 experts, each on 1 and 2 devices, in one worker process
+    runs = run_worker({"moe": ["tokens", {"config_name": "moe", "sizes": [1, 2]}],
+                       "w8a16": ["tokens", {"config_name": "moe", "sizes": [1, 2],
+                                            "quantization": "w8a16"}]})
+    out, w8 = runs["moe"], runs["w8a16"]
+    assert w8["1"]["tokens"] == w8["2"]["tokens"]  # int8 experts split like the float ones
     assert out["1"]["tokens"] == out["2"]["tokens"]
     # Each device holds half of every expert: the experts are most of this model's weights.
     # (replicated experts would leave each device about 0.67 of the weights here)
@@ -48,7 +55,7 @@ def test_tensor_parallel_greedy_equals_one_device():
     assert len(out["1"]["tokens"]) == 2 and all(len(t) == 5 for t in out["1"]["tokens"])
 
 
-@pytest.mark.parametrize("quantization", ["w8a16", "w4a16", "w8a8"])
+@pytest.mark.parametrize("quantization", ["w4a16", "w8a8"])
 def test_quantization_is_refused(quantization):
     model = random_model(MOE)
     with pytest.raises(ValueError, match="not supported for mixture-of-experts models"):
@@ -136,3 +143,70 @@ def test_sharded_experts_compile_for_2_h200s_with_one_all_reduce():
     found = {op: len(re.findall(op + r"(?:-start)?\(", hlo))
              for op in ("all-reduce", "all-gather", "all-to-all")}
     assert found == {"all-reduce": 1, "all-gather": 0, "all-to-all": 0}
+
+
+def _dequantized(w):
+    """numpy: an output-major per-channel Int8Weight as the float kernel it stands for."""
+    return np.swapaxes(np.asarray(w.q8, np.float64), -1, -2) * np.asarray(w.scales)
+
+
+def test_w8a16_experts_equal_their_dequantized_float_weights():
+    from jaxserve.quantization.moe import quantize_experts
+    from jaxserve.quantization.paths import INT8_CHANNEL
+    model = random_model(MOE, seed=2)
+    params = quantize_experts(model.params, INT8_CHANNEL)
+    gate = params["layers"]["mlp"]["gate"]
+    assert gate.q8.shape == (2, 4, 16, 32) and gate.scales.shape == (2, 4, 1, 16)  # [L, E, ..]
+    mlp = {k: _dequantized(v) if k != "router" else v
+           for k, v in params["layers"]["mlp"].items()}
+    floats = dict(model.params, layers=dict(model.params["layers"], mlp=mlp))
+    reference = dataclasses.replace(model, params=jax.tree.map(jnp.asarray, floats))
+    ids = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
+    want = reference.forward_logits(ids)
+    got = dataclasses.replace(model, params=params).forward_logits(ids)
+    # Same math on both sides (the codes convert exactly): summation order only.
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+    # and quantization really changed the experts (else the check above is vacuous)
+    assert np.abs(want - model.forward_logits(ids)).max() > 1e-4
+
+
+def test_w8a16_engine_greedy_equals_its_dense_forward():
+    from jaxserve.runtime.backends import linear_backend
+    engine = LLMEngine(EngineConfig(model="tiny", quantization="w8a16", warmup=False,
+                                    max_model_len=64, max_num_seqs=2, block_size=4,
+                                    max_num_batched_tokens=8), model=random_model(MOE, seed=4))
+    params = engine.model.params
+    assert type(params["layers"]["mlp"]["down"]).__name__ == "Int8Weight"
+    module = engine.model.module(linear=linear_backend("xla"))
+    forward = jax.jit(lambda t: module.apply({"params": params}, t,
+                                             jnp.arange(32, dtype=jnp.int32)[None])[0][0])
+    prompts = [[5, 9, 2, 33, 7, 1, 8, 8, 8, 4, 2, 60], [17, 3]]
+    want = []
+    for ids in prompts:  # greedy by full recompute (the 32 slots hold prompt + 6 tokens)
+        out = []
+        for _ in range(6):
+            seq = ids + out
+            logits = forward(jnp.asarray([seq + [0] * (32 - len(seq))], jnp.int32))
+            out.append(int(np.argmax(np.asarray(logits[len(seq) - 1]))))
+        want.append(out)
+    params_greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    for i, ids in enumerate(prompts):
+        engine.add_request(str(i), ids, params_greedy)
+    done = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = list(o.outputs[0].token_ids)
+    assert [done[str(i)] for i in range(len(prompts))] == want
+
+
+def test_quantized_expert_specs_split_like_the_float_ones():
+    from jaxserve.quantization.moe import quantize_experts
+    from jaxserve.quantization.paths import INT8_CHANNEL
+    params = quantize_experts(random_model(MOE).params, INT8_CHANNEL)
+    specs = param_specs(params, MOE, 2)["layers"]["mlp"]
+    # codes are output-major [L, E, N, K]: gate's N (= F) and down's K (= F) split
+    assert (specs["gate"].q8, specs["gate"].scales) == (P(None, None, "model", None),
+                                                        P(None, None, None, "model"))
+    assert (specs["down"].q8, specs["down"].scales) == (P(None, None, None, "model"),
+                                                        P(None, None, None, None))

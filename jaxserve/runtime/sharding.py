@@ -250,7 +250,13 @@ def param_specs(params, config: ModelConfig, n: int):
         if names[0] == "embedding":
             s = P(AXIS, None) if vp else P()
         elif "mlp" in names and names[-1] in EXPERT_ROLES:  # stacked experts [.., E, in, out]
-            s = axes_spec(leaf.shape, ("in", "out"), SPLIT[EXPERT_ROLES[names[-1]]])
+            split = SPLIT[EXPERT_ROLES[names[-1]]]
+            if is_quantized(leaf):
+                s = weight_specs(leaf, split)
+                for name, a in leaf.arrays().items():
+                    _check_divisible(path, a, getattr(s, name), n)
+                return s
+            s = axes_spec(leaf.shape, ("in", "out"), split)
         elif _module_role(names)[0] is None:  # norms (and a MoE router: replicated)
             s = P()
         elif is_quantized(leaf):
