@@ -126,3 +126,26 @@ def test_compiles_for_h200(n):
         pytest.skip(reason)
     compiled = cuda_lowering.compile_for_h200(_moe_fn, *_moe_args(n, 8, 128, 256, jnp.bfloat16))
     assert compiled.as_text()
+
+
+def test_int8_experts_compile_for_h200():
+    """w8a16 experts (output-major int8 codes, per-channel scales) compile for sm_90a."""
+    from models.quantized import Int8Weight
+    reason = cuda_lowering.cuda_compiler_available()
+    if reason:
+        pytest.skip(reason)
+    s = jax.ShapeDtypeStruct
+    e, d, f = 8, 128, 256
+
+    def int8(k, n):
+        return Int8Weight(q8=s((e, n, k), jnp.int8), scales=s((e, 1, n), jnp.float32),
+                          group_size=k)
+
+    args = [s((64, d), jnp.bfloat16), s((d, e), jnp.bfloat16), int8(d, f), int8(d, f),
+            int8(f, d)]
+    leaves, tree = jax.tree.flatten(args)  # compile_for_h200 takes flat arrays
+
+    def fn(*flat):
+        return moe_ffn(*jax.tree.unflatten(tree, flat), 2, True)[0]
+
+    assert cuda_lowering.compile_for_h200(fn, *leaves).as_text()
