@@ -93,8 +93,16 @@ def _refuse_sliding_window(hf: Mapping[str, Any], fields: dict, on_by_default: b
     return fields
 
 
+def _no_o_proj_bias(fields: dict, family: str) -> dict:
+    # Llama and Qwen3 put a bias on o_proj too when attention_bias is set (Qwen2 does not).
+    if fields["attention_bias"]:
+        raise ValueError(f"{family} with attention_bias=true (biases on q/k/v and o_proj) is "
+                         "not supported")
+    return fields
+
+
 def _llama(hf) -> dict:
-    return dict(_common(hf), architecture="llama")
+    return _no_o_proj_bias(dict(_common(hf), architecture="llama"), "llama")
 
 
 def _qwen2(hf) -> dict:
@@ -104,8 +112,9 @@ def _qwen2(hf) -> dict:
 
 
 def _qwen3(hf) -> dict:
-    # Qwen3: q/k RMSNorm per head before RoPE, no q/k/v biases unless the file says so.
+    # Qwen3: q/k RMSNorm per head before RoPE, no q/k/v biases.
     fields = dict(_common(hf, eps_default=1e-6), qk_norm="per_head", architecture="qwen3")
+    _no_o_proj_bias(fields, "qwen3")
     return _refuse_sliding_window(hf, fields, False)
 
 

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from models.config import ModelConfig
 from models.moe import MoEMLP
 from models.quantized import is_quantized
-from models.rope import apply_rope, inv_frequencies
+from models.rope import apply_rope, attention_factor, inv_frequencies
 
 # Megatron roles: "column" splits the output features over devices, "row" the input features
 # (its partial products are summed: one all-reduce per block); None is not split by role (the
@@ -169,8 +169,9 @@ class Attention(nn.Module):
             q = RMSNorm(c.rms_norm_eps, self.dtype, name="q_norm")(q)
             k = RMSNorm(c.rms_norm_eps, self.dtype, name="k_norm")(k)
         v = v.reshape(b, t, c.num_kv_heads, c.head_dim)  # [B, T, K, Dh]
-        inv_freq = inv_frequencies(c)
-        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        inv_freq, rope_scale = inv_frequencies(c), attention_factor(c)
+        q = apply_rope(q, positions, inv_freq, rope_scale)
+        k = apply_rope(k, positions, inv_freq, rope_scale)
         with jax.named_scope("attention"):  # the paged-attention kernel, not the projections
             out, cache = self.attention(q, k, v, cache, layer, meta)
         out = out.reshape(b, t, c.num_heads * c.head_dim)

@@ -86,10 +86,54 @@ def expected_hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes | moe_hf_shapes(c)
 
 
+# Fused projections some families store (Phi-3), split at load time into the q/k/v and
+# gate/up layers every other path (quantization, tensor-parallel roles, kernels) knows.
+_FUSED = {"phi3": ("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight")}
+
+
+def file_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint file for `config` holds under its own names (fused or not)."""
+    shapes = expected_hf_shapes(config)
+    if config.architecture not in _FUSED:
+        return shapes
+    c = config
+    q, kv, f = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
+    for i in range(c.num_layers):
+        pre = f"model.layers.{i}."
+        for part in ("q_proj", "k_proj", "v_proj"):
+            del shapes[f"{pre}self_attn.{part}.weight"]
+        for part in ("gate_proj", "up_proj"):
+            del shapes[f"{pre}mlp.{part}.weight"]
+        shapes[f"{pre}self_attn.qkv_proj.weight"] = (q + 2 * kv, c.hidden_size)
+        shapes[f"{pre}mlp.gate_up_proj.weight"] = (2 * f, c.hidden_size)
+    return shapes
+
+
+def unfuse(tensors: Mapping[str, np.ndarray], config: ModelConfig) -> dict[str, np.ndarray]:
+    """HF-named tensors with fused qkv_proj / gate_up_proj (`[out, in]`) split into the
+    separate projections, in transformers' order (q, k, v; gate, up)."""
+    if config.architecture not in _FUSED:
+        return dict(tensors)
+    c = config
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    out = dict(tensors)
+    for i in range(c.num_layers):
+        pre = f"model.layers.{i}."
+        qkv = out.pop(f"{pre}self_attn.qkv_proj.weight")  # [q + 2 kv, D]
+        out[f"{pre}self_attn.q_proj.weight"] = qkv[:q]
+        out[f"{pre}self_attn.k_proj.weight"] = qkv[q:q + kv]
+        out[f"{pre}self_attn.v_proj.weight"] = qkv[q + kv:]
+        gate_up = out.pop(f"{pre}mlp.gate_up_proj.weight")  # [2 F, D]
+        out[f"{pre}mlp.gate_proj.weight"] = gate_up[:c.intermediate_size]
+        out[f"{pre}mlp.up_proj.weight"] = gate_up[c.intermediate_size:]
+    return out
+
+
 def check_tensors(get_shape: Callable[[str], tuple[int, ...] | None], config: ModelConfig,
-                  source: str) -> None:
-    """Raises CheckpointError naming the file and tensor for a missing or misshapen tensor."""
-    for name, shape in expected_hf_shapes(config).items():
+                  source: str, shapes: Mapping[str, tuple[int, ...]] | None = None) -> None:
+    """Raises CheckpointError naming the file and tensor for a missing or misshapen tensor
+    (of `shapes`, default the unfused `expected_hf_shapes`)."""
+    for name, shape in (expected_hf_shapes(config) if shapes is None else shapes).items():
         found = get_shape(name)
         if found is None:
             raise CheckpointError(f"{source}: missing tensor {name!r} (expected shape {shape})")

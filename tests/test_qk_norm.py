@@ -53,3 +53,28 @@ def test_no_qk_norm_params_by_default():
 def test_qk_norm_is_validated():
     with pytest.raises(ValueError, match="qk_norm must be one of"):
         dataclasses.replace(BASE, qk_norm="layer")
+
+
+@pytest.mark.parametrize("qk_norm", ["per_head", "full"])
+def test_qk_norm_in_the_gpu_step_shape(qk_norm):
+    """Unrolled per-layer weights (the GPU step) read the norms too, and the step lowers for
+    CUDA (abstract H200)."""
+    import jax.numpy as jnp
+    from cuda_lowering import lower_for_h200
+    from models.llama import unstack_layers
+    model = _perturbed(random_model(dataclasses.replace(BASE, qk_norm=qk_norm), seed=3))
+    per_layer = unstack_layers(model.params, BASE.num_layers)
+    module = model.module(unroll_layers=True)
+    tokens = jnp.asarray([IDS], jnp.int32)  # [1, T]
+    positions = jnp.arange(len(IDS), dtype=jnp.int32)[None]
+
+    def forward(params, tokens, positions):
+        return module.apply({"params": params}, tokens, positions)[0]
+    np.testing.assert_allclose(np.asarray(forward(per_layer, tokens, positions))[0],
+                               numpy_decoder.forward(model.params, model.config, IDS),
+                               atol=2e-4, rtol=0)
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), per_layer)
+    text = lower_for_h200(forward, abstract, jax.ShapeDtypeStruct(tokens.shape, jnp.int32),
+                          jax.ShapeDtypeStruct(positions.shape, jnp.int32))
+    # Per layer: input, post-attention, q and k norms; then the final norm.
+    assert text.count("stablehlo.rsqrt") == 4 * BASE.num_layers + 1

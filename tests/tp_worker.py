@@ -4,6 +4,7 @@ XLA's device count is fixed when JAX starts, and the rest of the suite runs with
 the tests start this script, which runs the cases it is given and prints one JSON line.
 """
 
+import dataclasses
 import json
 import os
 import sys
@@ -92,8 +93,9 @@ def memory(eng):
             "heads": [r.model.config.num_heads, r.model.config.num_kv_heads]}
 
 
-def case_tokens(config_name, sizes, **kw):
+def case_tokens(config_name, sizes, qk_norm="none", **kw):
     config = {"gqa": GQA, "smol_heads": SMOL_HEADS, "moe": MOE}[config_name]
+    config = dataclasses.replace(config, qk_norm=qk_norm)  # Qwen3 / OLMoE attention norms
     model = random_model(config, seed=3)
     ps = prompts(config.vocab_size)
     out = {}
