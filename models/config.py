@@ -6,6 +6,8 @@ import dataclasses
 import math
 from typing import Any, Literal, Mapping, get_args
 
+from models.moe_config import MOE_MODEL_TYPES, check_moe, mlp_params  # the MoE fields
+
 # Weight and activation dtypes; declared here, where models/ reads them, and imported by jaxserve.
 Dtype = Literal["float32", "bfloat16"]
 DTYPES = get_args(Dtype)
@@ -19,7 +21,7 @@ ROPE_TYPES = get_args(RopeType)
 QkNorm = Literal["none", "per_head", "full"]
 QK_NORMS = get_args(QkNorm)
 # Decoder families this config describes (models/hf_config.py parses each from config.json).
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", *MOE_MODEL_TYPES.values())
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -94,6 +96,11 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     architecture: str = "llama"
+    # Mixture of experts (models/moe_config.py checks and parses them); 0 experts: dense MLP.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -121,6 +128,7 @@ class ModelConfig:
             raise ValueError(f"longrope short/long_factor have {len(self.rope_scaling.short_factor)}"
                              f" values; head_dim {self.head_dim} needs {self.head_dim // 2}")
         self._check_context()
+        check_moe(self)
 
     def _check_context(self):
         s = self.rope_scaling
@@ -143,9 +151,9 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
     def num_params(self) -> int:
-        d, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        d, v = self.hidden_size, self.vocab_size
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        per_layer = d * (q + 2 * kv) + q * d + 3 * d * f + 2 * d
+        per_layer = d * (q + 2 * kv) + q * d + mlp_params(self) + 2 * d  # MLP: dense or experts
         if self.attention_bias:
             per_layer += q + 2 * kv
         per_layer += {"none": 0, "per_head": 2 * self.head_dim, "full": q + kv}[self.qk_norm]

@@ -184,6 +184,10 @@ def _config(meta: dict, names: dict, path, rope_freqs) -> ModelConfig:
         raise GGUFError(f"{path}: architecture {arch!r} is not supported (use one of "
                         f"{ARCHITECTURES})")
     g = lambda key, **kw: _get(meta, f"{arch}.{key}", path, **kw)  # noqa: E731
+    if int(g("expert_count", default=0) or 0):  # llama.cpp's Mixtral is arch "llama" + experts
+        raise GGUFError(f"{path}: mixture-of-experts GGUF files ({arch}.expert_count="
+                        f"{g('expert_count')}) are not supported; load the HF safetensors "
+                        "checkpoint instead")
     hidden = int(g("embedding_length", required=True))
     heads = int(g("attention.head_count", required=True))
     head_dim = _head_dim(meta, arch, hidden, heads, path)

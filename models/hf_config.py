@@ -11,6 +11,7 @@ import logging
 from typing import Any, Callable, Mapping
 
 from models.config import ROPE_TYPES, RopeScaling
+from models.moe_config import MOE_ARCHITECTURES, MOE_MODEL_TYPES, moe_fields_from_hf
 
 log = logging.getLogger("jaxserve")
 
@@ -131,11 +132,19 @@ def _phi3(hf) -> dict:
     return _refuse_sliding_window(hf, fields, True)
 
 
+def _moe(hf) -> dict:
+    # Mixtral, Qwen3-MoE, OLMoE: Llama attention (OLMoE/Qwen3-MoE with q/k norms) and MoE MLPs.
+    fields = dict(_common(hf, eps_default=1e-6), **moe_fields_from_hf(hf))
+    return _refuse_sliding_window(hf, fields, fields["architecture"] == "mixtral")
+
+
 # model_type -> parser; `architectures` names map onto the same keys.
 PARSERS: dict[str, Callable[[Mapping[str, Any]], dict]] = {
     "llama": _llama, "qwen2": _qwen2, "qwen3": _qwen3, "phi3": _phi3}
 _ARCHITECTURE_NAMES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                        "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3"}
+PARSERS.update({model_type: _moe for model_type in MOE_MODEL_TYPES})  # models/moe_config.py
+_ARCHITECTURE_NAMES.update(MOE_ARCHITECTURES)
 
 
 def config_fields(hf: Mapping[str, Any]) -> dict:

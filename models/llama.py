@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from models.config import ModelConfig
+from models.moe import MoEMLP
 from models.quantized import is_quantized
 from models.rope import apply_rope, attention_factor, inv_frequencies
 
@@ -208,7 +209,9 @@ class Block(nn.Module):
         h = RMSNorm(c.rms_norm_eps, self.dtype, name="post_norm")(x)
         # Flax puts module names on jax's name stack, so profiles already read ".../attn/...",
         # ".../mlp/..." (jaxserve/tools/profiling.py); Attention adds "attention" around the kernel.
-        return (x + MLP(c, self.dtype, self.linear, name="mlp")(h), cache, layer + 1), None
+        mlp = (MoEMLP(c, self.dtype, name="mlp") if c.num_experts  # models/moe.py
+               else MLP(c, self.dtype, self.linear, name="mlp"))
+        return (x + mlp(h), cache, layer + 1), None
 
 
 class Llama(nn.Module):

@@ -11,6 +11,8 @@ from typing import Callable, Mapping
 import numpy as np
 
 from models.config import ModelConfig
+from models.moe_weights import (moe_hf_shapes, moe_param_shapes,  # MoE experts
+                                moe_params_from_hf)
 
 # Flax path inside a layer -> (HF name template, transpose?)
 _LAYER_TENSORS = {
@@ -45,6 +47,8 @@ def _layer_items(config: ModelConfig) -> list[tuple[tuple[str, ...], str, bool]]
     if config.attention_bias:
         items += [(path, tmpl, False) for path, tmpl in _BIAS_TENSORS.items()]
     items += [(path, tmpl, tr) for path, (tmpl, tr) in _qk_norm_tensors(config).items()]
+    if config.num_experts:  # the experts replace the dense MLP (models/moe_weights.py)
+        items = [item for item in items if item[0][0] != "mlp"]
     return items
 
 
@@ -70,6 +74,8 @@ def expected_hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     if c.attention_bias:
         per_layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
                           "self_attn.v_proj.bias": (kv,)})
+    if c.num_experts:  # the experts replace the dense MLP (models/moe_weights.py)
+        per_layer = {k: v for k, v in per_layer.items() if not k.startswith("mlp.")}
     if c.qk_norm != "none":
         per_head = c.qk_norm == "per_head"
         per_layer.update({"self_attn.q_norm.weight": (c.head_dim if per_head else q,),
@@ -77,7 +83,7 @@ def expected_hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     for i in range(c.num_layers):
         for name, shape in per_layer.items():
             shapes[f"model.layers.{i}.{name}"] = shape
-    return shapes
+    return shapes | moe_hf_shapes(c)
 
 
 # Fused projections some families store (Phi-3), split at load time into the q/k/v and
@@ -146,6 +152,8 @@ def params_from_hf(tensors: Mapping[str, np.ndarray], config: ModelConfig, dtype
         return np.ascontiguousarray(x.T if transpose else x).astype(dtype)
 
     layers: dict = {}
+    if config.num_experts:  # the experts (models/moe_weights.py)
+        layers["mlp"] = moe_params_from_hf(get, config)
     for path, tmpl, transpose in _layer_items(config):
         # [L, ...]: layers are stacked for nn.scan.
         stacked = np.stack([get(tmpl.format(i=i), transpose) for i in range(config.num_layers)])
@@ -163,7 +171,7 @@ def params_from_hf(tensors: Mapping[str, np.ndarray], config: ModelConfig, dtype
 def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """The shape of every leaf `params_from_hf` builds, by "/"-joined Flax path."""
     hf = expected_hf_shapes(config)
-    shapes = {}
+    shapes = moe_param_shapes(config)
     for path, tmpl, transpose in _layer_items(config):
         one = hf[tmpl.format(i=0)]
         shapes["/".join(("layers",) + path)] = (config.num_layers,

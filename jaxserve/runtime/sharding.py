@@ -36,6 +36,7 @@ from jaxserve.runtime.kv_cache import KVCache
 from models.config import ModelConfig
 from models.llama import LINEAR_ROLES, Parallel
 from models.model import Model
+from models.moe import EXPERT_ROLES
 from models.quantized import Int4Weight, QuantizedWeight, is_quantized
 
 log = logging.getLogger("jaxserve")
@@ -248,7 +249,15 @@ def param_specs(params, config: ModelConfig, n: int):
         names = [getattr(k, "key", None) for k in path]
         if names[0] == "embedding":
             s = P(AXIS, None) if vp else P()
-        elif _module_role(names)[0] is None:  # norms
+        elif "mlp" in names and names[-1] in EXPERT_ROLES:  # stacked experts [.., E, in, out]
+            split = SPLIT[EXPERT_ROLES[names[-1]]]
+            if is_quantized(leaf):
+                s = weight_specs(leaf, split)
+                for name, a in leaf.arrays().items():
+                    _check_divisible(path, a, getattr(s, name), n)
+                return s
+            s = axes_spec(leaf.shape, ("in", "out"), split)
+        elif _module_role(names)[0] is None:  # norms (and a MoE router: replicated)
             s = P()
         elif is_quantized(leaf):
             s = weight_specs(leaf, _split_of(names, vp))
