@@ -6,6 +6,8 @@ import dataclasses
 import math
 from typing import Any, Literal, Mapping, get_args
 
+from models import windowed
+
 # Weight and activation dtypes; declared here, where models/ reads them, and imported by jaxserve.
 Dtype = Literal["float32", "bfloat16"]
 DTYPES = get_args(Dtype)
@@ -51,6 +53,14 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     architecture: str = "llama"
+    # Sliding-window / soft-capped families (models/windowed.py): Mistral, Gemma 2, Gemma 3.
+    sliding_window: int | None = None  # keys older than this many positions are not seen
+    layer_types: tuple[str, ...] = ()  # per layer "sliding_attention" | "full_attention"
+    attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap)
+    final_logit_softcapping: float | None = None
+    query_pre_attn_scalar: float | None = None  # Gemma: scores scaled by its -1/2 power
+    rope_local_theta: float | None = None  # Gemma 3: RoPE base of the sliding layers
+    hidden_act: str = "silu"  # Gemma: "gelu_pytorch_tanh" (GeGLU)
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -68,8 +78,13 @@ class ModelConfig:
             raise ValueError(f"rms_norm_eps must be positive, got {self.rms_norm_eps}")
         if not (self.rope_theta > 0 and math.isfinite(self.rope_theta)):
             raise ValueError(f"rope_theta must be positive, got {self.rope_theta}")
-        if self.architecture not in ("llama", "qwen2"):
-            raise ValueError(f"unsupported architecture {self.architecture!r}: use llama or qwen2")
+        if self.architecture not in ("llama", "qwen2", *windowed.HF_ARCHS):
+            raise ValueError(f"unsupported architecture {self.architecture!r}: use llama, "
+                             f"qwen2 or one of {tuple(windowed.HF_ARCHS)}")
+        if self.hidden_act not in ("silu", "gelu_pytorch_tanh"):
+            raise ValueError(f"hidden_act must be silu or gelu_pytorch_tanh, got "
+                             f"{self.hidden_act!r}")
+        windowed.check(self)
 
     @property
     def queries_per_kv(self) -> int:
@@ -97,11 +112,14 @@ class ModelConfig:
         if data.get("rope_scaling") is not None:
             data["rope_scaling"] = RopeScaling(**data["rope_scaling"])
         data["eos_token_ids"] = tuple(data.get("eos_token_ids", ()))
+        data["layer_types"] = tuple(data.get("layer_types", ()))
         return cls(**data)
 
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any]) -> ModelConfig:
         """Builds a config from a transformers ``config.json`` dict."""
+        if windowed.windowed_arch(hf):
+            return windowed.from_hf(cls, hf, windowed.windowed_arch(hf))
         archs = hf.get("architectures") or []
         model_type = hf.get("model_type", "llama")
         if model_type not in ("llama", "qwen2") and not any(

@@ -10,6 +10,7 @@ from typing import Callable, Mapping
 
 import numpy as np
 
+from models import windowed
 from models.config import ModelConfig
 
 # Flax path inside a layer -> (HF name template, transpose?)
@@ -31,6 +32,22 @@ _BIAS_TENSORS = {
 }
 
 
+# Gemma's sandwich norms: HF's post_attention_layernorm follows attention (our post_attn_norm)
+# and pre_feedforward_layernorm is the pre-MLP norm that Llama calls post_attention_layernorm.
+_GEMMA_NORMS = {
+    ("post_attn_norm", "scale"): ("model.layers.{i}.post_attention_layernorm.weight", False),
+    ("post_norm", "scale"): ("model.layers.{i}.pre_feedforward_layernorm.weight", False),
+    ("post_mlp_norm", "scale"): ("model.layers.{i}.post_feedforward_layernorm.weight", False),
+}
+
+
+def _layer_tensors(config: ModelConfig) -> dict:
+    """Flax path inside a layer -> (HF name template, transpose?) for this architecture."""
+    if config.architecture in windowed.GEMMA:
+        return {**_LAYER_TENSORS, **_GEMMA_NORMS}
+    return _LAYER_TENSORS
+
+
 class CheckpointError(ValueError):
     """A checkpoint is unreadable, incomplete or does not match its config."""
 
@@ -50,6 +67,9 @@ def expected_hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         "mlp.gate_proj.weight": (f, d), "mlp.up_proj.weight": (f, d),
         "mlp.down_proj.weight": (d, f),
     }
+    if c.architecture in windowed.GEMMA:
+        per_layer.update({"pre_feedforward_layernorm.weight": (d,),
+                          "post_feedforward_layernorm.weight": (d,)})
     if c.attention_bias:
         per_layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
                           "self_attn.v_proj.bias": (kv,)})
@@ -81,7 +101,7 @@ def params_from_hf(tensors: Mapping[str, np.ndarray], config: ModelConfig, dtype
         return np.ascontiguousarray(x.T if transpose else x).astype(dtype)
 
     layers: dict = {}
-    items = [(path, tmpl, tr) for path, (tmpl, tr) in _LAYER_TENSORS.items()]
+    items = [(path, tmpl, tr) for path, (tmpl, tr) in _layer_tensors(config).items()]
     if config.attention_bias:
         items += [(path, tmpl, False) for path, tmpl in _BIAS_TENSORS.items()]
     for path, tmpl, transpose in items:
@@ -101,7 +121,7 @@ def params_from_hf(tensors: Mapping[str, np.ndarray], config: ModelConfig, dtype
 def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """The shape of every leaf `params_from_hf` builds, by "/"-joined Flax path."""
     hf = expected_hf_shapes(config)
-    items = [(path, tmpl, tr) for path, (tmpl, tr) in _LAYER_TENSORS.items()]
+    items = [(path, tmpl, tr) for path, (tmpl, tr) in _layer_tensors(config).items()]
     if config.attention_bias:
         items += [(path, tmpl, False) for path, tmpl in _BIAS_TENSORS.items()]
     shapes = {}
