@@ -1,4 +1,4 @@
-"""Flax Llama-family decoder (Llama, SmolLM2, Qwen2): RMSNorm, RoPE, GQA, SwiGLU.
+"""Flax Llama-family decoder (Llama, SmolLM2, Qwen2/3, Phi-3): RMSNorm, RoPE, GQA, SwiGLU.
 
 Layers are stacked and run with `nn.scan`, so compile time stays flat in model depth (the GPU
 step runs them as separate blocks instead: `unroll_layers`, `unstack_layers`). Attention
@@ -28,7 +28,7 @@ from models import windowed
 from models.config import ModelConfig
 from models.gemma import GemmaRMSNorm
 from models.quantized import is_quantized
-from models.rope import apply_rope, inv_frequencies
+from models.rope import apply_rope, attention_factor, inv_frequencies
 
 # Megatron roles: "column" splits the output features over devices, "row" the input features
 # (its partial products are summed: one all-reduce per block); None is not split by role (the
@@ -109,13 +109,15 @@ def attention_kwargs(config: ModelConfig, layer) -> dict:
 
 def layer_rope(config: ModelConfig, x, positions, layer):
     """RoPE of `layer`; Gemma 3's sliding layers use their own base (rope_local_theta)."""
-    inv_freq = inv_frequencies(config)
+    inv_freq, rope_scale = inv_frequencies(config), attention_factor(config)
+    full = apply_rope(x, positions, inv_freq, rope_scale)
     if config.rope_local_theta is None:
-        return apply_rope(x, positions, inv_freq)
+        return full
+    # Local layers: plain RoPE at their own base (scaling, if any, is the global layers').
     local = inv_frequencies(dataclasses.replace(config, rope_theta=config.rope_local_theta,
                                                 rope_scaling=None))
     is_local = jnp.asarray(windowed.layer_windows(config) != windowed.NO_WINDOW)[layer]
-    return jnp.where(is_local, apply_rope(x, positions, local), apply_rope(x, positions, inv_freq))
+    return jnp.where(is_local, apply_rope(x, positions, local), full)
 
 
 def layer_name(i: int) -> str:
@@ -207,8 +209,14 @@ class Attention(nn.Module):
         q = linear_layer("q_proj", c.num_heads * c.head_dim, self.dtype, lin, bias)(x)
         k = linear_layer("k_proj", c.num_kv_heads * c.head_dim, self.dtype, lin, bias)(x)
         v = linear_layer("v_proj", c.num_kv_heads * c.head_dim, self.dtype, lin, bias)(x)
+        if c.qk_norm == "full":  # OLMoE: over the whole projection, before the head split
+            q = RMSNorm(c.rms_norm_eps, self.dtype, name="q_norm")(q)  # [B, T, H * Dh]
+            k = RMSNorm(c.rms_norm_eps, self.dtype, name="k_norm")(k)  # [B, T, K * Dh]
         q = q.reshape(b, t, c.num_heads, c.head_dim)  # [B, T, H, Dh]
         k = k.reshape(b, t, c.num_kv_heads, c.head_dim)  # [B, T, K, Dh]
+        if c.qk_norm == "per_head":  # Qwen3, Gemma 3: each head over head_dim
+            q = norm_class(c)(c.rms_norm_eps, self.dtype, name="q_norm")(q)
+            k = norm_class(c)(c.rms_norm_eps, self.dtype, name="k_norm")(k)
         v = v.reshape(b, t, c.num_kv_heads, c.head_dim)  # [B, T, K, Dh]
         q, k = layer_rope(c, q, positions, layer), layer_rope(c, k, positions, layer)
         with jax.named_scope("attention"):  # the paged-attention kernel, not the projections

@@ -84,6 +84,8 @@ def from_hf(cls, hf: Mapping[str, Any], arch: str):
             final_logit_softcapping=hf.get("final_logit_softcapping", softcap[1]),
             query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
             rope_local_theta=local_theta)
+    if arch == "gemma3_text":  # per-head q/k norms, Gemma's (1 + w) kind (models/llama.py)
+        extra["qk_norm"] = "per_head"
     return dataclasses.replace(base, **extra)
 
 

@@ -156,11 +156,16 @@ def pad_heads(model: Model, n: int) -> Model:
     if layout.is_identity:
         return model
     attn = model.params["layers"]["attn"]
-    if any(is_quantized(attn[name]["kernel"]) for name in attn):
+    if any(is_quantized(attn[name].get("kernel")) for name in attn):
         raise ValueError("heads must be padded before quantization: quantize after "
                          "pad_heads (the engine does)")
+    if c.qk_norm == "full":
+        # The norm's mean runs over every head of the projection: zero heads would change it.
+        raise ValueError(f"tensor_parallel_size={n} needs padded heads ({c.num_heads} query / "
+                         f"{c.num_kv_heads} KV heads), which a whole-projection q/k norm "
+                         "(qk_norm='full') does not allow; pick a size dividing the KV heads")
     dh = c.head_dim
-    new = {}
+    new = dict(attn)  # q/k norms (per head) are shared by every head: kept as they are
     for name, src, axis in (("q_proj", layout.q_src, -1), ("k_proj", layout.kv_src, -1),
                             ("v_proj", layout.kv_src, -1), ("o_proj", layout.q_src, -2)):
         new[name] = {key: _take_heads(value, src, dh, -1 if key == "bias" else axis)
