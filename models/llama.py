@@ -111,12 +111,13 @@ def layer_rope(config: ModelConfig, x, positions, layer):
     """RoPE of `layer`; Gemma 3's sliding layers use their own base (rope_local_theta)."""
     inv_freq, rope_scale = inv_frequencies(config), attention_factor(config)
     full = apply_rope(x, positions, inv_freq, rope_scale)
-    if config.rope_local_theta is None:
+    windows = windowed.layer_windows(config)
+    if config.rope_local_theta is None or windows is None:  # no local layers
         return full
     # Local layers: plain RoPE at their own base (scaling, if any, is the global layers').
     local = inv_frequencies(dataclasses.replace(config, rope_theta=config.rope_local_theta,
                                                 rope_scaling=None))
-    is_local = jnp.asarray(windowed.layer_windows(config) != windowed.NO_WINDOW)[layer]
+    is_local = jnp.asarray(windows != windowed.NO_WINDOW)[layer]
     return jnp.where(is_local, apply_rope(x, positions, local), full)
 
 

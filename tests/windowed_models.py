@@ -29,10 +29,14 @@ PROMPTS = [[5, 17, 42, 3, 200, 7, 7, 7, 1], [int(t) for t in _rng.integers(1, 21
 # >= 8 prompts longer than the window, of lengths that cross block and chunk boundaries.
 GREEDY_PROMPTS = [[int(t) for t in _rng.integers(1, 211, n)]
                   for n in (13, 20, 25, 31, 33, 40, 47, 58, 64)]
+# Prompts that share their first 40 tokens (5 blocks of 8) with a greedy prompt above: served
+# after it, they take its cached blocks (prefix caching under a window).
+SHARED_PROMPTS = [GREEDY_PROMPTS[i][:40] + [int(t) for t in _rng.integers(1, 211, n)]
+                  for i, n in ((6, 9), (7, 3), (8, 17))]
 MAX_NEW_TOKENS = 8
 
 
 def windowed_reference():
     return run_reference("ref_windowed_hf", {
-        "models": MODELS, "prompts": PROMPTS, "greedy_prompts": GREEDY_PROMPTS,
+        "models": MODELS, "prompts": PROMPTS, "greedy_prompts": GREEDY_PROMPTS + SHARED_PROMPTS,
         "max_new_tokens": MAX_NEW_TOKENS})
