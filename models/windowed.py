@@ -61,6 +61,9 @@ def _gemma3_rope(hf: dict) -> tuple[dict, float]:
 def from_hf(cls, hf: Mapping[str, Any], arch: str):
     """ModelConfig of a Mistral / Gemma 2 / Gemma 3 text config.json (cls: ModelConfig)."""
     hf = dict(hf)
+    if hf.get("use_bidirectional_attention"):
+        raise ValueError(f"{arch} with use_bidirectional_attention (an encoder) is not "
+                         "supported: jaxserve serves causal decoders")
     local_theta = None
     if arch == "gemma3_text":
         hf, local_theta = _gemma3_rope(hf)
@@ -121,3 +124,11 @@ def layer_windows(config) -> np.ndarray | None:
     types = c.layer_types or ("sliding_attention",) * c.num_layers
     return np.asarray([c.sliding_window if t == "sliding_attention" else NO_WINDOW
                        for t in types], np.int32)
+
+
+def model_window(config) -> int | None:
+    """The window every layer slides (the largest), or None when some layer is global."""
+    windows = layer_windows(config)
+    if windows is None or (windows == NO_WINDOW).any():
+        return None
+    return int(windows.max())

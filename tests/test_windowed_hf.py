@@ -38,3 +38,21 @@ def test_configs_read_from_hf(reference):
     assert g2.layer_types == ("sliding_attention", "full_attention") * 2
     assert (g2.attn_logit_softcapping, g2.final_logit_softcapping, g2.query_pre_attn_scalar,
             g2.hidden_act, g2.tie_word_embeddings) == (3.0, 5.0, 24.0, "gelu_pytorch_tanh", True)
+
+
+def test_refusals_name_the_field(reference, tmp_path):
+    import json
+    import shutil
+
+    from models.weights import CheckpointError
+    for change, message in [({"use_bidirectional_attention": True}, "use_bidirectional"),
+                            ({"hidden_activation": "relu"}, "hidden_activation 'relu'"),
+                            ({"layer_types": ["sliding_attention"]}, "layer_types has 1"),
+                            ({"sliding_window": 0}, "sliding_window must be a positive")]:
+        d = tmp_path / message.split()[0]
+        shutil.copytree(reference["workdir"] / "gemma2", d)
+        cfg = json.loads((d / "config.json").read_text())
+        cfg.update(change)
+        (d / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(CheckpointError, match=message):
+            load_model(d)
