@@ -147,13 +147,15 @@ def test_decode_kernel_and_reference(window, softcap, block_size, interpret):
     _check(ref, want, owned, jnp.float32)
 
 
-@pytest.mark.parametrize("query_lens,starts,block_size,window,softcap", [
-    ([1, 1, 1], [0, 5, 40], 8, 5, None),            # decodes
-    ([37], [0], 8, 12, 3.0),                          # one prefill, window < context
-    ([20], [33], 16, 12, None),                       # a later chunk
-    ([3, 1, 17, 1, 2, 5], [9, 0, 4, 30, 50, 0], 4, 7, 2.0),  # a mix with gaps
+# merge: the decode dots' two layouts (attention.py), each on half the cases.
+@pytest.mark.parametrize("query_lens,starts,block_size,window,softcap,merge", [
+    ([1, 1, 1], [0, 5, 40], 8, 5, None, True),             # decodes
+    ([1, 1, 1], [0, 5, 40], 8, 5, 3.0, False),
+    ([37], [0], 8, 12, 3.0, True),                           # one prefill, window < context
+    ([20], [33], 16, 12, None, False),                       # a later chunk
+    ([3, 1, 17, 1, 2, 5], [9, 0, 4, 30, 50, 0], 4, 7, 2.0, True),  # a mix with gaps
+    ([3, 1, 17, 1, 2, 5], [9, 0, 4, 30, 50, 0], 4, 7, None, False),
 ])
-@pytest.mark.parametrize("merge", [True, False])
 def test_xla_ragged_path(query_lens, starts, block_size, window, softcap, merge):
     heads, kv_heads, dh, scale = 4, 2, 32, 0.3
     rng, rows, tables, tokens, num_blocks = xla_case(

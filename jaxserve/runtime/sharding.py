@@ -322,14 +322,17 @@ class TensorParallel:
 
     def _per_shard(self, fn):
         # A pallas_call is opaque to the SPMD partitioner: run it on each device's heads.
-        def per_shard(q, k, v, cache, layer, meta, window=None, **static):
-            # The layer's window is traced (replicated); softcap and scale are static.
-            def local(q, k, v, cache, layer, meta, window):
-                return fn(q, k, v, cache, layer, meta, window=window, **static)
+        def per_shard(q, k, v, cache, layer, meta, **kw):
+            # The layer's window (if any) is traced: it crosses as a replicated argument;
+            # softcap and scale are static.
+            traced = {name: kw.pop(name) for name in ("window",) if name in kw}
+
+            def local(q, k, v, cache, layer, meta, traced):
+                return fn(q, k, v, cache, layer, meta, **traced, **kw)
             return jax.shard_map(local, mesh=self.mesh,
                                  in_specs=(HEADS, HEADS, HEADS, CACHE, P(), P(), P()),
                                  out_specs=(HEADS, CACHE), check_vma=False)(
-                q, k, v, cache, layer, meta, window)
+                q, k, v, cache, layer, meta, traced)
         return per_shard
 
     def _annotated(self, fn):
