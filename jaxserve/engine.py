@@ -37,8 +37,9 @@ from jaxserve.core.sampling_params import (RequestOutputKind, SamplingParamError
                                            check_servable)
 from jaxserve.core.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from jaxserve.core.sequence import Sequence, SequenceStatus
+from jaxserve.core import window_blocks
 from jaxserve.tools.step_stats import StepStats, StepTotals
-from models import Model, load_model
+from models import Model, load_model, windowed
 from models.llama import unstack_layers
 
 log = logging.getLogger("jaxserve")
@@ -592,6 +593,9 @@ class LLMEngine:
             "prefix_cache_blocks": bm.num_cached_blocks,
             "prefix_cache_evictions": bm.cache.num_evictions,
             "cow_copies": bm.num_cow_copies,
+            # Blocks of running sequences that every layer's sliding window has passed.
+            "kv_blocks_slid_past": window_blocks.total_slid_past(
+                self.scheduler.running, bm.block_size, windowed.model_window(self.model.config)),
             "tokens_computed": self.scheduler.num_computed_tokens,
             "prompt_tokens_computed": self.scheduler.num_computed_prompt_tokens,
             "num_preemptions": self.scheduler.num_preemptions,

@@ -7,6 +7,7 @@ import math
 from typing import Any, Literal, Mapping, get_args
 
 from models.moe_config import MOE_MODEL_TYPES, check_moe, mlp_params  # the MoE fields
+from models import windowed
 
 # Weight and activation dtypes; declared here, where models/ reads them, and imported by jaxserve.
 Dtype = Literal["float32", "bfloat16"]
@@ -101,6 +102,14 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
+    # Sliding-window / soft-capped families (models/windowed.py): Mistral, Gemma 2, Gemma 3.
+    sliding_window: int | None = None  # keys older than this many positions are not seen
+    layer_types: tuple[str, ...] = ()  # per layer "sliding_attention" | "full_attention"
+    attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap)
+    final_logit_softcapping: float | None = None
+    query_pre_attn_scalar: float | None = None  # Gemma: scores scaled by its -1/2 power
+    rope_local_theta: float | None = None  # Gemma 3: RoPE base of the sliding layers
+    hidden_act: str = "silu"  # Gemma: "gelu_pytorch_tanh" (GeGLU)
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -118,9 +127,13 @@ class ModelConfig:
             raise ValueError(f"rms_norm_eps must be positive, got {self.rms_norm_eps}")
         if not (self.rope_theta > 0 and math.isfinite(self.rope_theta)):
             raise ValueError(f"rope_theta must be positive, got {self.rope_theta}")
-        if self.architecture not in ARCHITECTURES:
+        if self.architecture not in (*ARCHITECTURES, *windowed.HF_ARCHS):
             raise ValueError(f"unsupported architecture {self.architecture!r}: use one of "
-                             f"{ARCHITECTURES}")
+                             f"{(*ARCHITECTURES, *windowed.HF_ARCHS)}")
+        if self.hidden_act not in ("silu", "gelu_pytorch_tanh"):
+            raise ValueError(f"hidden_act must be silu or gelu_pytorch_tanh, got "
+                             f"{self.hidden_act!r}")
+        windowed.check(self)
         if self.qk_norm not in QK_NORMS:
             raise ValueError(f"qk_norm must be one of {QK_NORMS}, got {self.qk_norm!r}")
         if self.rope_scaling is not None and self.rope_scaling.rope_type == "longrope" and \
@@ -156,6 +169,8 @@ class ModelConfig:
         per_layer = d * (q + 2 * kv) + q * d + mlp_params(self) + 2 * d  # MLP: dense or experts
         if self.attention_bias:
             per_layer += q + 2 * kv
+        if self.architecture in windowed.GEMMA:  # the sandwich norms
+            per_layer += 2 * d
         per_layer += {"none": 0, "per_head": 2 * self.head_dim, "full": q + kv}[self.qk_norm]
         out = 0 if self.tie_word_embeddings else v * d
         return v * d + self.num_layers * per_layer + d + out
@@ -172,11 +187,14 @@ class ModelConfig:
                 rope[key] = tuple(rope.get(key, ()))
             data["rope_scaling"] = RopeScaling(**rope)
         data["eos_token_ids"] = tuple(data.get("eos_token_ids", ()))
+        data["layer_types"] = tuple(data.get("layer_types", ()))
         return cls(**data)
 
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any]) -> ModelConfig:
         """Builds a config from a transformers ``config.json`` dict (models/hf_config.py)."""
+        if windowed.windowed_arch(hf):  # Mistral, Gemma 2, Gemma 3 (models/windowed.py)
+            return windowed.from_hf(cls, hf, windowed.windowed_arch(hf))
         from models.hf_config import config_fields
         return cls(**config_fields(hf))
 

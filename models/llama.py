@@ -15,6 +15,8 @@ backend shards a layer by what it is declared, not by its name.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from typing import Any, Callable, Literal
 
@@ -22,8 +24,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from models import windowed
 from models.config import ModelConfig
 from models.moe import MoEMLP
+from models.gemma import GemmaRMSNorm
 from models.quantized import is_quantized
 from models.rope import apply_rope, attention_factor, inv_frequencies
 
@@ -58,22 +62,64 @@ def dense_linear(x, w, parallel: Parallel = None):
     return jnp.einsum("...i,io->...o", x, w, preferred_element_type=jnp.float32)
 
 
-def dense_causal_attention(q, k, v, cache, layer, meta):
+def soft_cap(scores, softcap: float | None):
+    """Gemma 2's attention-logit soft-capping `cap * tanh(s / cap)`, applied before the mask."""
+    return scores if softcap is None else softcap * jnp.tanh(scores / softcap)
+
+
+def dense_causal_attention(q, k, v, cache, layer, meta, *, window=None, softcap=None,
+                           scale=None):
     """Full-sequence causal attention without a KV cache: the correctness oracle.
 
     q `[B, T, H, Dh]`, k/v `[B, T, K, Dh]`; `meta` is unused; returns `[B, T, H, Dh]`.
+    window: int32 scalar (may be traced): a query at p sees keys in (p - window, p]; softcap:
+    logits soft-capped before the mask; scale: logit scale (default 1 / sqrt(Dh)).
     """
     del layer, meta
     b, t, h, dh = q.shape
     kv_heads = k.shape[2]
     q = q.reshape(b, t, kv_heads, h // kv_heads, dh)  # [B, T, K, G, Dh]
+    sm_scale = jnp.float32(scale) if scale is not None else 1 / jnp.sqrt(jnp.float32(dh))
     scores = jnp.einsum("BTKGD,BSKD->BKGTS", q, k,
-                        preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(dh))
+                        preferred_element_type=jnp.float32) * sm_scale
+    scores = soft_cap(scores, softcap)
     causal = jnp.tril(jnp.ones((t, t), dtype=bool))  # [T, S]
+    if window is not None:
+        qpos, kpos = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
+        causal = causal & (kpos > qpos - window)
     scores = jnp.where(causal, scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("BKGTS,BSKD->BTKGD", probs, v, preferred_element_type=jnp.float32)
     return out.reshape(b, t, h, dh).astype(q.dtype), cache
+
+
+def attention_kwargs(config: ModelConfig, layer) -> dict:
+    """The extra attention arguments of `layer` (int32, traced inside the scan): window (an
+    int32 scalar looked up by layer), softcap and scale (static floats). Empty for the plain
+    Llama family, whose backends are called exactly as before."""
+    c, kw = config, {}
+    windows = windowed.layer_windows(c)
+    if windows is not None:
+        kw["window"] = jnp.asarray(windows)[layer]
+    if c.attn_logit_softcapping is not None:
+        kw["softcap"] = float(c.attn_logit_softcapping)
+    if c.query_pre_attn_scalar is not None:
+        kw["scale"] = float(c.query_pre_attn_scalar) ** -0.5
+    return kw
+
+
+def layer_rope(config: ModelConfig, x, positions, layer):
+    """RoPE of `layer`; Gemma 3's sliding layers use their own base (rope_local_theta)."""
+    inv_freq, rope_scale = inv_frequencies(config), attention_factor(config)
+    full = apply_rope(x, positions, inv_freq, rope_scale)
+    windows = windowed.layer_windows(config)
+    if config.rope_local_theta is None or windows is None:  # no local layers
+        return full
+    # Local layers: plain RoPE at their own base (scaling, if any, is the global layers').
+    local = inv_frequencies(dataclasses.replace(config, rope_theta=config.rope_local_theta,
+                                                rope_scaling=None))
+    is_local = jnp.asarray(windows != windowed.NO_WINDOW)[layer]
+    return jnp.where(is_local, apply_rope(x, positions, local), full)
 
 
 def layer_name(i: int) -> str:
@@ -146,6 +192,11 @@ class RMSNorm(nn.Module):
         return scale * normed.astype(self.dtype)
 
 
+def norm_class(config: ModelConfig):
+    """Gemma's RMSNorm scales by (1 + w) in float32; the rest of the family by w."""
+    return GemmaRMSNorm if config.architecture in windowed.GEMMA else RMSNorm
+
+
 class Attention(nn.Module):
     config: ModelConfig
     attention: AttentionFn
@@ -166,14 +217,12 @@ class Attention(nn.Module):
         q = q.reshape(b, t, c.num_heads, c.head_dim)  # [B, T, H, Dh]
         k = k.reshape(b, t, c.num_kv_heads, c.head_dim)  # [B, T, K, Dh]
         if c.qk_norm == "per_head":  # Qwen3, Gemma 3: each head over head_dim
-            q = RMSNorm(c.rms_norm_eps, self.dtype, name="q_norm")(q)
-            k = RMSNorm(c.rms_norm_eps, self.dtype, name="k_norm")(k)
+            q = norm_class(c)(c.rms_norm_eps, self.dtype, name="q_norm")(q)
+            k = norm_class(c)(c.rms_norm_eps, self.dtype, name="k_norm")(k)
         v = v.reshape(b, t, c.num_kv_heads, c.head_dim)  # [B, T, K, Dh]
-        inv_freq, rope_scale = inv_frequencies(c), attention_factor(c)
-        q = apply_rope(q, positions, inv_freq, rope_scale)
-        k = apply_rope(k, positions, inv_freq, rope_scale)
+        q, k = layer_rope(c, q, positions, layer), layer_rope(c, k, positions, layer)
         with jax.named_scope("attention"):  # the paged-attention kernel, not the projections
-            out, cache = self.attention(q, k, v, cache, layer, meta)
+            out, cache = self.attention(q, k, v, cache, layer, meta, **attention_kwargs(c, layer))
         out = out.reshape(b, t, c.num_heads * c.head_dim)
         return linear_layer("o_proj", c.hidden_size, self.dtype, lin)(out), cache
 
@@ -188,8 +237,11 @@ class MLP(nn.Module):
         f, lin = self.config.intermediate_size, self.linear
         gate = linear_layer("gate_proj", f, self.dtype, lin)(x)
         up = linear_layer("up_proj", f, self.dtype, lin)(x)
+        # Gemma's GeGLU: transformers' gelu_pytorch_tanh is the tanh approximation.
+        act = (functools.partial(jax.nn.gelu, approximate=True)
+               if self.config.hidden_act == "gelu_pytorch_tanh" else jax.nn.silu)
         return linear_layer("down_proj", self.config.hidden_size, self.dtype, lin)(
-            jax.nn.silu(gate) * up)
+            act(gate) * up)
 
 
 class Block(nn.Module):
@@ -202,16 +254,22 @@ class Block(nn.Module):
     def __call__(self, carry, positions, meta):
         x, cache, layer = carry
         c = self.config
-        h = RMSNorm(c.rms_norm_eps, self.dtype, name="input_norm")(x)
+        norm = functools.partial(norm_class(c), c.rms_norm_eps, self.dtype)
+        h = norm(name="input_norm")(x)
         h, cache = Attention(c, self.attention, self.dtype, self.linear, name="attn")(
             h, positions, cache, layer, meta)
+        if c.architecture in windowed.GEMMA:  # Gemma's sandwich: a norm after each sub-block
+            h = norm(name="post_attn_norm")(h)
         x = x + h
-        h = RMSNorm(c.rms_norm_eps, self.dtype, name="post_norm")(x)
+        h = norm(name="post_norm")(x)
         # Flax puts module names on jax's name stack, so profiles already read ".../attn/...",
         # ".../mlp/..." (jaxserve/tools/profiling.py); Attention adds "attention" around the kernel.
         mlp = (MoEMLP(c, self.dtype, name="mlp") if c.num_experts  # models/moe.py
                else MLP(c, self.dtype, self.linear, name="mlp"))
-        return (x + mlp(h), cache, layer + 1), None
+        h = mlp(h)
+        if c.architecture in windowed.GEMMA:
+            h = norm(name="post_mlp_norm")(h)
+        return (x + h, cache, layer + 1), None
 
 
 class Llama(nn.Module):
@@ -239,6 +297,8 @@ class Llama(nn.Module):
         embedding = self.param("embedding", nn.initializers.normal(0.02),
                                (c.vocab_size, c.hidden_size), self.dtype)
         x = jnp.take(embedding, tokens, axis=0)  # [B, T, D]
+        if c.architecture in windowed.GEMMA:  # sqrt(D) rounded to the activation dtype, as HF
+            x = x * jnp.asarray(math.sqrt(c.hidden_size), self.dtype)
         carry = (x, kv_cache, jnp.int32(0))
         if self.unroll_layers:
             for i in range(c.num_layers):
@@ -252,11 +312,13 @@ class Llama(nn.Module):
         x, kv_cache, _ = carry
         if logits_index is not None:
             x = x.reshape(-1, x.shape[-1])[logits_index]  # [R, D]
-        x = RMSNorm(c.rms_norm_eps, self.dtype, name="final_norm")(x)
+        x = norm_class(c)(c.rms_norm_eps, self.dtype, name="final_norm")(x)
         # A quantized model may carry its own (quantized) copy of a tied head under lm_head.
         if c.tie_word_embeddings and not self.has_variable("params", "lm_head"):
             logits = jnp.einsum("...D,VD->...V", x, embedding, preferred_element_type=jnp.float32)
         else:
             logits = linear_layer("lm_head", c.vocab_size, self.dtype, self.linear,
                                   out_dtype=jnp.float32)(x)
+        if c.final_logit_softcapping is not None:
+            logits = soft_cap(logits.astype(jnp.float32), c.final_logit_softcapping)
         return logits.astype(jnp.float32), kv_cache

@@ -10,6 +10,7 @@ from typing import Callable, Mapping
 
 import numpy as np
 
+from models import windowed
 from models.config import ModelConfig
 from models.moe_weights import (moe_hf_shapes, moe_param_shapes,  # MoE experts
                                 moe_params_from_hf)
@@ -33,6 +34,22 @@ _BIAS_TENSORS = {
 }
 
 
+# Gemma's sandwich norms: HF's post_attention_layernorm follows attention (our post_attn_norm)
+# and pre_feedforward_layernorm is the pre-MLP norm that Llama calls post_attention_layernorm.
+_GEMMA_NORMS = {
+    ("post_attn_norm", "scale"): ("model.layers.{i}.post_attention_layernorm.weight", False),
+    ("post_norm", "scale"): ("model.layers.{i}.pre_feedforward_layernorm.weight", False),
+    ("post_mlp_norm", "scale"): ("model.layers.{i}.post_feedforward_layernorm.weight", False),
+}
+
+
+def _layer_tensors(config: ModelConfig) -> dict:
+    """Flax path inside a layer -> (HF name template, transpose?) for this architecture."""
+    if config.architecture in windowed.GEMMA:
+        return {**_LAYER_TENSORS, **_GEMMA_NORMS}
+    return _LAYER_TENSORS
+
+
 def _qk_norm_tensors(config: ModelConfig) -> dict:
     """q/k norm scales (Qwen3: per head `[Dh]`; OLMoE: whole projection `[H * Dh]`)."""
     if config.qk_norm == "none":
@@ -43,7 +60,7 @@ def _qk_norm_tensors(config: ModelConfig) -> dict:
 
 def _layer_items(config: ModelConfig) -> list[tuple[tuple[str, ...], str, bool]]:
     """(Flax path, HF name template, transpose?) of every per-layer tensor of `config`."""
-    items = [(path, tmpl, tr) for path, (tmpl, tr) in _LAYER_TENSORS.items()]
+    items = [(path, tmpl, tr) for path, (tmpl, tr) in _layer_tensors(config).items()]
     if config.attention_bias:
         items += [(path, tmpl, False) for path, tmpl in _BIAS_TENSORS.items()]
     items += [(path, tmpl, tr) for path, (tmpl, tr) in _qk_norm_tensors(config).items()]
@@ -71,6 +88,9 @@ def expected_hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         "mlp.gate_proj.weight": (f, d), "mlp.up_proj.weight": (f, d),
         "mlp.down_proj.weight": (d, f),
     }
+    if c.architecture in windowed.GEMMA:
+        per_layer.update({"pre_feedforward_layernorm.weight": (d,),
+                          "post_feedforward_layernorm.weight": (d,)})
     if c.attention_bias:
         per_layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
                           "self_attn.v_proj.bias": (kv,)})

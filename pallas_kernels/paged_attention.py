@@ -36,6 +36,7 @@ _NUM_SMS = 132           # H200
 _TARGET_PROGRAMS = 264   # 2 x 132 SMs
 _MAX_SPLITS = 16         # at most this many programs share one row's pages (as JAX's GPU kernel)
 _STEP_KEYS = {"bfloat16": 128}  # keys per loop step by default (other dtypes: a page)
+NO_WINDOW = 1 << 30      # a sliding window that never cuts (global layers)
 
 
 def _dot(a, b, b_contract: int, precision):
@@ -44,10 +45,11 @@ def _dot(a, b, b_contract: int, precision):
                            preferred_element_type=jnp.float32)
 
 
-def _paged_attention_kernel(layer_ref, lens_ref, pt_ref, q_ref, k_ref, v_ref,  # inputs
+def _paged_attention_kernel(layer_ref, window_ref, lens_ref, pt_ref, q_ref, k_ref, v_ref,
                             o_ref, *ml_refs,  # outputs: one split's partial result
-                            pages_per_split: int, pages_per_step: int, sm_scale: float):
-    # layer_ref [1], lens_ref [B], pt_ref [B, P]: whole arrays (scalars are read from them).
+                            pages_per_split: int, pages_per_step: int, sm_scale: float,
+                            softcap: float | None):
+    # layer_ref [1], window_ref [1], lens_ref [B], pt_ref [B, P]: whole arrays (scalars).
     # q_ref [Gp, Dh]; k_ref/v_ref [L, NB, BS, K, Dh] whole caches; o_ref [Gp, Dh]; ml_refs:
     # m_ref, l_ref [Gp], absent when there is one split (o_ref then holds the output in q's dtype).
     b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -60,6 +62,9 @@ def _paged_attention_kernel(layer_ref, lens_ref, pt_ref, q_ref, k_ref, v_ref,  #
     # width also bounds it, so even a context_len beyond P * BS reads nothing out of bounds.
     n_pages = jnp.minimum(pl.cdiv(length, block_size), pt_ref.shape[1]) - first_page
     n_pages = jnp.minimum(jnp.maximum(n_pages, 0), pages_per_split)
+    # Sliding window: the query (at length - 1) sees keys from lo on; earlier pages are skipped.
+    lo = jnp.maximum(length - window_ref[0], 0)
+    first_step = jnp.clip(lo // block_size - first_page, 0, n_pages) // pages_per_step
 
     q = q_ref[...]  # [Gp, Dh]
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
@@ -73,11 +78,14 @@ def _paged_attention_kernel(layer_ref, lens_ref, pt_ref, q_ref, k_ref, v_ref,  #
         block = jnp.where(in_split, pt_ref[b, jnp.minimum(page, pt_ref.shape[1] - 1)], 0)
         k = k_ref[layer, block, pl.ds(0, block_size), h, pl.ds(0, head_dim)]  # [BS, Dh]
         v = v_ref[layer, block, pl.ds(0, block_size), h, pl.ds(0, head_dim)]
-        valid = (page * block_size + slot < length) & in_split  # [BS, 1]
+        key_pos = page * block_size + slot  # [BS, 1]
+        valid = (key_pos < length) & (key_pos >= lo) & in_split  # [BS, 1]
         # Slots past the context (last page only) hold anything, NaN included: p = 0 alone would
         # not cancel 0 * NaN in p @ v, so zero them.
         v = jnp.where(valid, v, jnp.zeros_like(v))
         logits = _dot(q, k, 1, precision) * sm_scale  # [Gp, BS] f32
+        if softcap is not None:  # before the mask, as transformers' Gemma 2
+            logits = softcap * jnp.tanh(logits / softcap)
         return jnp.where(valid.reshape(1, block_size), logits, _MASK_VALUE), v
 
     def body(i, carry):
@@ -99,21 +107,23 @@ def _paged_attention_kernel(layer_ref, lens_ref, pt_ref, q_ref, k_ref, v_ref,  #
     init = (jnp.zeros((gp, head_dim), jnp.float32),
             jnp.full((gp,), _MASK_VALUE, jnp.float32),
             jnp.zeros((gp,), jnp.float32))
-    acc, m, l = lax.fori_loop(0, pl.cdiv(n_pages, pages_per_step), body, init)
+    acc, m, l = lax.fori_loop(first_step, pl.cdiv(n_pages, pages_per_step), body, init)
     o_ref[...] = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
     if ml_refs:
         ml_refs[0][...] = m
         ml_refs[1][...] = l
 
 
-def _paged_attention_call(layer, context_lens, page_table, q, k_cache, v_cache, *,
+def _paged_attention_call(layer, window, context_lens, page_table, q, k_cache, v_cache, *,
                           pages_per_split: int, num_splits: int, pages_per_step: int,
-                          sm_scale: float, num_warps: int, num_stages: int, interpret):
+                          sm_scale: float, softcap: float | None, num_warps: int,
+                          num_stages: int, interpret):
     """Partial results per split: out `[S, B, K, Gp, Dh]` f32, max and sum `[S, B, K, Gp]` f32;
     with one split only the out, `[1, B, K, Gp, Dh]` in q's dtype (max and sum None)."""
     batch, num_kv_heads, gp, head_dim = q.shape
     kernel = functools.partial(_paged_attention_kernel, pages_per_split=pages_per_split,
-                               pages_per_step=pages_per_step, sm_scale=sm_scale)
+                               pages_per_step=pages_per_step, sm_scale=sm_scale,
+                               softcap=softcap)
     # Whole arrays: on Triton a ref is a pointer into global memory, nothing is copied; the
     # kernel computes its own indices. (memory_space=pl.ANY lowers the same on
     # Triton but the strict interpreter refuses direct loads from it.)
@@ -131,7 +141,7 @@ def _paged_attention_call(layer, context_lens, page_table, q, k_cache, v_cache, 
     outs = pl.pallas_call(
         kernel,
         grid=(batch, num_kv_heads, num_splits),
-        in_specs=[whole(layer), whole(context_lens), whole(page_table),
+        in_specs=[whole(layer), whole(window), whole(context_lens), whole(page_table),
                   pl.BlockSpec((None, None, gp, head_dim), lambda b, h, s: (b, h, 0, 0)),
                   whole(k_cache), whole(v_cache)],
         out_specs=out_specs,
@@ -141,7 +151,7 @@ def _paged_attention_call(layer, context_lens, page_table, q, k_cache, v_cache, 
                                                                     num_stages=num_stages),
         interpret=interpret,
         name="paged_attention_decode",
-    )(layer, context_lens, page_table, q, k_cache, v_cache)
+    )(layer, window, context_lens, page_table, q, k_cache, v_cache)
     return tuple(outs) if num_splits > 1 else (outs[0], None, None)
 
 
@@ -170,8 +180,10 @@ def _default_pages_per_split(batch: int, num_kv_heads: int, num_pages: int,
 
 
 @functools.partial(jax.jit, static_argnames=("pages_per_split", "pages_per_step", "sm_scale",
-                                             "num_warps", "num_stages", "interpret"))
-def paged_attention(q, k_cache, v_cache, layer, page_table, context_lens, *,
+                                             "softcap", "num_warps", "num_stages",
+                                             "interpret"))
+def paged_attention(q, k_cache, v_cache, layer, page_table, context_lens, *, window=None,
+                    softcap: float | None = None,
                     pages_per_split: int | None = None, pages_per_step: int | None = None,
                     sm_scale: float | None = None, num_warps: int = 4, num_stages: int = 2,
                     interpret=False) -> jax.Array:
@@ -185,6 +197,9 @@ def paged_attention(q, k_cache, v_cache, layer, page_table, context_lens, *,
         `(page_table[b, i // BS], i % BS)`. Entries past the context may hold anything.
       context_lens: `[B]` int32; keys at positions `< context_lens[b]` are attended to. A row
         with 0 gives zeros.
+      window: int32 scalar or None, may be traced: the query (at position context_lens - 1)
+        sees only the last `window` keys; None: all of them.
+      softcap: static float or None: logits become `softcap * tanh(logits / softcap)`.
       pages_per_split: pages each program handles; None: no split when the batch alone gives an
         H200 132 programs, else enough splits for about 264, at most 16, each a whole number
         of steps.
@@ -213,10 +228,12 @@ def paged_attention(q, k_cache, v_cache, layer, page_table, context_lens, *,
     qg = q.reshape(batch, num_kv_heads, group, head_dim)
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - group), (0, 0)))  # [B, K, Gp, Dh]
     scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
+    window = jnp.asarray(NO_WINDOW if window is None else window, jnp.int32).reshape(1)
     o, m, l = _paged_attention_call(
-        jnp.asarray(layer, jnp.int32).reshape(1), context_lens.astype(jnp.int32),
+        jnp.asarray(layer, jnp.int32).reshape(1), window, context_lens.astype(jnp.int32),
         page_table.astype(jnp.int32), qg, k_cache, v_cache, pages_per_split=pps,
-        num_splits=num_splits, pages_per_step=step, sm_scale=scale, num_warps=num_warps,
+        num_splits=num_splits, pages_per_step=step, sm_scale=scale, softcap=softcap,
+        num_warps=num_warps,
         num_stages=num_stages, interpret=interpret)
     if num_splits == 1:
         out = o[0]
@@ -228,8 +245,10 @@ def paged_attention(q, k_cache, v_cache, layer, page_table, context_lens, *,
 
 
 def paged_attention_reference(q, k_cache, v_cache, layer, page_table, context_lens, *,
+                              window=None, softcap: float | None = None,
                               sm_scale: float | None = None) -> jax.Array:
-    """Gathers each row's pages, masks past `context_lens`, softmax in float32. Same shapes."""
+    """Gathers each row's pages, masks past `context_lens` (and before the window), soft-caps,
+    softmax in float32. Same shapes."""
     batch, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -238,13 +257,18 @@ def paged_attention_reference(q, k_cache, v_cache, layer, page_table, context_le
     values = v_cache[layer][page_table].astype(jnp.float32)
     keys = keys.reshape(batch, -1, num_kv_heads, head_dim)  # [B, S, K, Dh]
     values = values.reshape(batch, -1, num_kv_heads, head_dim)
-    visible = jnp.arange(keys.shape[1])[None, :] < context_lens[:, None]  # [B, S]
+    key_pos = jnp.arange(keys.shape[1])[None, :]  # [1, S]
+    visible = key_pos < context_lens[:, None]  # [B, S]
+    if window is not None:
+        visible = visible & (key_pos >= context_lens[:, None] - window)
     # Zero what is not visible, so NaN garbage there cannot leak through 0 * NaN.
     keys = jnp.where(visible[:, :, None, None], keys, 0.0)
     values = jnp.where(visible[:, :, None, None], values, 0.0)
     qg = q.astype(jnp.float32).reshape(batch, num_kv_heads, group, head_dim)
     scores = jnp.einsum("bkgd,bskd->bkgs", qg, keys,
                         precision=lax.Precision.HIGHEST) * scale
+    if softcap is not None:
+        scores = softcap * jnp.tanh(scores / softcap)
     scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
     probs = jnp.where(visible[:, None, None, :], probs, 0.0)  # rows with no context -> zeros

@@ -43,6 +43,7 @@ _NUM_SMS = 132           # H200
 _TARGET_PROGRAMS = 264   # 2 x 132 SMs
 _MAX_SPLITS = 16         # at most this many programs share one row's pages (as JAX's GPU kernel)
 _STEP_KEYS = {"bfloat16": 128}  # keys per loop step by default (other dtypes: a page)
+NO_WINDOW = 1 << 30      # a sliding window that never cuts (global layers)
 
 
 def _dot(a, b, b_contract: int, precision):
@@ -71,11 +72,11 @@ def _load_page(k_ref, v_ref, pt_ref, layer, r, h, page, in_split):
     return k_ref[index], v_ref[index]
 
 
-def _ragged_kernel(layer_ref, qs_ref, lens_ref, pt_ref, q_ref, k_ref, v_ref,  # inputs
+def _ragged_kernel(layer_ref, window_ref, qs_ref, lens_ref, pt_ref, q_ref, k_ref, v_ref,
                    o_ref, *ml_refs,  # outputs: one split's partial result for one tile
                    block_q: int, gp: int, pages_per_split: int, pages_per_step: int,
-                   sm_scale: float):
-    # layer_ref [1], qs_ref [R + 1], lens_ref [R], pt_ref [R, P]: whole arrays (scalars).
+                   sm_scale: float, softcap: float | None):
+    # layer_ref [1], window_ref [1], qs_ref [R + 1], lens_ref [R], pt_ref [R, P]: whole arrays.
     # q_ref [K, (T + Bq) * Gp, Dh] whole (token-major, heads of a group inner, zero padded).
     # k_ref/v_ref [L, NB, BS, K, Dh] whole caches; o_ref [M, Dh]; ml_refs: m_ref, l_ref [M],
     # absent when there is one split (o_ref then holds the final output in q's dtype).
@@ -95,6 +96,11 @@ def _ragged_kernel(layer_ref, qs_ref, lens_ref, pt_ref, q_ref, k_ref, v_ref,  # 
     first_page = s * pages_per_split
     n_pages = jnp.clip(n_pages - first_page, 0, pages_per_split)
     n_pages = jnp.where(live, n_pages, 0)
+    # Sliding window: keys before the tile's first query's window are seen by no tile row;
+    # the loop starts at the step holding the first page past them.
+    window = window_ref[0]
+    lo = jnp.maximum(offset + first - window + 1, 0)  # first key position any row sees
+    first_step = jnp.clip(lo // block_size - first_page, 0, n_pages) // pages_per_step
 
     start = jnp.where(live, row_start + first, 0) * gp
     q = q_ref[h, pl.ds(start, rows), pl.ds(0, head_dim)]  # [M, Dh]
@@ -112,13 +118,17 @@ def _ragged_kernel(layer_ref, qs_ref, lens_ref, pt_ref, q_ref, k_ref, v_ref,  # 
         key_pos = (first_page + local) * block_size + slot  # [1, BS]
         # Slots past the context hold anything, NaN included: p = 0 alone would not cancel
         # 0 * NaN in p @ v, so zero them.
-        v = jnp.where(((key_pos < length) & in_split).reshape(block_size, 1), v,
-                      jnp.zeros_like(v))
+        # Keys before the window (lo) are zeroed too: a page the window left behind may hold
+        # anything once its block is reused.
+        v = jnp.where(((key_pos < length) & (key_pos >= lo) & in_split).reshape(block_size, 1),
+                      v, jnp.zeros_like(v))
         # Causal within the row; a query's own position is < length, so this also hides the
         # slots past the context (from all but the tile rows past the row's queries, which
         # are discarded).
-        visible = (key_pos <= q_pos) & in_split  # [M, BS]
+        visible = (key_pos <= q_pos) & (key_pos > q_pos - window) & in_split  # [M, BS]
         logits = _dot(q, k, 1, precision) * sm_scale  # [M, BS] f32
+        if softcap is not None:  # before the mask, as transformers' Gemma 2
+            logits = softcap * jnp.tanh(logits / softcap)
         return jnp.where(visible, logits, _MASK_VALUE), v
 
     def body(i, carry):
@@ -142,24 +152,24 @@ def _ragged_kernel(layer_ref, qs_ref, lens_ref, pt_ref, q_ref, k_ref, v_ref,  # 
     init = (jnp.zeros((rows, head_dim), jnp.float32),
             jnp.full((rows,), _MASK_VALUE, jnp.float32),
             jnp.zeros((rows,), jnp.float32))
-    acc, m, l = lax.fori_loop(0, pl.cdiv(n_pages, pages_per_step), body, init)
+    acc, m, l = lax.fori_loop(first_step, pl.cdiv(n_pages, pages_per_step), body, init)
     o_ref[...] = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
     if ml_refs:
         ml_refs[0][...] = m
         ml_refs[1][...] = l
 
 
-def _ragged_call(layer, query_start, context_lens, page_table, qp, k_cache, v_cache, *,
+def _ragged_call(layer, window, query_start, context_lens, page_table, qp, k_cache, v_cache, *,
                  num_tiles: int, block_q: int, gp: int, pages_per_split: int, num_splits: int,
-                 pages_per_step: int, sm_scale: float, num_warps: int, num_stages: int,
-                 interpret):
+                 pages_per_step: int, sm_scale: float, softcap: float | None, num_warps: int,
+                 num_stages: int, interpret):
     """Partial results per split and tile: out `[S, NT, K, M, Dh]` f32, max and sum
     `[S, NT, K, M]` f32; with one split only the out, `[1, NT, K, M, Dh]` in q's dtype."""
     num_kv_heads, _, head_dim = qp.shape
     rows = block_q * gp
     kernel = functools.partial(_ragged_kernel, block_q=block_q, gp=gp,
                                pages_per_split=pages_per_split, pages_per_step=pages_per_step,
-                               sm_scale=sm_scale)
+                               sm_scale=sm_scale, softcap=softcap)
 
     # Whole arrays: on Triton a ref is a pointer into global memory, nothing is copied; the
     # kernel computes its own indices (see paged_attention.py).
@@ -178,8 +188,8 @@ def _ragged_call(layer, query_start, context_lens, page_table, qp, k_cache, v_ca
     outs = pl.pallas_call(
         kernel,
         grid=(num_tiles, num_kv_heads, num_splits),
-        in_specs=[whole(layer), whole(query_start), whole(context_lens), whole(page_table),
-                  whole(qp), whole(k_cache), whole(v_cache)],
+        in_specs=[whole(layer), whole(window), whole(query_start), whole(context_lens),
+                  whole(page_table), whole(qp), whole(k_cache), whole(v_cache)],
         out_specs=out_specs,
         out_shape=out_shape,
         # Interpreters ignore Triton params, and the strict (TPU) interpreter rejects them.
@@ -187,7 +197,7 @@ def _ragged_call(layer, query_start, context_lens, page_table, qp, k_cache, v_ca
                                                                     num_stages=num_stages),
         interpret=interpret,
         name="ragged_paged_attention",
-    )(layer, query_start, context_lens, page_table, qp, k_cache, v_cache)
+    )(layer, window, query_start, context_lens, page_table, qp, k_cache, v_cache)
     return tuple(outs) if num_splits > 1 else (outs[0], None, None)
 
 
@@ -263,9 +273,10 @@ def _merge_splits(o, m, l):
 
 
 @functools.partial(jax.jit, static_argnames=("queries_per_tile", "pages_per_split",
-                                             "pages_per_step", "sm_scale", "num_warps",
-                                             "num_stages", "interpret"))
+                                             "pages_per_step", "sm_scale", "softcap",
+                                             "num_warps", "num_stages", "interpret"))
 def ragged_paged_attention(q, k_cache, v_cache, layer, page_table, query_start, context_lens, *,
+                           window=None, softcap: float | None = None,
                            queries_per_tile: int | None = None,
                            pages_per_split: int | None = None,
                            pages_per_step: int | None = None, sm_scale: float | None = None,
@@ -284,6 +295,10 @@ def ragged_paged_attention(q, k_cache, v_cache, layer, page_table, query_start, 
       context_lens: `[R]` int32: row r's keys are positions `[0, context_lens[r])`; its i-th
         query sits at position `context_lens[r] - q_len_r + i` and sees keys at positions up to
         its own.
+      window: int32 scalar or None, may be traced (the layer's sliding window): a query at
+        position p sees keys at positions (p - window, p]; None: no window.
+      softcap: static float or None: logits become `softcap * tanh(logits / softcap)` before
+        the mask (Gemma 2's attention-logit soft-capping).
       queries_per_tile: Bq, a power of 2 with Bq * Gp >= 16 on GPU (any in interpret mode);
         None picks 16 / Gp tile rows for decode-shaped steps (T <= 2R) and 64 / Gp otherwise
         (16 / Gp for block sizes over 64).
@@ -327,11 +342,13 @@ def ragged_paged_attention(q, k_cache, v_cache, layer, page_table, query_start, 
     qp = jnp.pad(qp, ((0, 0), (0, bq), (0, gp - group), (0, 0)))
     qp = qp.reshape(num_kv_heads, (num_tokens + bq) * gp, head_dim)
     scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
+    window = jnp.asarray(NO_WINDOW if window is None else window, jnp.int32).reshape(1)
     o, m, l = _ragged_call(
-        jnp.asarray(layer, jnp.int32).reshape(1), query_start, context_lens.astype(jnp.int32),
+        jnp.asarray(layer, jnp.int32).reshape(1), window, query_start,
+        context_lens.astype(jnp.int32),
         page_table.astype(jnp.int32), qp, k_cache, v_cache, num_tiles=num_tiles, block_q=bq,
         gp=gp, pages_per_split=pps, num_splits=num_splits, pages_per_step=step, sm_scale=scale,
-        num_warps=warps, num_stages=num_stages, interpret=interpret)
+        softcap=softcap, num_warps=warps, num_stages=num_stages, interpret=interpret)
     tiles = _merge_splits(o, m, l)  # [NT, K, Bq * Gp, Dh]
     # Back to the flat token axis: token t of row r is query t - query_start[r] of the row.
     row, owned = _token_rows(query_start, num_tokens)
@@ -345,9 +362,10 @@ def ragged_paged_attention(q, k_cache, v_cache, layer, page_table, query_start, 
 
 
 def ragged_paged_attention_reference(q, k_cache, v_cache, layer, page_table, query_start,
-                                     context_lens, *, sm_scale: float | None = None) -> jax.Array:
-    """Each token gathers its row's pages, masks causally, softmax in float32. Same shapes;
-    tokens that belong to no row are zeros."""
+                                     context_lens, *, window=None, softcap: float | None = None,
+                                     sm_scale: float | None = None) -> jax.Array:
+    """Each token gathers its row's pages, masks causally (and by the window), soft-caps,
+    softmax in float32. Same shapes; tokens that belong to no row are zeros."""
     num_tokens, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -364,11 +382,15 @@ def ragged_paged_attention_reference(q, k_cache, v_cache, layer, page_table, que
     key_pos = jnp.arange(keys.shape[1])[None, :]  # [1, S]
     visible = (key_pos <= pos[:, None]) & (key_pos < context_lens[row][:, None]) \
         & owned[:, None]  # [T, S]
+    if window is not None:
+        visible = visible & (key_pos > pos[:, None] - window)
     # Zero what is not visible, so NaN garbage there cannot leak through 0 * NaN.
     keys = jnp.where(visible[:, :, None, None], keys, 0.0)
     values = jnp.where(visible[:, :, None, None], values, 0.0)
     qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
     scores = jnp.einsum("tkgd,tskd->tkgs", qg, keys, precision=lax.Precision.HIGHEST) * scale
+    if softcap is not None:
+        scores = softcap * jnp.tanh(scores / softcap)
     scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
     probs = jnp.where(visible[:, None, None, :], probs, 0.0)  # tokens seeing nothing -> zeros

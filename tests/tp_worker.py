@@ -30,6 +30,14 @@ MOE = ModelConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_la
                   num_heads=16, num_kv_heads=8, head_dim=64, max_position_embeddings=256,
                   architecture="mixtral", num_experts=4, num_experts_per_tok=2,
                   moe_intermediate_size=128, norm_topk_prob=True)
+# Gemma 2's attention (tests/test_windowed_tp.py): a local layer with a window shorter than
+# the prompts, a global one, soft-caps and query_pre_attn_scalar; head_dim 64 for the kernel.
+GEMMA2 = ModelConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=2,
+                     num_heads=4, num_kv_heads=2, head_dim=64, max_position_embeddings=256,
+                     tie_word_embeddings=True, architecture="gemma2", sliding_window=6,
+                     layer_types=("sliding_attention", "full_attention"),
+                     attn_logit_softcapping=3.0, final_logit_softcapping=5.0,
+                     query_pre_attn_scalar=32.0, hidden_act="gelu_pytorch_tanh")
 KV_BYTES = 4 << 20  # per device
 
 
@@ -94,7 +102,7 @@ def memory(eng):
 
 
 def case_tokens(config_name, sizes, qk_norm="none", **kw):
-    config = {"gqa": GQA, "smol_heads": SMOL_HEADS, "moe": MOE}[config_name]
+    config = {"gqa": GQA, "smol_heads": SMOL_HEADS, "moe": MOE, "gemma2": GEMMA2}[config_name]
     config = dataclasses.replace(config, qk_norm=qk_norm)  # Qwen3 / OLMoE attention norms
     model = random_model(config, seed=3)
     ps = prompts(config.vocab_size)

@@ -23,7 +23,7 @@ def write_kv(cache: KVCache, layer, k, v, slots) -> KVCache:
 
 
 def ragged_attention_xla(q, k, v, cache: KVCache, layer, meta: PagedMeta,
-                        merge_kv_heads: bool = True):
+                        merge_kv_heads: bool = True, *, window=None, softcap=None, scale=None):
     """Writes this step's k/v into the cache, then attends for every flat token of the step.
 
     q `[1, T, H, Dh]`, k/v `[1, T, K, Dh]`; returns `[1, T, H, Dh]` and the updated cache.
@@ -32,14 +32,35 @@ def ragged_attention_xla(q, k, v, cache: KVCache, layer, meta: PagedMeta,
     QUERY_CHUNK queries over key tiles of their row's pages. Both loop over tiles with an online
     softmax, with a trip count set by the step's data: one compiled program per token bucket
     serves any mix of rows and context lengths.
+
+    window (int32 scalar, may be traced: the layer's), softcap, scale: the attention contract of
+    models/llama.py `dense_causal_attention`; a query at p sees keys in (p - window, p].
     """
     cache = write_kv(cache, layer, k, v, meta.slots)
     qf = q[0]  # [T, H, Dh]
-    out = _single_query_attention(qf, cache, layer, meta, merge_kv_heads)
+    logits = _Logits(window, softcap, scale)
+    out = _single_query_attention(qf, cache, layer, meta, merge_kv_heads, logits)
     if qf.shape[0] >= QUERY_CHUNK:  # smaller steps hold no multi-query row
-        chunked = _chunked_attention(qf, cache, layer, meta)
+        chunked = _chunked_attention(qf, cache, layer, meta, logits)
         out = jnp.where(meta.multi[:, None, None], chunked, out)
     return out[None].astype(q.dtype), cache
+
+
+class _Logits:
+    """Scale, soft-cap and window of one layer's logits (all optional)."""
+
+    def __init__(self, window, softcap, scale):
+        self.window, self.softcap, self.scale = window, softcap, scale
+
+    def scaled(self, scores, head_dim: int):
+        scale = self.scale if self.scale is not None else 1.0 / jnp.sqrt(jnp.float32(head_dim))
+        scores = scores * jnp.float32(scale)
+        return scores if self.softcap is None else self.softcap * jnp.tanh(scores / self.softcap)
+
+    def visible(self, kpos, qpos):
+        """Causal (and windowed) visibility of keys at kpos from queries at qpos (broadcast)."""
+        seen = kpos <= qpos
+        return seen if self.window is None else seen & (kpos > qpos - self.window)
 
 
 def _online_update(carry, scores, visible, values, segments, num_segments, pv_dims):
@@ -57,7 +78,8 @@ def _online_update(carry, scores, visible, values, segments, num_segments, pv_di
     return m_new, l, acc
 
 
-def _single_query_attention(q, cache: KVCache, layer, meta: PagedMeta, merge_kv_heads: bool):
+def _single_query_attention(q, cache: KVCache, layer, meta: PagedMeta, merge_kv_heads: bool,
+                            logits: _Logits):
     """Attention of each single-query token over its (query, block) pairs: `[T, H, Dh]`.
 
     merge_kv_heads: each block's `[BS, K, Dh]` tile is used as one `[BS * K, Dh]` matrix against
@@ -71,7 +93,6 @@ def _single_query_attention(q, cache: KVCache, layer, meta: PagedMeta, merge_kv_
     _, _, bs, kh, _ = cache.k.shape
     g = h // kh
     tile = pair_tile(meta.context_lens.shape[0])
-    scale = 1.0 / jnp.sqrt(jnp.float32(dh))
     qpos = meta.positions[0]  # [T]
     own = (jnp.arange(h, dtype=jnp.int32) // g)[:, None] == \
         (jnp.arange(bs * kh, dtype=jnp.int32) % kh)[None]  # [H, BS*K]: merged layout's mask
@@ -83,17 +104,17 @@ def _single_query_attention(q, cache: KVCache, layer, meta: PagedMeta, merge_kv_
         if merge_kv_heads:
             keys = keys.reshape(tile, bs * kh, dh)  # [P, S = BS*K, Dh], s = slot*K + k
             values = values.reshape(tile, bs * kh, dh)
-            scores = jnp.einsum("PHD,PSD->PHS", qp, keys,
-                                preferred_element_type=jnp.float32) * scale
+            scores = logits.scaled(jnp.einsum("PHD,PSD->PHS", qp, keys,
+                                              preferred_element_type=jnp.float32), dh)
             kpos = starts[:, None] + jnp.arange(bs * kh, dtype=jnp.int32)[None] // kh
-            visible = (kpos <= qpos[toks][:, None])[:, None] & own[None]  # [P, H, S]
+            visible = logits.visible(kpos, qpos[toks][:, None])[:, None] & own[None]  # [P, H, S]
             return _online_update(carry, scores, visible, values, toks, t, "PHS,PSD->PHD")
         m, l, acc = carry
         qg = qp.reshape(tile, kh, g, dh)  # [P, K, G, Dh]
-        scores = jnp.einsum("PKGD,PSKD->PKGS", qg, keys,
-                            preferred_element_type=jnp.float32) * scale
+        scores = logits.scaled(jnp.einsum("PKGD,PSKD->PKGS", qg, keys,
+                                          preferred_element_type=jnp.float32), dh)
         kpos = starts[:, None] + jnp.arange(bs, dtype=jnp.int32)[None]  # [P, BS]
-        visible = (kpos <= qpos[toks][:, None])[:, None, None]  # [P, 1, 1, BS]
+        visible = logits.visible(kpos, qpos[toks][:, None])[:, None, None]  # [P, 1, 1, BS]
         carry = (m.reshape(t, kh, g), l.reshape(t, kh, g), acc.reshape(t, kh, g, dh))
         m, l, acc = _online_update(carry, scores, visible, values, toks, t, "PKGS,PSKD->PKGD")
         return m.reshape(t, h), l.reshape(t, h), acc.reshape(t, h, dh)
@@ -106,7 +127,7 @@ def _single_query_attention(q, cache: KVCache, layer, meta: PagedMeta, merge_kv_
     return acc / jnp.maximum(l, 1e-30)[..., None]
 
 
-def _chunked_attention(q, cache: KVCache, layer, meta: PagedMeta):
+def _chunked_attention(q, cache: KVCache, layer, meta: PagedMeta, logits: _Logits):
     """Attention of multi-query rows in aligned chunks of QUERY_CHUNK queries: `[T, H, Dh]`.
 
     Chunk c holds flat tokens [c * QUERY_CHUNK, (c + 1) * QUERY_CHUNK), all of one row (or
@@ -118,7 +139,6 @@ def _chunked_attention(q, cache: KVCache, layer, meta: PagedMeta):
     g, qc, c = h // kh, QUERY_CHUNK, t // QUERY_CHUNK
     kt = kv_tile_blocks(bs)
     width = kt * bs
-    scale = 1.0 / jnp.sqrt(jnp.float32(dh))
     qpos = meta.positions[0, :c * qc].reshape(c, qc)  # [C, Q]
     qg = q[:c * qc].reshape(c, qc, kh, g, dh).astype(cache.k.dtype)  # [C, Q, K, G, Dh]
     far = jnp.where(meta.multi[:c * qc], meta.positions[0, :c * qc], -1).max()
@@ -129,10 +149,10 @@ def _chunked_attention(q, cache: KVCache, layer, meta: PagedMeta):
         blocks = lax.dynamic_slice_in_dim(meta.chunk_pages, j * kt, kt, axis=1)  # [C, kt]
         keys = cache.k[layer, blocks].reshape(c, width, kh, dh)  # [C, S, K, Dh]
         values = cache.v[layer, blocks].reshape(c, width, kh, dh)
-        scores = jnp.einsum("CQKGD,CSKD->CKGQS", qg, keys,
-                            preferred_element_type=jnp.float32) * scale
+        scores = logits.scaled(jnp.einsum("CQKGD,CSKD->CKGQS", qg, keys,
+                                          preferred_element_type=jnp.float32), dh)
         kpos = j * width + jnp.arange(width, dtype=jnp.int32)  # [S]
-        visible = (kpos[None, None] <= qpos[:, :, None])[:, None, None]  # [C, 1, 1, Q, S]
+        visible = logits.visible(kpos[None, None], qpos[:, :, None])[:, None, None]  # [C,1,1,Q,S]
         scores = jnp.where(visible, scores, MASK_VALUE)
         m_new = jnp.maximum(m, scores.max(-1))
         p = jnp.where(visible, jnp.exp(scores - m_new[..., None]), 0.0)

@@ -31,6 +31,14 @@ KERNEL_HEAD_DIMS = (64, 128)
 KERNEL_BLOCK_SIZES = (8, 16, 32, 64, 128)
 
 
+def windowed_features(config: ModelConfig) -> tuple[str, ...]:
+    """The attention features of `config` beyond plain causal attention."""
+    return tuple(name for name, on in (
+        ("sliding window", config.sliding_window is not None),
+        ("attention soft-capping", config.attn_logit_softcapping is not None),
+        ("query_pre_attn_scalar", config.query_pre_attn_scalar is not None)) if on)
+
+
 class AttentionBackend(abc.ABC):
     """One attention implementation on the paged KV cache, and what it declares about itself."""
 
@@ -44,9 +52,16 @@ class AttentionBackend(abc.ABC):
         """The `attention_backend` config string that selects this backend."""
 
     @abc.abstractmethod
-    def attend(self, q, k, v, cache: KVCache, layer, meta: PagedMeta):
+    def attend(self, q, k, v, cache: KVCache, layer, meta: PagedMeta, *, window=None,
+               softcap=None, scale=None):
         """q `[1, T, H, Dh]`, k/v `[1, T, K, Dh]` (T flat tokens): writes k/v, returns
-        (`[1, T, H, Dh]`, cache). Tokens of no row (meta) may come back as anything finite."""
+        (`[1, T, H, Dh]`, cache). Tokens of no row (meta) may come back as anything finite.
+
+        The layer's attention (models/llama.py `attention_kwargs`): window, an int32 scalar
+        (traced: the layer's, from an array indexed by layer), so a query at p sees keys in
+        (p - window, p]; softcap, a static float: logits `cap * tanh(s / cap)` before the
+        mask; scale, a static float: the logit scale (default 1 / sqrt(Dh)). None: not used.
+        """
 
     def supports(self, config: ModelConfig, block_size: int) -> tuple[str, ...]:
         """Why this backend cannot run `config` with `block_size`; empty when it can."""
@@ -75,8 +90,8 @@ class XlaAttention(AttentionBackend):
     def name(self) -> str:
         return "xla"
 
-    def attend(self, q, k, v, cache, layer, meta):
-        return ragged_attention_xla(q, k, v, cache, layer, meta, self.merge_kv_heads)
+    def attend(self, q, k, v, cache, layer, meta, **kw):
+        return ragged_attention_xla(q, k, v, cache, layer, meta, self.merge_kv_heads, **kw)
 
     def for_tensor_parallel(self) -> XlaAttention:
         return dataclasses.replace(self, merge_kv_heads=False)
@@ -96,7 +111,10 @@ class CpuAttention(AttentionBackend):
     def name(self) -> str:
         return "cpu"
 
-    def attend(self, q, k, v, cache, layer, meta):
+    def attend(self, q, k, v, cache, layer, meta, **kw):
+        if any(value is not None for value in kw.values()):
+            raise ValueError(f"the native CPU kernel has no {sorted(kw)}: supports() refuses "
+                             "such models, and attention_backend='auto' runs them on XLA")
         cache = write_kv(cache, layer, k, v, meta.slots)
         out = ragged_paged_attention_cpu(q[0], cache.k, cache.v, layer, meta.page_table,
                                          meta.query_start, meta.context_lens)  # [T, H, Dh]
@@ -106,6 +124,7 @@ class CpuAttention(AttentionBackend):
         reasons = []
         if config.head_dim % 16:
             reasons.append(f"head_dim {config.head_dim} (kernel: a multiple of 16)")
+        reasons += [f"{name} (the native kernel has none)" for name in windowed_features(config)]
         why = native.unavailable_reason()
         if why:
             reasons.append(f"the native library: {why}")
@@ -127,11 +146,12 @@ class PallasAttention(AttentionBackend):
     def name(self) -> str:
         return "pallas-interpret" if self.interpret else "pallas"
 
-    def attend(self, q, k, v, cache, layer, meta):
+    def attend(self, q, k, v, cache, layer, meta, *, window=None, softcap=None, scale=None):
         cache = write_kv(cache, layer, k, v, meta.slots)
         # The kernel takes q in the cache's dtype (kv_cache_dtype may differ from the model's).
         out = ragged_paged_attention(q[0].astype(cache.k.dtype), cache.k, cache.v, layer,
                                      meta.page_table, meta.query_start, meta.context_lens,
+                                     window=window, softcap=softcap, sm_scale=scale,
                                      interpret=self.interpret)  # [T, H, Dh]
         return out[None].astype(q.dtype), cache
 
@@ -163,8 +183,8 @@ class WrappedAttention(AttentionBackend):
     def per_shard(self) -> bool:  # type: ignore[override]
         return self.inner.per_shard
 
-    def attend(self, q, k, v, cache, layer, meta):
-        return self.attend_fn(q, k, v, cache, layer, meta)
+    def attend(self, q, k, v, cache, layer, meta, **kw):
+        return self.attend_fn(q, k, v, cache, layer, meta, **kw)
 
     def supports(self, config: ModelConfig, block_size: int) -> tuple[str, ...]:
         return self.inner.supports(config, block_size)

@@ -331,13 +331,23 @@ class TensorParallel:
 
     def _per_shard(self, fn):
         # A pallas_call is opaque to the SPMD partitioner: run it on each device's heads.
-        return jax.shard_map(fn, mesh=self.mesh, in_specs=(HEADS, HEADS, HEADS, CACHE, P(), P()),
-                             out_specs=(HEADS, CACHE), check_vma=False)
+        def per_shard(q, k, v, cache, layer, meta, **kw):
+            # The layer's window (if any) is traced: it crosses as a replicated argument;
+            # softcap and scale are static.
+            traced = {name: kw.pop(name) for name in ("window",) if name in kw}
+
+            def local(q, k, v, cache, layer, meta, traced):
+                return fn(q, k, v, cache, layer, meta, **traced, **kw)
+            return jax.shard_map(local, mesh=self.mesh,
+                                 in_specs=(HEADS, HEADS, HEADS, CACHE, P(), P(), P()),
+                                 out_specs=(HEADS, CACHE), check_vma=False)(
+                q, k, v, cache, layer, meta, traced)
+        return per_shard
 
     def _annotated(self, fn):
-        def annotated(q, k, v, cache, layer, meta):
+        def annotated(q, k, v, cache, layer, meta, **kw):
             c = functools.partial(jax.lax.with_sharding_constraint, shardings=self.sharding(HEADS))
-            out, cache = fn(c(q), c(k), c(v), cache, layer, meta)
+            out, cache = fn(c(q), c(k), c(v), cache, layer, meta, **kw)
             cache = jax.lax.with_sharding_constraint(cache, self.cache_shardings)
             return c(out), cache
         return annotated
