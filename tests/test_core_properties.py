@@ -28,8 +28,10 @@ from jaxserve.core.block_manager import NULL_BLOCK
 from jaxserve.core.scheduler import Scheduler, SchedulerConfig
 from jaxserve.core.sequence import Sequence, SequenceStatus
 
+# No example database: derandomized runs need none, and it would write .hypothesis/ into the tree.
 settings.register_profile("ci", max_examples=80, stateful_step_count=50, derandomize=True,
-                          deadline=None, suppress_health_check=[HealthCheck.too_slow])
+                          database=None, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("deep", max_examples=2000, stateful_step_count=80, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
 PROFILE = os.environ.get("JAXSERVE_HYPOTHESIS_PROFILE", "ci")
