@@ -114,13 +114,22 @@ def _generate(llm, args, params, ready: float) -> int:
     return 0
 
 
+def _admission(engine_config: EngineConfig) -> dict:
+    """The server's admission bounds: the engine's, else the server's default request bound."""
+    kw = {"max_waiting_tokens": engine_config.max_waiting_tokens}
+    if engine_config.max_waiting_requests is not None:
+        kw["max_waiting_requests"] = engine_config.max_waiting_requests
+    return kw
+
+
 def _cmd_serve(args) -> int:
     from jaxserve.server import ServerConfig, serve
     try:
         engine_config = EngineConfig(**_engine_kwargs(args))
         config = ServerConfig(served_model_name=args.served_model_name or args.model,
                               api_key=args.api_key, threads=args.threads,
-                              max_waiting_requests=args.max_waiting_requests)
+                              **_admission(engine_config),
+                              watchdog_timeout_s=args.watchdog_timeout)
         _init_distributed(args)
         from jaxserve import LLMEngine
         engine = LLMEngine(engine_config)
@@ -291,8 +300,9 @@ def _add_serve_parser(sub) -> None:
                    help="require 'Authorization: Bearer KEY' (default: $JAXSERVE_API_KEY)")
     p.add_argument("--served-model-name", default=None, help="the name clients ask for")
     p.add_argument("--threads", type=int, default=64, help="HTTP worker threads")
-    p.add_argument("--max-waiting-requests", type=int, default=128,
-                   help="requests queued beyond the running batch before 503")
+    p.add_argument("--watchdog-timeout", type=float, default=None, metavar="SECONDS",
+                   help="mark the engine failed (health 503, exit 1) when it has unfinished "
+                        "work and makes no progress for this long (default: off)")
     _add_engine_args(p)
     _add_profile_args(p, serve_like=True)
     p.set_defaults(func=lambda a: _cmd_serve(_with_model(a)))

@@ -16,6 +16,7 @@ from typing import Literal, Mapping, get_args
 from jaxserve.config_fields import check_choices
 from jaxserve.core.block_manager import validate_block_size
 from jaxserve.core.scheduler import SchedulerConfig
+from jaxserve.faults import FaultConfig
 from models.config import Dtype
 
 # Which implementation runs inside the jitted step (jaxserve/runtime/backends.py).
@@ -124,6 +125,19 @@ class EngineConfig:
     # jaxserve/runtime/sharding.py; must not exceed jax.device_count().
     tensor_parallel_size: int = dataclasses.field(default=1, metadata=_help(
         "devices to split every layer over (at most jax.device_count())"))
+    # Admission control (jaxserve/core/admission.py): add_request raises EngineOverloaded
+    # beyond them, and the server answers 503 with Retry-After. None: unbounded (serve: 128
+    # requests).
+    max_waiting_requests: int | None = dataclasses.field(default=None, metadata=_help(
+        "requests waiting for a batch slot before new ones are refused (serve: 503; default "
+        "unbounded, serve 128)"))
+    max_waiting_tokens: int | None = dataclasses.field(default=None, metadata=_help(
+        "prompt tokens of waiting requests before new ones are refused (serve: 503; default "
+        "unbounded)"))
+    # Tests only (jaxserve/faults.py); the JAXSERVE_FAULTS environment variable sets it too.
+    faults: str | None = dataclasses.field(default=None, metadata=_help(
+        "fault injection for tests, e.g. 'step_raise=3' (jaxserve/faults.py; default "
+        "$JAXSERVE_FAULTS, else off)"))
 
     def __post_init__(self):
         check_choices(self)  # dtype, backends, quantization, kv_cache_dtype
@@ -151,6 +165,12 @@ class EngineConfig:
                                              or not self.profile_dir):
             raise ValueError(f"profile_dir must be a directory path (str) or None, got "
                              f"{self.profile_dir!r}")
+        for name in ("max_waiting_requests", "max_waiting_tokens"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 0):
+                raise ValueError(f"{name} must be an integer >= 0 or None, got {value!r}")
+        FaultConfig.parse(self.faults)  # a bad spec fails here, naming the key
         if self.quantization == "gguf" and self.tensor_parallel_size > 1:
             # The file's blocks are served as stored, but tensor parallelism may pad heads (and
             # Q4 groups of 32 would have to be re-laid per shard): not supported yet.

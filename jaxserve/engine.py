@@ -11,6 +11,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import logging
+import math
 import time
 from typing import Sequence as Seq
 
@@ -24,6 +25,8 @@ from jaxserve.core.beam_search import BeamRequestState, search_params
 from jaxserve.core.decision import Decision, NewId, RequestStateProtocol
 from jaxserve.core.grammar import GrammarCompiler
 from jaxserve.config import EngineConfig
+from jaxserve.core.admission import check_admission
+from jaxserve.faults import injector
 from jaxserve.runtime.kv_cache import log_plan, plan_num_blocks
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.tools.profiling import Profiler
@@ -68,9 +71,14 @@ class _InFlight:
     h2d_bytes: int = 0
 
 
+NON_FINITE = "the model produced non-finite logits (NaN or inf) for this request"
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, model: Model | None = None):
         self.config = config
+        self.faults = injector(config.faults)  # None (no fault injection) but in tests
+        self._num_step_calls = 0
         self.model = model if model is not None else load_model(
             config.model, backends.default_dtype(config.dtype),
             weights_cache=config.weights_cache)
@@ -117,7 +125,8 @@ class LLMEngine:
             structured_outputs=config.structured_outputs and tok is not None,
             # Unrolled layers need the weights whole on one device: tensor parallel keeps the loop.
             unroll_layers=unroll,
-            branch_free_sampling=backends.gpu_step())
+            branch_free_sampling=backends.gpu_step(),
+            poison_rows=self.faults is not None and self.faults.config.poisons_logits)
         self.model = self.runner.model  # with TP, the placed shards: no unsharded copy is kept
         # Multi-host: process 0 schedules and broadcasts every step; the others follow().
         self.channel = multihost.attach(self.runner)
@@ -170,12 +179,15 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | Seq[int],
                     params: SamplingParams | None = None,
-                    arrival_time: float | None = None, cache_salt: str | None = None) -> None:
+                    arrival_time: float | None = None, cache_salt: str | None = None,
+                    priority: int = 0) -> None:
         """Queues a request; raises ValueError (nothing queued) when it cannot be served.
 
         Everything a step will need of the request is checked here (lengths, token ids, the
         sampler's limits), so that a bad request is refused instead of failing inside a step.
+        Raises EngineOverloaded (nothing queued) beyond max_waiting_requests/_tokens.
         cache_salt: requests with different salts never share prefix-cache blocks.
+        priority: lower runs first (FCFS within a priority) and is preempted last.
         """
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -189,10 +201,11 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use by an unfinished "
                              f"request")
         text, ids = self._prompt_ids(prompt)
+        check_admission(self.config, self.scheduler, len(self._compiling), len(ids), priority)
         arrival = arrival_time or time.monotonic()
         beam = params.use_beam_search
         seq = Sequence(request_id, ids, search_params(params) if beam else params,
-                       arrival_time=arrival, cache_salt=cache_salt)
+                       arrival_time=arrival, cache_salt=cache_salt, priority=priority)
         if beam:
             state = BeamRequestState(seq, text, self.model.tokenizer, params, arrival,
                                      self.eos_ids)
@@ -200,6 +213,9 @@ class LLMEngine:
             seed = params.seed if params.seed is not None else int(self._rng.integers(2 ** 63))
             state = RequestState(seq, text, self.model.tokenizer, seed, arrival, self.eos_ids)
         seq.num_reserved_slots = state.num_slots  # forks take them: never over max_num_seqs
+        if self.faults is not None:
+            self.faults.on_add(request_id)
+            self.faults.wrap_detokenizer(state)
         if params.constrained:
             self.scheduler.check(seq)
             self._compiling[request_id] = (state, seq,
@@ -231,6 +247,8 @@ class LLMEngine:
                 errors.append(state.output())
                 continue
             state.start_grammar(future.result())
+            if self.faults is not None:
+                self.faults.wrap_grammar(state)
             self.scheduler.add(seq)
             self._constrained[rid] = state
         return errors
@@ -308,6 +326,9 @@ class LLMEngine:
         loop. A request that fails while its rows are prepared is finished with an error (its
         output has finish_reason "error"); the others run on.
         """
+        if self.faults is not None:
+            self.faults.before_step(self._num_step_calls)
+        self._num_step_calls += 1
         with jax.profiler.StepTraceAnnotation("engine_step", step_num=self.step_totals.num_steps):
             t0 = time.perf_counter()
             prev, self._inflight = self._inflight, None
@@ -333,7 +354,8 @@ class LLMEngine:
                     outputs += errors
                     if not out.is_empty:
                         launched = _InFlight(out, self.runner.launch(
-                            out, seeds, self._matchers(out), self.grammar), schedule_s=t1 - t0)
+                            out, seeds, self._matchers(out), self.grammar, self._poison(out)),
+                            schedule_s=t1 - t0)
                         launched.h2d_bytes = self.runner.h2d_bytes - bytes0
                         launched.launch_s = time.perf_counter() - t1
             if prev is not None:
@@ -373,6 +395,13 @@ class LLMEngine:
                 found[item.request_id] = state.matcher_of(item.request_id)
         return found
 
+    def _poison(self, out: SchedulerOutput) -> dict[str, float] | None:
+        """Fault injection: the rows whose logits this step poisons."""
+        if self.faults is None or not self.faults.config.poisons_logits:
+            return None
+        return self.faults.poison([(i.request_id, self._owner[i.request_id].request_id)
+                                   for i in out.scheduled if i.is_last_chunk])
+
     def _finish(self, step: _InFlight, committed: bool) -> tuple[list[RequestOutput], float]:
         """Waits for a launched step's ids and applies them; returns (outputs, seconds waited)."""
         t0 = time.perf_counter()
@@ -388,7 +417,14 @@ class LLMEngine:
             owner = self._owner
             sampled = {sid: r for sid, r in sampled.items()
                        if sid in owner and not items[sid].seq.is_finished}
-            outputs = self._postprocess(step.out, items, sampled, committed)
+            # A row of NaN/inf logits gives a non-finite logprob (which always comes back):
+            # that request alone failed; its token is not kept.
+            bad = {owner[sid].request_id: NON_FINITE for sid, r in sampled.items()
+                   if not math.isfinite(r.logprob)}
+            outputs = self._fail(bad) if bad else []
+            if bad:
+                sampled = {sid: r for sid, r in sampled.items() if sid in owner}
+            outputs += self._postprocess(step.out, items, sampled, committed)
         t2 = time.perf_counter()
         self._record_step(step, len(sampled), wait_s=t1 - t0, postprocess_s=t2 - t1)
         return outputs, t1 - t0
@@ -424,6 +460,10 @@ class LLMEngine:
             return [i for i in items if self._owner[i.request_id].request_id not in failed]
 
         out = dataclasses.replace(out, prefills=kept(out.prefills), decodes=kept(out.decodes))
+        return out, self._fail(failed)
+
+    def _fail(self, failed: dict[str, str]) -> list[RequestOutput]:
+        """Ends each failed request (request id -> message): blocks and slots freed."""
         errors = []
         for rid, message in failed.items():
             state = self.requests.pop(rid)
@@ -431,17 +471,28 @@ class LLMEngine:
             self._end_sequences(state, SequenceStatus.FINISHED_ERROR)
             state.fail(message)
             errors.append(state.output())
-        return out, errors
+        return errors
 
     def _postprocess(self, out: SchedulerOutput, items: dict[str, ScheduledSeq], sampled,
                      committed: bool) -> list[RequestOutput]:
         """items: `out`'s scheduled items by sequence id; sampled: their results to apply."""
-        step, progressed, owner = Decision(), {}, self._owner
+        step, progressed, owner, failed = Decision(), {}, self._owner, {}
         for sid, result in sampled.items():
             state = owner[sid]
             rid = state.request_id
+            if rid in failed:
+                continue
             progressed[rid] = state
-            state.on_sampled(items[sid], result, self._id_source(rid), into=step)
+            try:
+                state.on_sampled(items[sid], result, self._id_source(rid), into=step)
+            except Exception as e:  # noqa: BLE001 - detokenizer, grammar: this request's alone
+                log.exception("request %r failed applying its token", rid)
+                failed[rid] = f"{type(e).__name__}: {e}"
+        errors = []
+        if failed:
+            step = step.without({s for s, o in owner.items() if o.request_id in failed})
+            errors = self._fail(failed)
+            progressed = {r: s for r, s in progressed.items() if r not in failed}
         left = self._apply(step)  # n > 1: forks off a prompt that just ran, before update
         done = self.scheduler.update(out, step.tokens, step.finished, step.hold, committed)
         ended: dict[str, list[Sequence]] = {}
@@ -455,7 +506,7 @@ class LLMEngine:
         for seq in done + left:
             self.runner.release(seq.request_id)
             owner.pop(seq.request_id, None)
-        outputs = []
+        outputs = errors
         for rid, state in progressed.items():
             if state.params.output_kind is RequestOutputKind.FINAL_ONLY and not state.finished:
                 continue  # LLM.generate's requests: no output built until the last step

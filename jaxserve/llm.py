@@ -35,8 +35,12 @@ class LLM:
 
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """One output per prompt, in input order. Prompts are strings or lists of token ids."""
+                 use_tqdm: bool = True,
+                 priority: int | Sequence[int] = 0) -> list[RequestOutput]:
+        """One output per prompt, in input order. Prompts are strings or lists of token ids.
+
+        priority: one per prompt or one for all; lower runs first (FCFS within a priority) and
+        is preempted last."""
         if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], numbers.Integral)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -48,12 +52,16 @@ class LLM:
         else:
             params = [sampling_params or SamplingParams()] * len(prompts)
         params = _final_only(params)
+        priorities = (list(priority) if isinstance(priority, (list, tuple))
+                      else [priority] * len(prompts))
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
         engine = self.engine
         ids = []
         try:
-            for prompt, p in zip(prompts, params):
+            for prompt, p, prio in zip(prompts, params, priorities):
                 rid = engine.next_request_id()
-                engine.add_request(rid, prompt, p)
+                engine.add_request(rid, prompt, p, priority=prio)
                 ids.append(rid)
         except Exception:
             for rid in ids:  # nothing half-submitted stays in the engine

@@ -6,34 +6,78 @@ import dataclasses
 import math
 from typing import Any, Literal, Mapping, get_args
 
+from models.moe_config import MOE_MODEL_TYPES, check_moe, mlp_params  # the MoE fields
+
 # Weight and activation dtypes; declared here, where models/ reads them, and imported by jaxserve.
 Dtype = Literal["float32", "bfloat16"]
 DTYPES = get_args(Dtype)
 
 
+# RoPE frequency scalings, as transformers names them (`rope_type`); models/rope.py computes each.
+RopeType = Literal["linear", "dynamic", "yarn", "llama3", "longrope"]
+ROPE_TYPES = get_args(RopeType)
+# Per-head q/k RMSNorm before RoPE: "per_head" normalises each head over head_dim (Qwen3,
+# Gemma 3), "full" the whole q `[H * Dh]` and k `[K * Dh]` projections (OLMoE).
+QkNorm = Literal["none", "per_head", "full"]
+QK_NORMS = get_args(QkNorm)
+# Decoder families this config describes (models/hf_config.py parses each from config.json).
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", *MOE_MODEL_TYPES.values())
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RopeScaling:
-    """Llama-3 style frequency-dependent RoPE scaling (``rope_type == "llama3"``)."""
+    """RoPE frequency scaling; which fields apply depends on `rope_type` (see models/rope.py).
 
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
+    llama3: factor, low/high_freq_factor, original_max_position_embeddings. linear, dynamic:
+    factor. yarn: factor, original_max_position_embeddings, beta_fast/slow, mscale(_all_dim),
+    attention_factor, truncate. longrope: short/long_factor (one per frequency),
+    original_max_position_embeddings, factor, attention_factor.
+    """
+
+    rope_type: RopeType = "llama3"
+    factor: float = 1.0
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    original_max_position_embeddings: int | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
 
     def __post_init__(self):
-        if self.factor <= 0 or self.low_freq_factor <= 0 or self.high_freq_factor <= 0:
-            raise ValueError(f"rope scaling factors must be positive, got {self}")
-        if self.high_freq_factor <= self.low_freq_factor:
-            raise ValueError(
-                "rope scaling needs high_freq_factor > low_freq_factor, got "
-                f"{self.high_freq_factor} <= {self.low_freq_factor}")
-        if self.original_max_position_embeddings <= 0:
-            raise ValueError("rope scaling original_max_position_embeddings must be positive")
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"unsupported rope type {self.rope_type!r}: jaxserve supports "
+                             f"default, {', '.join(ROPE_TYPES)}")
+        if not (self.factor > 0 and math.isfinite(self.factor)):
+            raise ValueError(f"rope scaling factor must be positive, got {self.factor}")
+        needs_orig = self.rope_type in ("llama3", "yarn", "longrope")
+        if needs_orig and not (self.original_max_position_embeddings or 0) > 0:
+            raise ValueError(f"{self.rope_type} rope scaling needs a positive "
+                             "original_max_position_embeddings")
+        if self.rope_type == "llama3":
+            self._check_llama3()
+        if self.rope_type == "longrope" and (
+                not self.short_factor or len(self.short_factor) != len(self.long_factor)):
+            raise ValueError("longrope scaling needs short_factor and long_factor of equal "
+                             "length (one per rotary frequency, head_dim / 2)")
+
+    def _check_llama3(self):
+        lo, hi = self.low_freq_factor, self.high_freq_factor
+        if lo is None or hi is None or lo <= 0 or hi <= 0:
+            raise ValueError(f"llama3 rope scaling needs positive low_freq_factor and "
+                             f"high_freq_factor, got {self}")
+        if hi <= lo:
+            raise ValueError("rope scaling needs high_freq_factor > low_freq_factor, got "
+                             f"{hi} <= {lo}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    """Shape and numerics of a Llama-family decoder (Llama, SmolLM2, Qwen2)."""
+    """Shape and numerics of a Llama-family decoder (Llama, SmolLM2, Qwen2/3, Phi-3)."""
 
     vocab_size: int
     hidden_size: int
@@ -48,9 +92,15 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: biases on q/k/v projections
+    qk_norm: QkNorm = "none"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     architecture: str = "llama"
+    # Mixture of experts (models/moe_config.py checks and parses them); 0 experts: dense MLP.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -68,8 +118,29 @@ class ModelConfig:
             raise ValueError(f"rms_norm_eps must be positive, got {self.rms_norm_eps}")
         if not (self.rope_theta > 0 and math.isfinite(self.rope_theta)):
             raise ValueError(f"rope_theta must be positive, got {self.rope_theta}")
-        if self.architecture not in ("llama", "qwen2"):
-            raise ValueError(f"unsupported architecture {self.architecture!r}: use llama or qwen2")
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {self.architecture!r}: use one of "
+                             f"{ARCHITECTURES}")
+        if self.qk_norm not in QK_NORMS:
+            raise ValueError(f"qk_norm must be one of {QK_NORMS}, got {self.qk_norm!r}")
+        if self.rope_scaling is not None and self.rope_scaling.rope_type == "longrope" and \
+                len(self.rope_scaling.short_factor) != self.head_dim // 2:
+            raise ValueError(f"longrope short/long_factor have {len(self.rope_scaling.short_factor)}"
+                             f" values; head_dim {self.head_dim} needs {self.head_dim // 2}")
+        self._check_context()
+        check_moe(self)
+
+    def _check_context(self):
+        s = self.rope_scaling
+        # transformers switches longrope/dynamic frequencies by the whole sequence's length,
+        # which a KV cache cannot follow once keys are stored: served contexts stay where one
+        # frequency set is exactly transformers' for every sequence (models/rope.py).
+        if s is not None and s.rope_type == "longrope" and \
+                self.max_position_embeddings > s.original_max_position_embeddings:
+            raise ValueError(
+                f"longrope RoPE: max_position_embeddings {self.max_position_embeddings} exceeds "
+                f"original_max_position_embeddings {s.original_max_position_embeddings}; "
+                "contexts past it (long_factor) are not supported yet")
 
     @property
     def queries_per_kv(self) -> int:
@@ -80,11 +151,12 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
     def num_params(self) -> int:
-        d, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        d, v = self.hidden_size, self.vocab_size
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        per_layer = d * (q + 2 * kv) + q * d + 3 * d * f + 2 * d
+        per_layer = d * (q + 2 * kv) + q * d + mlp_params(self) + 2 * d  # MLP: dense or experts
         if self.attention_bias:
             per_layer += q + 2 * kv
+        per_layer += {"none": 0, "per_head": 2 * self.head_dim, "full": q + kv}[self.qk_norm]
         out = 0 if self.tie_word_embeddings else v * d
         return v * d + self.num_layers * per_layer + d + out
 
@@ -95,62 +167,18 @@ class ModelConfig:
     def from_dict(cls, data: Mapping[str, Any]) -> ModelConfig:
         data = dict(data)
         if data.get("rope_scaling") is not None:
-            data["rope_scaling"] = RopeScaling(**data["rope_scaling"])
+            rope = dict(data["rope_scaling"])
+            for key in ("short_factor", "long_factor"):
+                rope[key] = tuple(rope.get(key, ()))
+            data["rope_scaling"] = RopeScaling(**rope)
         data["eos_token_ids"] = tuple(data.get("eos_token_ids", ()))
         return cls(**data)
 
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any]) -> ModelConfig:
-        """Builds a config from a transformers ``config.json`` dict."""
-        archs = hf.get("architectures") or []
-        model_type = hf.get("model_type", "llama")
-        if model_type not in ("llama", "qwen2") and not any(
-                a in ("LlamaForCausalLM", "Qwen2ForCausalLM") for a in archs):
-            raise ValueError(
-                f"unsupported model_type {model_type!r} (architectures {archs}): jaxserve loads "
-                "LlamaForCausalLM and Qwen2ForCausalLM checkpoints")
-        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size",
-                               "num_hidden_layers", "num_attention_heads") if k not in hf]
-        if missing:
-            raise ValueError(f"config.json lacks required fields {missing}")
-        num_heads = hf["num_attention_heads"]
-        # transformers >= 5 keeps theta and scaling in `rope_parameters`; older files in
-        # `rope_theta` / `rope_scaling`.
-        rope = dict(hf.get("rope_parameters") or {})
-        legacy = hf.get("rope_scaling") or {}
-        theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
-        rope_type = rope.get("rope_type") or legacy.get("rope_type") or legacy.get("type")
-        scaling = None
-        if rope_type == "llama3":
-            src = rope if "factor" in rope else legacy
-            scaling = RopeScaling(
-                factor=float(src["factor"]), low_freq_factor=float(src["low_freq_factor"]),
-                high_freq_factor=float(src["high_freq_factor"]),
-                original_max_position_embeddings=int(src["original_max_position_embeddings"]))
-        elif rope_type not in (None, "default"):
-            raise ValueError(f"unsupported rope type {rope_type!r}: jaxserve supports default "
-                             "and llama3 RoPE")
-        eos = hf.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        is_qwen = model_type == "qwen2" or "Qwen2ForCausalLM" in archs
-        return cls(
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
-            num_layers=hf["num_hidden_layers"],
-            num_heads=num_heads,
-            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6 if is_qwen else 1e-5)),
-            rope_theta=float(theta),
-            rope_scaling=scaling,
-            max_position_embeddings=hf.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=bool(hf.get("attention_bias", False)) or is_qwen,
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-            architecture="qwen2" if is_qwen else "llama",
-        )
+        """Builds a config from a transformers ``config.json`` dict (models/hf_config.py)."""
+        from models.hf_config import config_fields
+        return cls(**config_fields(hf))
 
 
 def check_dtype(dtype: str) -> str:

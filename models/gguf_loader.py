@@ -4,7 +4,8 @@ Two llama.cpp conventions are undone here so the rest of jaxserve can treat a GG
 HF checkpoint: GGUF lists dimensions innermost-first (the reader already hands us row-major arrays),
 and for ``llama`` the converter permutes the rows of attn_q / attn_k so that llama.cpp's
 interleaved-pair RoPE sees the pairs HF's rotate-half RoPE uses. ``qwen2`` files are not permuted
-(llama.cpp runs Qwen2 with NEOX, i.e. rotate-half, RoPE), so their rows are left alone.
+(llama.cpp runs Qwen2 with NEOX, i.e. rotate-half, RoPE), so their rows are left alone; the
+same holds for ``qwen3`` and ``phi3``.
 """
 
 from __future__ import annotations
@@ -18,13 +19,14 @@ import gguf
 import numpy as np
 
 from models.config import ModelConfig, RopeScaling
-from models.weights import CheckpointError, check_fits_files, expected_hf_shapes, layer_indices
+from models.weights import (CheckpointError, check_fits_files, file_shapes, layer_indices,
+                            unfuse)
 
 QT = gguf.GGMLQuantizationType
 FLOAT_TYPES = (QT.F32, QT.F16, QT.BF16)
 BLOCK_TYPES = (QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q4_K, QT.Q5_K, QT.Q6_K)
 SUPPORTED_TYPES = FLOAT_TYPES + BLOCK_TYPES
-ARCHITECTURES = ("llama", "qwen2")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
 # llama.cpp's convert_hf_to_gguf reads `original_max_position_embeddings` from the top level of
 # config.json, where Llama 3 never puts it, so every file it wrote assumed this value.
 LLAMA_CPP_ORIGINAL_CONTEXT = 8192
@@ -36,11 +38,16 @@ LAYER_NAMES = {
     **{f"attn_{p}.weight": f"self_attn.{p}_proj.weight" for p in "qkv"},
     **{f"attn_{p}.bias": f"self_attn.{p}_proj.bias" for p in "qkv"},
     "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",  # Phi-3: fused, split by weights.unfuse
     **{f"ffn_{p}.weight": f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")},
 }
 GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
                 "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
-HF_LAYER = {h: g for g, h in LAYER_NAMES.items()}
+# Phi-3 keeps its fused gate_up projection in ffn_up (llama.cpp splits it in the graph).
+_ARCH_LAYER_NAMES = {"phi3": {"ffn_up.weight": "mlp.gate_up_proj.weight"}}
+HF_LAYER = {h: g for g, h in LAYER_NAMES.items()} | {
+    h: g for names in _ARCH_LAYER_NAMES.values() for g, h in names.items()}
 HF_GLOBAL = {h: g for g, h in GLOBAL_NAMES.items()}
 
 
@@ -178,6 +185,10 @@ def _config(meta: dict, names: dict, path, rope_freqs) -> ModelConfig:
         raise GGUFError(f"{path}: architecture {arch!r} is not supported (use one of "
                         f"{ARCHITECTURES})")
     g = lambda key, **kw: _get(meta, f"{arch}.{key}", path, **kw)  # noqa: E731
+    if int(g("expert_count", default=0) or 0):  # llama.cpp's Mixtral is arch "llama" + experts
+        raise GGUFError(f"{path}: mixture-of-experts GGUF files ({arch}.expert_count="
+                        f"{g('expert_count')}) are not supported; load the HF safetensors "
+                        "checkpoint instead")
     hidden = int(g("embedding_length", required=True))
     heads = int(g("attention.head_count", required=True))
     head_dim = _head_dim(meta, arch, hidden, heads, path)
@@ -187,6 +198,14 @@ def _config(meta: dict, names: dict, path, rope_freqs) -> ModelConfig:
         vocab = len(meta["tokenizer.ggml.tokens"])
     if vocab is None and "token_embd.weight" in names:
         vocab = int(names["token_embd.weight"].shape[-1])  # GGUF order: [D, V]
+    if "rope_factors_short.weight" in names or "rope_factors_long.weight" in names:
+        raise GGUFError(f"{path}: longrope factors (rope_factors_*.weight) in a GGUF are not "
+                        "supported yet; load the HF checkpoint of this model instead")
+    context = int(g("context_length", default=2048))
+    window = g("attention.sliding_window")
+    if arch == "phi3" and window and int(window) < context:
+        # As models/hf_config.py: served where the window never cuts.
+        context = int(window)
     bos = meta.get("tokenizer.ggml.bos_token_id")
     eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
            if k in meta]
@@ -200,9 +219,10 @@ def _config(meta: dict, names: dict, path, rope_freqs) -> ModelConfig:
             rms_norm_eps=_f32(g("attention.layer_norm_rms_epsilon", default=1e-5)),
             rope_theta=theta,
             rope_scaling=_rope_scaling(meta, arch, theta, head_dim, rope_freqs, path),
-            max_position_embeddings=int(g("context_length", default=2048)),
+            max_position_embeddings=context,
             tie_word_embeddings="output.weight" not in names,
             attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in names,
+            qk_norm="per_head" if "blk.0.attn_q_norm.weight" in names else "none",
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos)),
             architecture=arch)
@@ -218,12 +238,13 @@ def _f32(value) -> float:
     return float(str(np.float32(value)))
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     if gguf_name in GLOBAL_NAMES:
         return GLOBAL_NAMES[gguf_name]
     parts = gguf_name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}"
+    names = {**LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}"
     return None  # e.g. rope_freqs.weight: folded into the config, not a model weight
 
 
@@ -309,7 +330,8 @@ def read_gguf_config(path: str | os.PathLike) -> ModelConfig:
 
 
 def read_gguf(path: str | os.PathLike, dtype=np.float32) -> GGUFCheckpoint:
-    """Loads a llama / qwen2 GGUF file: config, dequantized HF-layout weights, raw blocks."""
+    """Loads a llama / qwen2 / qwen3 / phi3 GGUF file: config, dequantized HF-layout weights
+    (Phi-3's fused projections split), raw blocks."""
     path = pathlib.Path(path)
     dtype = _as_dtype(dtype)
     reader = _open(path)
@@ -320,8 +342,8 @@ def read_gguf(path: str | os.PathLike, dtype=np.float32) -> GGUFCheckpoint:
                          str(path))
     except CheckpointError as e:
         raise GGUFError(str(e)) from None
-    expected = expected_hf_shapes(cfg)
-    hf_to_gguf = {h: n for n in by_name if (h := _hf_name(n)) is not None}
+    expected = file_shapes(cfg)
+    hf_to_gguf = {h: n for n in by_name if (h := _hf_name(n, cfg.architecture)) is not None}
     missing = [f"{n} ({_gguf_name(n)})" for n in expected if n not in hf_to_gguf]
     if missing:
         raise GGUFError(f"{path}: missing tensors {missing[:8]}"
@@ -336,4 +358,27 @@ def read_gguf(path: str | os.PathLike, dtype=np.float32) -> GGUFCheckpoint:
                                         dtype, path)
         if r is not None:
             raw[name] = r
-    return GGUFCheckpoint(config=cfg, tensors=tensors, raw=raw, path=path, reader=reader)
+    return GGUFCheckpoint(config=cfg, tensors=unfuse(tensors, cfg), raw=_unfuse_raw(raw, cfg),
+                          path=path, reader=reader)
+
+
+def _unfuse_raw(raw: dict[str, GGUFTensor], cfg: ModelConfig) -> dict[str, GGUFTensor]:
+    """Fused block-quantized matrices split by rows like their float copies (weights.unfuse):
+    ggml blocks run along a row, so each part keeps whole rows of blocks."""
+    suffixes = ("qkv_proj.weight", "gate_up_proj.weight")
+    fused = {n: t for n, t in raw.items() if n.endswith(suffixes)}
+    if not fused:
+        return raw
+    # Split row numbers the way the tensors were split (every fused name, float ones too).
+    rows = unfuse({n: np.arange(shape[0])[:, None] for n, shape in file_shapes(cfg).items()
+                   if n.endswith(suffixes)}, cfg)
+    out = {n: t for n, t in raw.items() if n not in fused}
+    for name, idx in rows.items():
+        src = next((t for n, t in fused.items()
+                    if n.rsplit(".", 2)[0] == name.rsplit(".", 2)[0]), None)
+        if src is None:  # a float fused tensor: no raw blocks
+            continue
+        idx = idx[:, 0]
+        out[name] = GGUFTensor(name, src.gguf_name, src.qtype, (len(idx), src.shape[1]),
+                               src.data[idx[0]:idx[-1] + 1])
+    return out

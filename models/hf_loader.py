@@ -9,8 +9,8 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from models.config import ModelConfig
-from models.weights import (CheckpointError, check_fits_files, check_tensors,
-                            expected_hf_shapes, layer_indices)
+from models.weights import (CheckpointError, check_fits_files, check_tensors, file_shapes,
+                            layer_indices, unfuse)
 
 
 def read_hf_config(directory: pathlib.Path) -> ModelConfig:
@@ -98,7 +98,7 @@ def read_hf_checkpoint(directory) -> tuple[ModelConfig, dict[str, np.ndarray]]:
                               "tie_word_embeddings is false in config.json")
     handles, tensors = {}, {}
     try:
-        for name in expected_hf_shapes(config):
+        for name in file_shapes(config):
             if name not in where:
                 continue  # reported by check_tensors below, with the expected shape
             path = where[name]
@@ -111,5 +111,6 @@ def read_hf_checkpoint(directory) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     finally:
         for h in handles.values():
             h.__exit__(None, None, None)
-    check_tensors(lambda n: tensors[n].shape if n in tensors else None, config, str(directory))
-    return config, tensors
+    check_tensors(lambda n: tensors[n].shape if n in tensors else None, config, str(directory),
+                  file_shapes(config))
+    return config, unfuse(tensors, config)

@@ -1,4 +1,4 @@
-"""Flax Llama-family decoder (Llama, SmolLM2, Qwen2): RMSNorm, RoPE, GQA, SwiGLU.
+"""Flax Llama-family decoder (Llama, SmolLM2, Qwen2/3, Phi-3): RMSNorm, RoPE, GQA, SwiGLU.
 
 Layers are stacked and run with `nn.scan`, so compile time stays flat in model depth (the GPU
 step runs them as separate blocks instead: `unroll_layers`, `unstack_layers`). Attention
@@ -23,8 +23,9 @@ import jax
 import jax.numpy as jnp
 
 from models.config import ModelConfig
+from models.moe import MoEMLP
 from models.quantized import is_quantized
-from models.rope import apply_rope, inv_frequencies
+from models.rope import apply_rope, attention_factor, inv_frequencies
 
 # Megatron roles: "column" splits the output features over devices, "row" the input features
 # (its partial products are summed: one all-reduce per block); None is not split by role (the
@@ -159,11 +160,18 @@ class Attention(nn.Module):
         q = linear_layer("q_proj", c.num_heads * c.head_dim, self.dtype, lin, bias)(x)
         k = linear_layer("k_proj", c.num_kv_heads * c.head_dim, self.dtype, lin, bias)(x)
         v = linear_layer("v_proj", c.num_kv_heads * c.head_dim, self.dtype, lin, bias)(x)
+        if c.qk_norm == "full":  # OLMoE: over the whole projection, before the head split
+            q = RMSNorm(c.rms_norm_eps, self.dtype, name="q_norm")(q)  # [B, T, H * Dh]
+            k = RMSNorm(c.rms_norm_eps, self.dtype, name="k_norm")(k)  # [B, T, K * Dh]
         q = q.reshape(b, t, c.num_heads, c.head_dim)  # [B, T, H, Dh]
         k = k.reshape(b, t, c.num_kv_heads, c.head_dim)  # [B, T, K, Dh]
+        if c.qk_norm == "per_head":  # Qwen3, Gemma 3: each head over head_dim
+            q = RMSNorm(c.rms_norm_eps, self.dtype, name="q_norm")(q)
+            k = RMSNorm(c.rms_norm_eps, self.dtype, name="k_norm")(k)
         v = v.reshape(b, t, c.num_kv_heads, c.head_dim)  # [B, T, K, Dh]
-        inv_freq = inv_frequencies(c)
-        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        inv_freq, rope_scale = inv_frequencies(c), attention_factor(c)
+        q = apply_rope(q, positions, inv_freq, rope_scale)
+        k = apply_rope(k, positions, inv_freq, rope_scale)
         with jax.named_scope("attention"):  # the paged-attention kernel, not the projections
             out, cache = self.attention(q, k, v, cache, layer, meta)
         out = out.reshape(b, t, c.num_heads * c.head_dim)
@@ -201,7 +209,9 @@ class Block(nn.Module):
         h = RMSNorm(c.rms_norm_eps, self.dtype, name="post_norm")(x)
         # Flax puts module names on jax's name stack, so profiles already read ".../attn/...",
         # ".../mlp/..." (jaxserve/tools/profiling.py); Attention adds "attention" around the kernel.
-        return (x + MLP(c, self.dtype, self.linear, name="mlp")(h), cache, layer + 1), None
+        mlp = (MoEMLP(c, self.dtype, name="mlp") if c.num_experts  # models/moe.py
+               else MLP(c, self.dtype, self.linear, name="mlp"))
+        return (x + mlp(h), cache, layer + 1), None
 
 
 class Llama(nn.Module):

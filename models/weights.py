@@ -11,6 +11,8 @@ from typing import Callable, Mapping
 import numpy as np
 
 from models.config import ModelConfig
+from models.moe_weights import (moe_hf_shapes, moe_param_shapes,  # MoE experts
+                                moe_params_from_hf)
 
 # Flax path inside a layer -> (HF name template, transpose?)
 _LAYER_TENSORS = {
@@ -29,6 +31,25 @@ _BIAS_TENSORS = {
     ("attn", "k_proj", "bias"): "model.layers.{i}.self_attn.k_proj.bias",
     ("attn", "v_proj", "bias"): "model.layers.{i}.self_attn.v_proj.bias",
 }
+
+
+def _qk_norm_tensors(config: ModelConfig) -> dict:
+    """q/k norm scales (Qwen3: per head `[Dh]`; OLMoE: whole projection `[H * Dh]`)."""
+    if config.qk_norm == "none":
+        return {}
+    return {("attn", "q_norm", "scale"): ("model.layers.{i}.self_attn.q_norm.weight", False),
+            ("attn", "k_norm", "scale"): ("model.layers.{i}.self_attn.k_norm.weight", False)}
+
+
+def _layer_items(config: ModelConfig) -> list[tuple[tuple[str, ...], str, bool]]:
+    """(Flax path, HF name template, transpose?) of every per-layer tensor of `config`."""
+    items = [(path, tmpl, tr) for path, (tmpl, tr) in _LAYER_TENSORS.items()]
+    if config.attention_bias:
+        items += [(path, tmpl, False) for path, tmpl in _BIAS_TENSORS.items()]
+    items += [(path, tmpl, tr) for path, (tmpl, tr) in _qk_norm_tensors(config).items()]
+    if config.num_experts:  # the experts replace the dense MLP (models/moe_weights.py)
+        items = [item for item in items if item[0][0] != "mlp"]
+    return items
 
 
 class CheckpointError(ValueError):
@@ -53,9 +74,38 @@ def expected_hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     if c.attention_bias:
         per_layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
                           "self_attn.v_proj.bias": (kv,)})
+    if c.num_experts:  # the experts replace the dense MLP (models/moe_weights.py)
+        per_layer = {k: v for k, v in per_layer.items() if not k.startswith("mlp.")}
+    if c.qk_norm != "none":
+        per_head = c.qk_norm == "per_head"
+        per_layer.update({"self_attn.q_norm.weight": (c.head_dim if per_head else q,),
+                          "self_attn.k_norm.weight": (c.head_dim if per_head else kv,)})
     for i in range(c.num_layers):
         for name, shape in per_layer.items():
             shapes[f"model.layers.{i}.{name}"] = shape
+    return shapes | moe_hf_shapes(c)
+
+
+# Fused projections some families store (Phi-3), split at load time into the q/k/v and
+# gate/up layers every other path (quantization, tensor-parallel roles, kernels) knows.
+_FUSED = {"phi3": ("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight")}
+
+
+def file_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint file for `config` holds under its own names (fused or not)."""
+    shapes = expected_hf_shapes(config)
+    if config.architecture not in _FUSED:
+        return shapes
+    c = config
+    q, kv, f = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
+    for i in range(c.num_layers):
+        pre = f"model.layers.{i}."
+        for part in ("q_proj", "k_proj", "v_proj"):
+            del shapes[f"{pre}self_attn.{part}.weight"]
+        for part in ("gate_proj", "up_proj"):
+            del shapes[f"{pre}mlp.{part}.weight"]
+        shapes[f"{pre}self_attn.qkv_proj.weight"] = (q + 2 * kv, c.hidden_size)
+        shapes[f"{pre}mlp.gate_up_proj.weight"] = (2 * f, c.hidden_size)
     return shapes
 
 
@@ -94,10 +144,31 @@ def layer_indices(names, prefix: str) -> set[int]:
     return found
 
 
+def unfuse(tensors: Mapping[str, np.ndarray], config: ModelConfig) -> dict[str, np.ndarray]:
+    """HF-named tensors with fused qkv_proj / gate_up_proj (`[out, in]`) split into the
+    separate projections, in transformers' order (q, k, v; gate, up)."""
+    if config.architecture not in _FUSED:
+        return dict(tensors)
+    c = config
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    out = dict(tensors)
+    for i in range(c.num_layers):
+        pre = f"model.layers.{i}."
+        qkv = out.pop(f"{pre}self_attn.qkv_proj.weight")  # [q + 2 kv, D]
+        out[f"{pre}self_attn.q_proj.weight"] = qkv[:q]
+        out[f"{pre}self_attn.k_proj.weight"] = qkv[q:q + kv]
+        out[f"{pre}self_attn.v_proj.weight"] = qkv[q + kv:]
+        gate_up = out.pop(f"{pre}mlp.gate_up_proj.weight")  # [2 F, D]
+        out[f"{pre}mlp.gate_proj.weight"] = gate_up[:c.intermediate_size]
+        out[f"{pre}mlp.up_proj.weight"] = gate_up[c.intermediate_size:]
+    return out
+
+
 def check_tensors(get_shape: Callable[[str], tuple[int, ...] | None], config: ModelConfig,
-                  source: str) -> None:
-    """Raises CheckpointError naming the file and tensor for a missing or misshapen tensor."""
-    for name, shape in expected_hf_shapes(config).items():
+                  source: str, shapes: Mapping[str, tuple[int, ...]] | None = None) -> None:
+    """Raises CheckpointError naming the file and tensor for a missing or misshapen tensor
+    (of `shapes`, default the unfused `expected_hf_shapes`)."""
+    for name, shape in (expected_hf_shapes(config) if shapes is None else shapes).items():
         found = get_shape(name)
         if found is None:
             raise CheckpointError(f"{source}: missing tensor {name!r} (expected shape {shape})")
@@ -116,10 +187,9 @@ def params_from_hf(tensors: Mapping[str, np.ndarray], config: ModelConfig, dtype
         return np.ascontiguousarray(x.T if transpose else x).astype(dtype)
 
     layers: dict = {}
-    items = [(path, tmpl, tr) for path, (tmpl, tr) in _LAYER_TENSORS.items()]
-    if config.attention_bias:
-        items += [(path, tmpl, False) for path, tmpl in _BIAS_TENSORS.items()]
-    for path, tmpl, transpose in items:
+    if config.num_experts:  # the experts (models/moe_weights.py)
+        layers["mlp"] = moe_params_from_hf(get, config)
+    for path, tmpl, transpose in _layer_items(config):
         # [L, ...]: layers are stacked for nn.scan.
         stacked = np.stack([get(tmpl.format(i=i), transpose) for i in range(config.num_layers)])
         node = layers
@@ -136,11 +206,8 @@ def params_from_hf(tensors: Mapping[str, np.ndarray], config: ModelConfig, dtype
 def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """The shape of every leaf `params_from_hf` builds, by "/"-joined Flax path."""
     hf = expected_hf_shapes(config)
-    items = [(path, tmpl, tr) for path, (tmpl, tr) in _LAYER_TENSORS.items()]
-    if config.attention_bias:
-        items += [(path, tmpl, False) for path, tmpl in _BIAS_TENSORS.items()]
-    shapes = {}
-    for path, tmpl, transpose in items:
+    shapes = moe_param_shapes(config)
+    for path, tmpl, transpose in _layer_items(config):
         one = hf[tmpl.format(i=0)]
         shapes["/".join(("layers",) + path)] = (config.num_layers,
                                                  *(one[::-1] if transpose else one))

@@ -24,6 +24,7 @@ from tiny_models import TINY_CHAT
 
 MODEL = "tiny-chat"
 KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}  # /metrics too is behind the key
 MAX_NUM_SEQS = 8
 MAX_MODEL_LEN = 128
 PROMPTS = ["The capital of France is", "def add(a, b):\n    return", "Once upon a time",
@@ -95,7 +96,7 @@ def stream_text(client, **kw):
 
 
 def metric(server, name):
-    text = requests.get(server.url + "/metrics", timeout=10).text
+    text = requests.get(server.url + "/metrics", headers=AUTH, timeout=10).text
     for line in text.splitlines():
         if line.startswith(name + " ") or line.startswith(name + "{"):
             return float(line.rsplit(" ", 1)[1])
@@ -107,7 +108,7 @@ def metric(server, name):
 def test_models_health_metrics(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert requests.get(server.url + "/health", timeout=10).status_code == 200
-    text = requests.get(server.url + "/metrics", timeout=10).text
+    text = requests.get(server.url + "/metrics", headers=AUTH, timeout=10).text
     for name in ("jaxserve_time_to_first_token_seconds_bucket",
                  "jaxserve_inter_token_latency_seconds_bucket",
                  "jaxserve_e2e_request_latency_seconds_bucket", "jaxserve_num_requests_running",

@@ -4,6 +4,7 @@ XLA's device count is fixed when JAX starts, and the rest of the suite runs with
 the tests start this script, which runs the cases it is given and prints one JSON line.
 """
 
+import dataclasses
 import json
 import os
 import sys
@@ -24,6 +25,11 @@ GQA = ModelConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_la
 SMOL_HEADS = ModelConfig(vocab_size=256, hidden_size=96, intermediate_size=256, num_layers=2,
                          num_heads=9, num_kv_heads=3, head_dim=32, max_position_embeddings=256,
                          tie_word_embeddings=True)
+# GQA's attention with a MoE MLP (4 experts, top-2): experts split on F over the devices.
+MOE = ModelConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=2,
+                  num_heads=16, num_kv_heads=8, head_dim=64, max_position_embeddings=256,
+                  architecture="mixtral", num_experts=4, num_experts_per_tok=2,
+                  moe_intermediate_size=128, norm_topk_prob=True)
 KV_BYTES = 4 << 20  # per device
 
 
@@ -87,8 +93,9 @@ def memory(eng):
             "heads": [r.model.config.num_heads, r.model.config.num_kv_heads]}
 
 
-def case_tokens(config_name, sizes, **kw):
-    config = {"gqa": GQA, "smol_heads": SMOL_HEADS}[config_name]
+def case_tokens(config_name, sizes, qk_norm="none", **kw):
+    config = {"gqa": GQA, "smol_heads": SMOL_HEADS, "moe": MOE}[config_name]
+    config = dataclasses.replace(config, qk_norm=qk_norm)  # Qwen3 / OLMoE attention norms
     model = random_model(config, seed=3)
     ps = prompts(config.vocab_size)
     out = {}

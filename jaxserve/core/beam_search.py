@@ -171,7 +171,8 @@ class BeamRequestState:
                 # The child's KV is the parent's; it computes its own pick next step.
                 child = Sequence(new_id(), parent.prompt_token_ids, parent.sampling_params,
                                  arrival_time=parent.arrival_time, cache_salt=parent.cache_salt,
-                                 output_token_ids=parent.output_token_ids + [tok])
+                                 output_token_ids=parent.output_token_ids + [tok],
+                                 priority=parent.priority)
                 decision.forks.append(Fork(parent=parent, child=child,
                                            num_computed_tokens=parent.num_computed_tokens))
                 new_live.append(Beam(child, score))

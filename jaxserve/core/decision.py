@@ -63,6 +63,22 @@ class Decision:
                 mine.update(theirs)
 
 
+    def without(self, seq_ids: set[str]) -> Decision:
+        """This decision less what it says about the sequences `seq_ids` (of requests that
+        failed while it was gathered)."""
+        def live(seq: Sequence) -> bool:
+            return seq.request_id not in seq_ids
+
+        return Decision(
+            reserve=[(s, n) for s, n in self.reserve if live(s)],
+            forks=[f for f in self.forks if live(f.parent)],
+            tokens={k: v for k, v in self.tokens.items() if k not in seq_ids},
+            finished={k: v for k, v in self.finished.items() if k not in seq_ids},
+            hold=self.hold - seq_ids,
+            append=[(s, t) for s, t in self.append if live(s)],
+            free=[(s, st) for s, st in self.free if live(s)])
+
+
 _DECISION_FIELDS = tuple(f.name for f in dataclasses.fields(Decision))
 
 

@@ -157,8 +157,23 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.check(seq)
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        self._enqueue(seq, front=False)
         self._ids.add(seq.request_id)
+
+    def _enqueue(self, seq: Sequence, front: bool) -> None:
+        """Waiting order: priority (lower first), then FCFS; `front`: first of its priority
+        (a preempted sequence). All priorities equal: a plain append / appendleft."""
+        waiting, p = self.waiting, seq.priority
+        if front and (not waiting or waiting[0].priority >= p):
+            waiting.appendleft(seq)
+        elif not front and (not waiting or waiting[-1].priority <= p):
+            waiting.append(seq)
+        else:
+            ahead = (lambda w: w.priority < p) if front else (lambda w: w.priority <= p)
+            k = 0
+            while k < len(waiting) and ahead(waiting[k]):
+                k += 1
+            waiting.insert(k, seq)
 
     def check(self, seq: Sequence) -> None:
         """Raises ValueError, naming the limit, when `add(seq)` would refuse it."""
@@ -304,18 +319,27 @@ class Scheduler:
             preempted_self = False
             while not bm.can_allocate(seq, n):
                 # Everything after index i is newer and not yet scheduled.
-                victim = self.running[-1]
+                victim = self._victim(i)
                 self._preempt(victim, out)
                 if victim is seq:
                     preempted_self = True
                     break
             if preempted_self:
-                break  # seq was the last one
+                continue  # running[i] is now the sequence after it (none: the loop ends)
             out.blocks_to_copy.extend(bm.allocate(seq, n))
             self._emit(out, seq, n)
             budget -= n
             i += 1
         return budget
+
+    def _victim(self, i: int) -> Sequence:
+        """Whom to preempt among running[i:] (not yet scheduled this step): the highest
+        priority value, the newest among equals (all equal: the newest of all)."""
+        running, k = self.running, len(self.running) - 1
+        for j in range(k - 1, i - 1, -1):
+            if running[j].priority > running[k].priority:
+                k = j
+        return running[k]
 
     def _preempt_held(self, out: SchedulerOutput) -> bool:
         """Preempts the newest held sequence (nothing to compute: a beam waiting for its group).
@@ -333,10 +357,7 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.reset_for_recompute()
-        if front:
-            self.waiting.appendleft(seq)
-        else:
-            self.waiting.append(seq)
+        self._enqueue(seq, front)
         out.preempted.append(seq.request_id)
         self.num_preemptions += 1
 

@@ -66,8 +66,10 @@ class Sequence:
         arrival_time: float = 0.0,
         cache_salt: str | None = None,
         output_token_ids: Iterable[int] = (),
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id
+        self.priority = priority  # lower is admitted first and preempted last
         self.prompt_token_ids: list[int] = list(prompt_token_ids)
         # Non-empty for a fork that continues another sequence's output (a beam's child).
         self.output_token_ids: list[int] = list(output_token_ids)

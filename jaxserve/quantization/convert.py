@@ -6,7 +6,7 @@ import dataclasses
 
 from jaxserve.quantization.core import QuantSpec
 from jaxserve.quantization.methods import get_method
-from jaxserve.quantization.paths import INT8_CHANNEL
+from jaxserve.quantization.paths import INT8_CHANNEL, refuse_moe
 from jaxserve.quantization.rtn import quantize_head
 
 
@@ -43,6 +43,7 @@ def quantize_model(model, method: str, spec: QuantSpec, activation_bits: int = 1
         raise ValueError(f"{model.source} is already quantized ({model.quantization}); "
                          "quantize the float model")
     path = path_for(spec, activation_bits)
+    refuse_moe(model.config, f"quantization ({method}, {path})")
     fn = get_method(method)
     params = fn(model, spec, calibration)
     if spec.bits == 8:

@@ -9,7 +9,8 @@
 The LM head: w8a16 and w8a8 quantize it like the other linears (int8 per channel; it is about
 a fifth of SmolLM2's FLOPs and weight bytes, and W8A8's speed comes from its int8 dot); gguf uses
 the file's own head (the Q8_0 token embedding, tied); w4a16 keeps it float, as most W4A16
-deployments do. The embedding lookup always reads the float table.
+deployments do. The embedding lookup always reads the float table. A mixture-of-experts model
+takes w8a16 only (its experts per expert and channel: quantization/moe.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from jaxserve.config import QUANTIZATION_PATHS as PATHS
 from jaxserve.quantization.core import QuantSpec
 from jaxserve.quantization.gguf_native import gguf_native_params
 from jaxserve.quantization.rtn import quantize_head, quantize_kernels
+from jaxserve.quantization.moe import quantize_experts
 
 INT8_CHANNEL = QuantSpec(bits=8, granularity="channel", symmetric=True)
 INT4_G128 = QuantSpec(bits=4, granularity="group", group_size=128)
@@ -49,7 +51,19 @@ def quantize_params(model, path: str) -> dict:
     if path == "w4a16":
         return quantize_kernels(model.params, INT4_G128)
     params = quantize_kernels(model.params, INT8_CHANNEL)
+    if model.config.num_experts:
+        params = quantize_experts(params, INT8_CHANNEL)
     return quantize_head(params, INT8_CHANNEL)
+
+
+def refuse_moe(config, what: str) -> None:
+    """A MoE model's experts are stacked arrays run by ragged_dot (models/moe.py); of the
+    quantized paths only w8a16 serves them (quantization/moe.py)."""
+    if config.num_experts:
+        raise ValueError(
+            f"{what} is not supported for mixture-of-experts models ({config.architecture}, "
+            f"{config.num_experts} experts): use quantization='w8a16', or serve them "
+            "unquantized (dtype='bfloat16' halves the weights)")
 
 
 def prepare_model(model, requested: str | None):
@@ -67,5 +81,7 @@ def prepare_model(model, requested: str | None):
         return model, saved
     if requested is None:
         return model, None
+    if requested != "w8a16":
+        refuse_moe(model.config, f"quantization={requested!r}")
     params = quantize_params(model, requested)
     return dataclasses.replace(model, params=params, quantization=requested, raw={}), requested

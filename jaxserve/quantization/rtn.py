@@ -49,6 +49,8 @@ def quantize_kernels(params: dict, spec: QuantSpec) -> dict:
     """Replaces every decoder linear kernel [L, K, N] with its RTN weight (one vmap per name)."""
     layers = {block: dict(params["layers"][block]) for block in params["layers"]}
     for block, name in LINEARS:
+        if name not in params["layers"][block]:
+            continue  # a MoE layer's MLP is its experts (quantization/moe.py)
         w = jnp.asarray(params["layers"][block][name]["kernel"], jnp.float32)  # [L, K, N]
         q = _rtn_stacked(w, spec_for(spec, w.shape[1]))
         layers[block][name] = dict(layers[block][name], kernel=q)

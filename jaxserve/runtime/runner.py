@@ -67,6 +67,9 @@ class StepInputs:
     backends) or the chunk pages [T / 16, Pc] (XLA); pairs [3, W] (XLA) or None. mask
     [R, ceil(V / 32)] int32: the rows' packed bitmasks of allowed tokens, all ones for rows
     without a constraint; None when no row has one (a program without the masking).
+    poison [R] float32: added to each row's logits before sampling (fault injection,
+    jaxserve/faults.py: NaN or inf on a poisoned row, 0 elsewhere); None in every program of
+    an engine without that fault, so normal programs are unchanged.
     """
 
     per_token: jax.Array
@@ -74,6 +77,7 @@ class StepInputs:
     pages: jax.Array
     pairs: jax.Array | None = None
     mask: jax.Array | None = None
+    poison: jax.Array | None = None
 
     def field(self, name: str) -> jax.Array:
         if name in TOKEN_FIELDS:
@@ -156,8 +160,9 @@ class ModelRunner:
                  attention: AttentionBackend | None = None, linear=None,
                  tp: TensorParallel | None = None, kv_cache_dtype=None,
                  structured_outputs: bool = False, unroll_layers: bool = False,
-                 branch_free_sampling: bool = False):
-        """unroll_layers, branch_free_sampling: the GPU program's shape (backends.gpu_step):
+                 branch_free_sampling: bool = False, poison_rows: bool = False):
+        """poison_rows: every step takes StepInputs.poison (fault injection only).
+        unroll_layers, branch_free_sampling: the GPU program's shape (backends.gpu_step):
         layers unrolled so no weight slice is copied, and a sampler without conditionals, each
         of which would make the host wait for the device mid-step."""
         c = model.config
@@ -165,6 +170,7 @@ class ModelRunner:
         # any pay nothing for the feature. Warm-up compiles the plain ones; the masked ones
         # can follow off the engine thread (masked_warmup), so they do not delay serving.
         self.structured_outputs = structured_outputs
+        self.poison_rows = poison_rows
         self.mask_words = -(-c.vocab_size // 32)
         attention = _checked(XlaAttention() if attention is None else attention, c, block_size)
         if unroll_layers:
@@ -233,6 +239,8 @@ class ModelRunner:
                                                cache, meta, logits_index=f("logits_index"))
             if self.tp is not None:  # one gather of vocab-parallel logits; sampler replicated
                 logits = jax.lax.with_sharding_constraint(logits, self.tp.replicated)
+            if inp.poison is not None:  # fault injection: the sampler must see the bad row
+                logits = logits + inp.poison[:, None].astype(logits.dtype)  # [R, V]
             with jax.named_scope("sampling"):
                 st = slot_state.rows_sampling(state, row_slot, ctx)
                 want = f("scalars")[1] != 0
@@ -427,11 +435,12 @@ class ModelRunner:
     # ---- one engine step ------------------------------------------------------------------
 
     def launch(self, out: SchedulerOutput, seeds: dict[str, int], matchers=None,
-               grammar=None) -> Pending:
+               grammar=None, poison: dict[str, float] | None = None) -> Pending:
         """Dispatches the scheduled work as one step; returns without waiting for the device.
 
         matchers: sequence id -> grammar state (core/grammar.py Matcher) of the constrained
         rows that sample; `grammar.fill(mask, [(matcher, row)])` writes their bitmasks.
+        poison: sequence id -> value added to its row's logits (fault injection only).
         """
         if out.blocks_to_copy:
             self.copy_blocks(out.blocks_to_copy)
@@ -456,7 +465,12 @@ class ModelRunner:
             mask = self._all_allowed(lay)
             grammar.fill(mask, [(matchers[item.request_id], lay.row_index[k])
                                 for k, item in enumerate(items) if item.request_id in matchers])
-        sampled = self.run(self.step_call(lay, want, mask))
+        call = self.step_call(lay, want, mask)
+        if poison:
+            for k, item in enumerate(items):
+                if item.request_id in poison:
+                    call.inputs.poison[lay.row_index[k]] = poison[item.request_id]
+        sampled = self.run(call)
         sampling = [(item, lay.row_index[k]) for k, item in enumerate(items) if item.is_last_chunk]
         return Pending([i for i, _ in sampling], [r for _, r in sampling], sampled, want)
 
@@ -474,8 +488,9 @@ class ModelRunner:
             per_row[i, :r] = getattr(lay, name)
         per_row[-1, :2] = (0 if lay.num_pairs is None else lay.num_pairs, want_logprobs)
         pages = lay.chunk_pages if self.ragged else lay.page_table
+        poison = np.zeros(r, np.float32) if self.poison_rows else None  # [R]
         return StepCall(StepInputs(per_token=per_token, per_row=per_row, pages=pages,
-                                   pairs=lay.pairs, mask=mask))
+                                   pairs=lay.pairs, mask=mask, poison=poison))
 
     def collect(self, pending: Pending) -> dict[str, SampleResult]:
         """Waits for a launched step's ids; returns the sampled token of every item that samples."""

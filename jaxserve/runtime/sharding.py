@@ -36,6 +36,7 @@ from jaxserve.runtime.kv_cache import KVCache
 from models.config import ModelConfig
 from models.llama import LINEAR_ROLES, Parallel
 from models.model import Model
+from models.moe import EXPERT_ROLES
 from models.quantized import Int4Weight, QuantizedWeight, is_quantized
 
 log = logging.getLogger("jaxserve")
@@ -156,11 +157,16 @@ def pad_heads(model: Model, n: int) -> Model:
     if layout.is_identity:
         return model
     attn = model.params["layers"]["attn"]
-    if any(is_quantized(attn[name]["kernel"]) for name in attn):
+    if any(is_quantized(attn[name].get("kernel")) for name in attn):
         raise ValueError("heads must be padded before quantization: quantize after "
                          "pad_heads (the engine does)")
+    if c.qk_norm == "full":
+        # The norm's mean runs over every head of the projection: zero heads would change it.
+        raise ValueError(f"tensor_parallel_size={n} needs padded heads ({c.num_heads} query / "
+                         f"{c.num_kv_heads} KV heads), which a whole-projection q/k norm "
+                         "(qk_norm='full') does not allow; pick a size dividing the KV heads")
     dh = c.head_dim
-    new = {}
+    new = dict(attn)  # q/k norms (per head) are shared by every head: kept as they are
     for name, src, axis in (("q_proj", layout.q_src, -1), ("k_proj", layout.kv_src, -1),
                             ("v_proj", layout.kv_src, -1), ("o_proj", layout.q_src, -2)):
         new[name] = {key: _take_heads(value, src, dh, -1 if key == "bias" else axis)
@@ -243,7 +249,15 @@ def param_specs(params, config: ModelConfig, n: int):
         names = [getattr(k, "key", None) for k in path]
         if names[0] == "embedding":
             s = P(AXIS, None) if vp else P()
-        elif _module_role(names)[0] is None:  # norms
+        elif "mlp" in names and names[-1] in EXPERT_ROLES:  # stacked experts [.., E, in, out]
+            split = SPLIT[EXPERT_ROLES[names[-1]]]
+            if is_quantized(leaf):
+                s = weight_specs(leaf, split)
+                for name, a in leaf.arrays().items():
+                    _check_divisible(path, a, getattr(s, name), n)
+                return s
+            s = axes_spec(leaf.shape, ("in", "out"), split)
+        elif _module_role(names)[0] is None:  # norms (and a MoE router: replicated)
             s = P()
         elif is_quantized(leaf):
             s = weight_specs(leaf, _split_of(names, vp))

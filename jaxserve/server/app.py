@@ -17,7 +17,7 @@ from werkzeug.exceptions import HTTPException
 
 from jaxserve.server.config import ServerConfig
 from jaxserve.server.engine_loop import EngineLoop
-from jaxserve.server.errors import ApiError, unavailable
+from jaxserve.server.errors import ApiError, invalid, shown, unavailable
 from jaxserve.server.generation import ClientGone, Generation
 from jaxserve.server.metrics import ServerMetrics
 from jaxserve.server.openapi import register_openapi_routes
@@ -30,6 +30,10 @@ from jaxserve.server.ui_routes import register_ui_routes
 log = logging.getLogger("jaxserve.server")
 HTTP_ERROR_TYPES = {404: "not_found_error", 405: "invalid_request_error",
                     413: "invalid_request_error"}
+# The only routes served without the API key when one is set: liveness for a supervisor and
+# the web page's static files (which hold no data). Every other route, including any added
+# later, needs the key: default deny (tests/test_server_security.py walks the url_map).
+OPEN_ENDPOINTS = frozenset({"health", "index", "ui_file"})
 
 
 class ServerState:
@@ -65,7 +69,8 @@ class ServerState:
 
 def _error_response(err: ApiError, state: ServerState) -> Response:
     state.metrics.errors.labels(status=str(err.status)).inc()
-    return Response(json.dumps(err.body()), status=err.status, mimetype="application/json")
+    return Response(json.dumps(err.body()), status=err.status, mimetype="application/json",
+                    headers=err.headers)
 
 
 def _json_body():
@@ -77,10 +82,13 @@ def _json_body():
 
 
 def _check_api_key(config: ServerConfig) -> None:
-    if config.api_key is None or not request.path.startswith("/v1"):
+    if config.api_key is None or request.endpoint in OPEN_ENDPOINTS:
         return
+    if request.url_rule is None and not request.path.startswith("/v1"):
+        return  # no such route: a 404 follows (under /v1, the key is asked for first)
     header = request.headers.get("Authorization", "")
     given = header[7:] if header.startswith("Bearer ") else ""
+    # Constant time: how long the comparison takes says nothing about the key.
     if not hmac.compare_digest(given.encode(), config.api_key.encode()):
         raise ApiError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
                        type="authentication_error", code="invalid_api_key")
@@ -91,14 +99,19 @@ def _generate(state: ServerState, chat: bool) -> Response:
     name = state.config.served_model_name
     model = body.get("model") if isinstance(body, dict) else None
     if isinstance(model, str) and model != name:
-        raise ApiError(404, f"model {model[:100]!r} does not exist; this server serves {name!r}",
+        raise ApiError(404, f"model {shown(model)} does not exist; this server serves {name!r}",
                        type="not_found_error", param="model", code="model_not_found")
     req = (parse_chat if chat else parse_completion)(body, state.config, state.info)
+    slots = state.loop.engine.config.max_num_seqs
+    if req.n > slots:  # each branch holds a batch slot for the whole request
+        raise invalid(f"'n' must be at most {slots} on this server (the sequences it runs at "
+                      f"once), got {req.n}", "n")
     if req.params.structured_outputs is not None:  # a 400 now, not a failure in the engine
         check_compiles(state.grammar, req.params.structured_outputs, req.constraint_param)
     disconnected = request.environ.get("waitress.client_disconnected", lambda: False)
     gen = Generation(state.loop, state.metrics, req, state.capacity,
-                     state.config.disconnect_poll_s, disconnected)
+                     state.config.disconnect_poll_s, disconnected,
+                     state.config.max_waiting_tokens)
     state.enter()
     handed_over = False  # once the stream body exists, its close() does the cleanup
     try:
@@ -196,7 +209,7 @@ def create_app(engine_loop: EngineLoop, config: ServerConfig | None = None) -> F
     """An OpenAI-compatible Flask app serving `engine_loop` (which must be started)."""
     config = config or ServerConfig()
     state = ServerState(engine_loop, config)
-    app = Flask("jaxserve")
+    app = Flask("jaxserve", static_folder=None)  # the page's files are served by ui_routes
     app.config["MAX_CONTENT_LENGTH"] = config.max_body_bytes
     app.json.sort_keys = False
     app.extensions["jaxserve"] = state

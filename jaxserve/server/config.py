@@ -25,6 +25,11 @@ class ServerConfig:
     served_model_name: str = "smollm2-135m"
     api_key: str | None = None
     max_waiting_requests: int = 128
+    # Prompt tokens of accepted requests not yet prefilled; beyond it 503 (one request is
+    # always accepted into an empty queue, however long). None: unbounded.
+    max_waiting_tokens: int | None = None
+    # Fail the engine (health 503, serve exits 1) after this long with work and no progress.
+    watchdog_timeout_s: float | None = None
     max_n: int = 16
     max_logprobs: int = MAX_LOGPROBS
     max_stop_strings: int = MAX_STOP_STRINGS
@@ -47,6 +52,12 @@ class ServerConfig:
                 self.max_waiting_requests, int) or self.max_waiting_requests < 0:
             raise ValueError("max_waiting_requests must be an integer >= 0, got "
                              f"{self.max_waiting_requests!r}")
+        if self.max_waiting_tokens is not None:
+            _positive_int("max_waiting_tokens", self.max_waiting_tokens)
+        w = self.watchdog_timeout_s
+        if w is not None and (isinstance(w, bool) or not isinstance(w, (int, float)) or w <= 0):
+            raise ValueError(f"watchdog_timeout_s must be a positive number of seconds or "
+                             f"None, got {w!r}")
         if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
             raise ValueError(f"max_logprobs must be in [0, {MAX_LOGPROBS}] (the sampler's "
                              f"limit), got {self.max_logprobs!r}")

@@ -2,8 +2,10 @@
 
 HTTP handler threads never touch the engine. They hand commands over through a thread-safe
 inbox (submit a group of sub-requests, abort some) and read what the engine produced from the
-group's own queue. Admission (queue bound, draining, engine dead) is decided under a lock at
-submit time so that a burst of handlers cannot overshoot the bound.
+group's own queue. Admission (queue bounds by requests and by prompt tokens not yet
+prefilled, draining, engine dead) is decided under a lock at submit time so that a burst of
+handlers cannot overshoot the bound; the engine's own bounds (core/admission.py) have the last
+word. A watchdog (optional) fails the loop when it has work and makes no progress.
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ import queue
 import threading
 import time
 
+from jaxserve.core.admission import EngineOverloaded
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.server.engine_state import StateSampler
-from jaxserve.server.errors import ApiError, invalid, unavailable
+from jaxserve.faults import EngineThreadDeath
+from jaxserve.server.errors import ApiError, invalid, overloaded, unavailable
 
 log = logging.getLogger("jaxserve.server")
 
@@ -28,6 +32,7 @@ class SubRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     index: int  # the choice index this sub-request fills in the response
+    priority: int = 0  # lower runs first (the request's `priority` field)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,9 +48,18 @@ class Event:
 ACCEPTED = "accepted"  # first item on a group's queue once all its sub-requests are queued
 
 
+class WatchdogTimeout(RuntimeError):
+    """The engine had unfinished work and made no progress for the watchdog's timeout."""
+
+
 class EngineLoop:
-    def __init__(self, engine, idle_poll_s: float = 0.05, state_interval_s: float = 0.2):
+    def __init__(self, engine, idle_poll_s: float = 0.05, state_interval_s: float = 0.2,
+                 watchdog_timeout_s: float | None = None):
         self.engine = engine
+        self._watchdog_s = watchdog_timeout_s
+        self._beat = time.monotonic()  # the engine thread's last progress (or idleness)
+        self._queued_tokens = 0  # prompt tokens of accepted sub-requests not yet prefilled
+        self._unprefilled: dict[str, int] = {}  # their ids -> prompt tokens (under _lock)
         self._idle_poll_s = idle_poll_s
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -66,6 +80,8 @@ class EngineLoop:
 
     def start(self) -> "EngineLoop":
         self._thread.start()
+        if self._watchdog_s is not None:
+            threading.Thread(target=self._watch, name="engine-watchdog", daemon=True).start()
         return self
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -102,21 +118,31 @@ class EngineLoop:
         """The latest engine snapshot (a dict nobody mutates; see engine_state.py)."""
         return self.state.latest()
 
-    def submit(self, subs: list[SubRequest], capacity: int) -> queue.SimpleQueue:
+    def submit(self, subs: list[SubRequest], capacity: int,
+               max_queued_tokens: int | None = None) -> queue.SimpleQueue:
         """Queues a group of sub-requests; their events arrive on the returned queue.
 
-        `capacity` bounds accepted, unfinished sub-requests (running + waiting). Raises
-        ApiError (503) when draining, dead or full; nothing is queued then.
+        `capacity` bounds accepted, unfinished sub-requests (running + waiting);
+        `max_queued_tokens` the prompt tokens of accepted ones not yet prefilled. Raises
+        ApiError (503) when draining, dead or full; nothing is queued then (all or nothing).
         """
+        tokens = sum(len(s.prompt_token_ids) for s in subs)
         with self._lock:
             if not self.alive:
                 raise unavailable("the engine is not running", "engine_unavailable")
             if self._draining:
                 raise unavailable("the server is shutting down", "server_draining")
             if self._in_flight + len(subs) > capacity:
-                raise unavailable(f"too many requests in flight ({self._in_flight}); retry "
-                                  "later", "queue_full")
+                raise overloaded(f"too many requests in flight ({self._in_flight}); retry "
+                                 "later", "queue_full")
+            if max_queued_tokens is not None and self._queued_tokens and \
+                    self._queued_tokens + tokens > max_queued_tokens:
+                raise overloaded(f"too many prompt tokens queued ({self._queued_tokens}); "
+                                 "retry later", "queue_full")
             self._in_flight += len(subs)
+            self._queued_tokens += tokens
+            for s in subs:
+                self._unprefilled[s.request_id] = len(s.prompt_token_ids)
         out: queue.SimpleQueue = queue.SimpleQueue()
         self._inbox.put(("submit", subs, out))
         return out
@@ -132,17 +158,48 @@ class EngineLoop:
             while not self._stopped.is_set():
                 busy = self.engine.has_unfinished_requests()
                 self._handle_inbox(block=not busy)
+                outputs = []
                 if self.engine.has_unfinished_requests():
-                    self._dispatch(self.engine.step())
+                    outputs = self.engine.step()
+                    self._dispatch(outputs)
+                computed = self._stats.get("tokens_computed")
                 self._stats = self.engine.stats()
+                if outputs or not self.engine.has_unfinished_requests() or \
+                        self._stats.get("tokens_computed") != computed:
+                    self._beat = time.monotonic()
                 self._iterations += 1
                 self.state.maybe_refresh(self.engine, self._stats, self._iterations)
+        except EngineThreadDeath:
+            raise  # injected (jaxserve/faults.py): the thread ends as if killed, no cleanup
         except BaseException as e:  # noqa: BLE001 - any failure kills serving; report it
             log.exception("engine loop died")
             self._error = e
             self._fail_all(f"the engine failed: {type(e).__name__}")
             return
         self._fail_all("the engine was stopped")  # nobody may wait forever on a dead loop
+
+    def _watch(self) -> None:
+        """The watchdog thread: fails the loop once it has work and no progress for too long
+        (a hung device call, a livelock); /health then answers 503 and `serve` exits 1."""
+        timeout = self._watchdog_s
+        while not self._stopped.wait(min(1.0, timeout / 4)):
+            if not self._thread.is_alive() and self._error is None:
+                self._error = RuntimeError("the engine thread died")
+                self._fail_all("the engine thread died")
+                return
+            stalled = time.monotonic() - self._beat
+            if self.in_flight() and stalled > timeout:
+                log.error("watchdog: no engine progress for %.1fs with %d requests in flight",
+                          stalled, self.in_flight())
+                self._error = WatchdogTimeout(f"no progress for {stalled:.1f}s")
+                self._stopped.set()  # a step that returns late ends the engine thread
+                self._fail_all(f"the engine made no progress for {timeout}s")
+                return
+
+    def fail_pending(self, message: str) -> None:
+        """Ends every accepted request with a 503 (the engine thread is gone)."""
+        if not self._thread.is_alive():
+            self._fail_all(message)
 
     def _handle_inbox(self, block: bool) -> None:
         try:
@@ -165,22 +222,34 @@ class EngineLoop:
         added = []
         try:
             for sub in subs:
-                self.engine.add_request(sub.request_id, sub.prompt_token_ids, sub.params)
+                self.engine.add_request(sub.request_id, sub.prompt_token_ids, sub.params,
+                                        **({"priority": sub.priority} if sub.priority else {}))
                 added.append(sub)
                 self._routes[sub.request_id] = (out, sub.index)
-        except (ValueError, TypeError) as e:
+        except (ValueError, TypeError, EngineOverloaded) as e:
             # The handler validated already; this is the engine's last word. All or nothing.
             self._abort([s.request_id for s in added])
+            for sub in subs[len(added):]:
+                self._prefilled(sub.request_id)
             self._release(len(subs) - len(added))
-            param = getattr(e, "param", "prompt")  # a SamplingParamError names its field
-            out.put(Event(-1, None, time.monotonic(), error=invalid(str(e), param)))
+            if isinstance(e, EngineOverloaded):
+                err = overloaded(f"{e}", "queue_full")
+            else:
+                err = invalid(str(e), getattr(e, "param", "prompt"))  # names its field
+            out.put(Event(-1, None, time.monotonic(), error=err))
             return
         out.put(ACCEPTED)
+
+    def _prefilled(self, request_id: str) -> None:
+        """The sub-request's prompt is no longer queued (it produced output or ended)."""
+        with self._lock:
+            self._queued_tokens -= self._unprefilled.pop(request_id, 0)
 
     def _abort(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             if self._routes.pop(rid, None) is not None:
                 self.engine.abort(rid)
+                self._prefilled(rid)
                 self._release(1)
 
     def _release(self, count: int) -> None:
@@ -193,18 +262,20 @@ class EngineLoop:
             route = self._routes.get(out.request_id)
             if route is None:
                 continue
+            if self._unprefilled:
+                self._prefilled(out.request_id)
             if out.error is not None:
                 self._fail_group(route[0], out)
                 continue
             route[0].put(Event(route[1], out, now))
             if out.finished:
-                del self._routes[out.request_id]
+                self._routes.pop(out.request_id, None)
                 self._release(1)
 
     def _fail_group(self, group: queue.SimpleQueue, out: RequestOutput) -> None:
         """A sub-request failed inside a step (the engine went on without it): its response
         fails with a 500, so its siblings are aborted too."""
-        del self._routes[out.request_id]
+        self._routes.pop(out.request_id, None)
         self._release(1)
         self._abort([rid for rid, (q, _) in self._routes.items() if q is group])
         err = ApiError(500, f"the request failed while generating: {out.error}",
@@ -212,8 +283,12 @@ class EngineLoop:
         group.put(Event(-1, None, time.monotonic(), error=err))
 
     def _fail_all(self, message: str) -> None:
+        """Every accepted group gets a 503. Also called from the watchdog thread while the
+        engine thread may be stuck: the routes are swapped out under the lock."""
         err = unavailable(message, "engine_unavailable")
-        for out, index in self._routes.values():
+        with self._lock:
+            routes, self._routes = self._routes, {}
+            self._in_flight -= len(routes)
+            self._queued_tokens, self._unprefilled = 0, {}
+        for out, index in routes.values():
             out.put(Event(index, None, time.monotonic(), error=err))
-        self._release(len(self._routes))
-        self._routes.clear()

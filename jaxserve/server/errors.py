@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 MAX_SHOWN_CHARS = 40
+RETRY_AFTER_S = 1  # what an overloaded server asks a client to wait before retrying
 
 
 class ApiError(Exception):
     """An error the client can act on; becomes the JSON error body and the HTTP status."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.type = status, message, type
         self.param, self.code = param, code
+        self.headers = headers or {}  # extra HTTP headers (Retry-After)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
@@ -25,6 +28,12 @@ def invalid(message: str, param: str | None = None, code: str | None = None) -> 
 
 def unavailable(message: str, code: str) -> ApiError:
     return ApiError(503, message, type="service_unavailable_error", code=code)
+
+
+def overloaded(message: str, code: str) -> ApiError:
+    """A 503 for a full queue: the client should retry after Retry-After seconds."""
+    return ApiError(503, message, type="service_unavailable_error", code=code,
+                    headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 def shown(value) -> str:

@@ -37,13 +37,14 @@ class Delta:
 def _sub_requests(req: GenerationRequest, base: str) -> list[SubRequest]:
     """One per prompt, with n branches: choice p * n + i is branch i of prompt p."""
     params = dataclasses.replace(req.params, n=req.n)
-    return [SubRequest(f"{base}-{p}", ids, params, p * req.n)
+    return [SubRequest(f"{base}-{p}", ids, params, p * req.n, priority=req.priority)
             for p, ids in enumerate(req.prompts)]
 
 
 class Generation:
     def __init__(self, loop: EngineLoop, metrics: ServerMetrics, req: GenerationRequest,
-                 capacity: int, poll_s: float, disconnected: Callable[[], bool]):
+                 capacity: int, poll_s: float, disconnected: Callable[[], bool],
+                 max_queued_tokens: int | None = None):
         self.t0 = time.monotonic()
         self.req, self._loop, self._metrics = req, loop, metrics
         self._poll_s, self._disconnected = poll_s, disconnected
@@ -52,7 +53,8 @@ class Generation:
         self.choices = [Choice(i) for i in range(len(req.prompts) * req.n)]
         self._last_token_time: dict[int, float] = {}
         self._open = set(range(len(self.choices)))
-        self._queue = loop.submit(self._subs, capacity)  # raises 503 before anything queued
+        # Raises 503 before anything is queued.
+        self._queue = loop.submit(self._subs, capacity, max_queued_tokens)
 
     @property
     def prompt_tokens(self) -> int:

@@ -38,6 +38,11 @@ def _num_steps() -> int | None:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError):
         raise invalid("the request body is not valid JSON", code="invalid_json") from None
+    extra = sorted(body)[:3] if isinstance(body, dict) else []
+    if extra and extra != ["num_steps"]:
+        # The capture goes where the server was started to put it: never a path a client gives.
+        raise invalid("the body takes only 'num_steps' (captures go to the server's "
+                      "--profile-dir)", param=next(k for k in extra if k != "num_steps")[:40])
     steps = body.get("num_steps") if isinstance(body, dict) else None
     if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
         raise invalid("num_steps must be a positive integer", param="num_steps")

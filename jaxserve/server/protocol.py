@@ -39,6 +39,7 @@ class GenerationRequest:
     echo: bool = False
     constraint_param: str | None = None  # the field params.structured_outputs came from
     tools: tool_calls.Tools | None = None  # chat: parse the output into tool_calls
+    priority: int = 0                 # lower runs first, FCFS within (vLLM's field)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,7 +155,11 @@ def _build(f: Fields, config: ServerConfig, info: ModelInfo, *, chat: bool,
     return GenerationRequest(chat=chat, model=f.string("model", required=True), prompts=prompts,
                              prompt_texts=texts, params=params, n=n, stream=stream,
                              include_usage=include_usage, top_logprobs=top_logprobs, echo=echo,
-                             constraint_param=spec_param, tools=tools)
+                             constraint_param=spec_param, tools=tools,
+                             priority=f.integer("priority", 0, -MAX_PRIORITY, MAX_PRIORITY))
+
+
+MAX_PRIORITY = 2 ** 31 - 1
 
 
 def _check_body(body) -> Fields:

@@ -55,7 +55,7 @@ def serve(engine, host: str = "127.0.0.1", port: int = 8000,
           config: ServerConfig | None = None) -> int:
     """Serves `engine` until SIGTERM or SIGINT, then drains. Returns an exit code."""
     config = config or ServerConfig()
-    loop = EngineLoop(engine).start()
+    loop = EngineLoop(engine, watchdog_timeout_s=config.watchdog_timeout_s).start()
     app = create_app(loop, config)
     server = make_server(app, host, port, config)
     stop = threading.Event()
@@ -67,14 +67,22 @@ def serve(engine, host: str = "127.0.0.1", port: int = 8000,
     print(f"jaxserve: listening on http://{server.effective_host}:{server.effective_port}",
           flush=True)
     print(f"jaxserve: web page (chat playground, engine view) at {page_url(server)}", flush=True)
+    failed = False
     while not stop.wait(0.5):
         if not loop.alive:
             log.error("engine loop died: %r", loop.error)
+            failed = True
             break
-    log.info("draining: %d requests in flight", loop.in_flight())
-    drained = drain(loop, app.extensions["jaxserve"], config.drain_timeout_s)
-    log.info("drain %s; shutting down", "complete" if drained else "timed out")
+    if failed:  # nothing will finish: fail what is left, let the responses go out, exit 1
+        loop.fail_pending("the engine thread died")
+        drain(loop, app.extensions["jaxserve"], min(config.drain_timeout_s, 5.0))
+        drained = False
+    else:
+        log.info("draining: %d requests in flight", loop.in_flight())
+        drained = drain(loop, app.extensions["jaxserve"], config.drain_timeout_s)
+        log.info("drain %s; shutting down", "complete" if drained else "timed out")
     server.close()
     server.task_dispatcher.shutdown(timeout=1)
     loop.stop()
-    return 0 if drained and loop.error is None else 1
+    # A supervisor restarts on a non-zero status (Restart=on-failure): never 0 after a failure.
+    return 0 if drained and not failed and loop.error is None else 1
