@@ -133,8 +133,12 @@ def wait_idle(url: str, timeout: float = 60.0) -> dict:
 
 def _build_engine(args):
     from jaxserve import EngineConfig, LLMEngine
+    # No structured outputs: the load sends none, and their masked programs compile on a
+    # background thread after start-up, which a SIGTERM soon after a cold start waits for
+    # (the process then outlives the stop timeout).
     common = dict(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                  enable_prefix_caching=args.prefix_caching, warmup=True)
+                  enable_prefix_caching=args.prefix_caching, warmup=True,
+                  structured_outputs=False)
     if args.model != "tiny":
         return LLMEngine(EngineConfig(model=args.model, **common)), args.model
     from models.model import enable_compilation_cache
