@@ -8,6 +8,7 @@ import pathlib
 
 from models import checkpoint, registry
 from models.config import ModelConfig
+from models.weights import CheckpointError
 
 
 def load_config(name_or_path: str | pathlib.Path) -> ModelConfig:
@@ -26,9 +27,13 @@ def load_config(name_or_path: str | pathlib.Path) -> ModelConfig:
             from models.hf_loader import read_hf_config
             return read_hf_config(path)
     if path.suffix == ".json":
-        data = json.loads(path.read_text())
-        if "config" in data and isinstance(data["config"], dict):  # jaxserve_config.json
+        try:
+            data = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{path}: invalid JSON ({e})") from e
+        if isinstance(data, dict) and isinstance(data.get("config"), dict):  # jaxserve_config
             return ModelConfig.from_dict(data["config"])
-        return ModelConfig.from_hf(data)
+        from models.hf_loader import config_from_hf_json
+        return config_from_hf_json(path)
     from models.gguf_loader import read_gguf_config
     return read_gguf_config(path)

@@ -19,7 +19,8 @@ import gguf
 import numpy as np
 
 from models.config import ModelConfig, RopeScaling
-from models.weights import file_shapes, unfuse
+from models.weights import (CheckpointError, check_fits_files, file_shapes, layer_indices,
+                            unfuse)
 
 QT = gguf.GGMLQuantizationType
 FLOAT_TYPES = (QT.F32, QT.F16, QT.BF16)
@@ -50,7 +51,7 @@ HF_LAYER = {h: g for g, h in LAYER_NAMES.items()} | {
 HF_GLOBAL = {h: g for g, h in GLOBAL_NAMES.items()}
 
 
-class GGUFError(ValueError):
+class GGUFError(CheckpointError):
     """A GGUF file jaxserve cannot load; the message names the file (and tensor, if any)."""
 
 
@@ -314,7 +315,11 @@ def _reader_config(reader: gguf.GGUFReader, by_name: dict, path) -> ModelConfig:
     rope_freqs = by_name.get("rope_freqs.weight")
     rope_freqs = None if rope_freqs is None else gguf.quants.dequantize(
         rope_freqs.data, QT(rope_freqs.tensor_type))
-    return _config(_metadata(reader), by_name, path, rope_freqs)
+    try:
+        return _config(_metadata(reader), by_name, path, rope_freqs)
+    except (TypeError, ArithmeticError, AttributeError) as e:  # e.g. a list or 0 for a count
+        raise GGUFError(f"{path}: metadata has a value of the wrong type or range "
+                        f"({type(e).__name__}: {str(e)[:200]})") from e
 
 
 def read_gguf_config(path: str | os.PathLike) -> ModelConfig:
@@ -332,6 +337,11 @@ def read_gguf(path: str | os.PathLike, dtype=np.float32) -> GGUFCheckpoint:
     reader = _open(path)
     by_name = {t.name: t for t in reader.tensors}
     cfg = _reader_config(reader, by_name, path)
+    try:
+        check_fits_files(cfg, len(layer_indices(by_name, "blk.")), path.stat().st_size,
+                         str(path))
+    except CheckpointError as e:
+        raise GGUFError(str(e)) from None
     expected = file_shapes(cfg)
     hf_to_gguf = {h: n for n in by_name if (h := _hf_name(n, cfg.architecture)) is not None}
     missing = [f"{n} ({_gguf_name(n)})" for n in expected if n not in hf_to_gguf]

@@ -9,7 +9,8 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from models.config import ModelConfig
-from models.weights import CheckpointError, check_tensors, file_shapes, unfuse
+from models.weights import (CheckpointError, check_fits_files, check_tensors, file_shapes,
+                            layer_indices, unfuse)
 
 
 def read_hf_config(directory: pathlib.Path) -> ModelConfig:
@@ -17,24 +18,33 @@ def read_hf_config(directory: pathlib.Path) -> ModelConfig:
     if not path.exists():
         raise CheckpointError(f"{directory}: no config.json; an HF checkpoint directory needs "
                               "config.json and *.safetensors")
+    return config_from_hf_json(path)
+
+
+def config_from_hf_json(path: pathlib.Path) -> ModelConfig:
+    """A transformers config.json -> ModelConfig; every defect is a CheckpointError naming it."""
     try:
         data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: invalid JSON ({e})") from e
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: must hold a JSON object, got {type(data).__name__}")
     try:
         return ModelConfig.from_hf(data)
-    except (ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{path}: {e}") from e
+    except (ValueError, KeyError, TypeError, ArithmeticError, AttributeError) as e:
+        # e.g. num_attention_heads 0 (a division) or a list where a mapping belongs
+        raise CheckpointError(f"{path}: {type(e).__name__}: {e}") from e
 
 
 def _weight_files(directory: pathlib.Path) -> dict[str, pathlib.Path]:
     """Tensor name -> file that holds it, from the shard index or the files themselves."""
     index = directory / "model.safetensors.index.json"
     if index.exists():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        weight_map = _read_index(index)
         missing = sorted({f for f in weight_map.values() if not (directory / f).exists()})
         if missing:
-            raise CheckpointError(f"{index}: names shard files that do not exist: {missing}")
+            raise CheckpointError(f"{index}: names shard files that do not exist: "
+                                  f"{missing[:8]}")
         return {name: directory / f for name, f in weight_map.items()}
     files = sorted(directory.glob("*.safetensors"))
     if not files:
@@ -45,6 +55,26 @@ def _weight_files(directory: pathlib.Path) -> dict[str, pathlib.Path]:
         with _open(f) as sf:
             found.update({name: f for name in sf.keys()})
     return found
+
+
+def _read_index(index: pathlib.Path) -> dict[str, str]:
+    """The shard index's weight_map (tensor name -> file name in the same directory)."""
+    try:
+        data = json.loads(index.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{index}: invalid JSON ({e})") from e
+    weight_map = data.get("weight_map", {}) if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+        raise CheckpointError(f"{index}: must be an object whose 'weight_map' maps tensor "
+                              "names to shard file names")
+    # A shard is a file beside the index: a name with a directory part could make a
+    # downloaded checkpoint read any file on the machine.
+    outside = sorted({f for f in weight_map.values() if pathlib.PurePath(f).name != f})
+    if outside:
+        raise CheckpointError(f"{index}: shard names must be plain file names in the "
+                              f"checkpoint directory, got {outside[:3]}")
+    return weight_map
 
 
 def _open(path: pathlib.Path):
@@ -60,6 +90,8 @@ def read_hf_checkpoint(directory) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     directory = pathlib.Path(directory)
     config = read_hf_config(directory)
     where = _weight_files(directory)
+    check_fits_files(config, len(layer_indices(where, "model.layers.")),
+                     sum(f.stat().st_size for f in set(where.values())), str(directory))
     if "lm_head.weight" not in where and not config.tie_word_embeddings:
         # Some exports omit the flag while sharing the embedding; say so rather than guess.
         raise CheckpointError(f"{directory}: missing tensor 'lm_head.weight' and "

@@ -129,6 +129,41 @@ def file_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+# The smallest weights any loader reads are 4-bit blocks (Q4_0, Q4_K: 4.5 bits per value); half
+# of that, so that a file missing a tensor or two still gets the per-tensor message.
+MIN_BYTES_PER_PARAM = 0.25
+
+
+def check_fits_files(config: ModelConfig, num_layers_found: int, num_bytes: int,
+                     source: str) -> None:
+    """Refuses a config its files cannot hold, before anything is sized from it.
+
+    A corrupt or hostile header can claim billions of layers or a vocabulary of 10**12; sizing
+    name tables or buffers from it would hang or exhaust memory, while the layers the files
+    hold tensors for and their bytes bound what a real checkpoint for the config has.
+    """
+    if config.num_layers > num_layers_found:
+        raise CheckpointError(
+            f"{source}: the config describes {config.num_layers:,} layers but the file holds "
+            f"tensors for {num_layers_found}; its metadata is wrong or it is incomplete")
+    need = int(config.num_params() * MIN_BYTES_PER_PARAM)
+    if need > num_bytes:
+        raise CheckpointError(
+            f"{source}: the config describes {config.num_params():,} parameters, more than "
+            f"its {num_bytes:,} bytes can hold; its metadata is wrong or it is truncated")
+
+
+def layer_indices(names, prefix: str) -> set[int]:
+    """The layer numbers N in tensor names `prefix`N.<rest> (blk. for GGUF, model.layers.)."""
+    found = set()
+    for name in names:
+        if name.startswith(prefix):
+            head = name[len(prefix):].split(".", 1)[0]
+            if head.isdigit():
+                found.add(int(head))
+    return found
+
+
 def unfuse(tensors: Mapping[str, np.ndarray], config: ModelConfig) -> dict[str, np.ndarray]:
     """HF-named tensors with fused qkv_proj / gate_up_proj (`[out, in]`) split into the
     separate projections, in transformers' order (q, k, v; gate, up)."""

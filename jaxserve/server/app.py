@@ -20,6 +20,7 @@ from jaxserve.server.engine_loop import EngineLoop
 from jaxserve.server.errors import ApiError, invalid, shown, unavailable
 from jaxserve.server.generation import ClientGone, Generation
 from jaxserve.server.metrics import ServerMetrics
+from jaxserve.server.openapi import register_openapi_routes
 from jaxserve.server.profile_routes import register_profile_routes
 from jaxserve.server.protocol import ModelInfo, parse_chat, parse_completion
 from jaxserve.server.responses import Responder
@@ -215,5 +216,6 @@ def create_app(engine_loop: EngineLoop, config: ServerConfig | None = None) -> F
     _register_routes(app, state)
     register_profile_routes(app, state)
     register_ui_routes(app, state)
+    register_openapi_routes(app, state)
     _register_errors(app, state)
     return app
