@@ -70,8 +70,12 @@ class _InFlight:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, model: Model | None = None):
+    def __init__(self, config: EngineConfig, model: Model | None = None,
+                 draft_model: Model | None = None):
+        """draft_model: the draft of speculative_config's "draft_model" method, already
+        loaded (else loaded from speculative_config.model)."""
         self.config = config
+        self.draft_model = draft_model
         self.model = model if model is not None else load_model(
             config.model, backends.default_dtype(config.dtype),
             weights_cache=config.weights_cache)
