@@ -15,7 +15,6 @@ distribution is a point mass and verification keeps the target distribution exac
 from __future__ import annotations
 
 import logging
-import weakref
 
 from jaxserve.core.block_manager import BlockManager
 from jaxserve.core.sampling_params import SamplingParams
@@ -33,13 +32,16 @@ class DraftModelProposer:
         self.bm = BlockManager(num_blocks, block_size, enable_caching=False)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.params = SamplingParams(temperature=0.0, max_tokens=max_model_len)
-        # target Sequence -> its shadow; shadows of sequences no longer running are released.
-        self._shadows: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._reserved = 0
+        # target sequence id -> (target, its shadow); released once the target stops running
+        # (a plain dict: the draft's slot and blocks must be given back, not just forgotten).
+        self._shadows: dict[str, tuple[Sequence, Sequence]] = {}
 
     def __call__(self, seqs: list[Sequence], tokens: list[list[int]],
                  limits: list[int]) -> list[list[int]]:
         self._release_stale()
         steps = max(limits)
+        self._reserved = 0  # blocks the shadows synced so far will take this call
         shadows = [self._sync(seq, toks, steps) for seq, toks in zip(seqs, tokens)]
         live = [(i, sh) for i, sh in enumerate(shadows) if sh is not None]
         if not live:
@@ -62,10 +64,12 @@ class DraftModelProposer:
     def _sync(self, seq: Sequence, tokens: list[int], steps: int) -> Sequence | None:
         """The shadow of `seq`, holding `tokens` (KV kept for their common prefix); None when
         the draft's cache has no room for it and `steps` drafts."""
-        sh = self._shadows.get(seq)
+        held = self._shadows.get(seq.request_id)
+        sh = held[1] if held is not None else None
         if sh is None:  # one prompt token: the rest is output, rewritten at every sync
-            sh = self._shadows[seq] = Sequence(seq.request_id, tokens[:1], self.params)
+            sh = Sequence(seq.request_id, tokens[:1], self.params)
             sh.status = SequenceStatus.RUNNING
+            self._shadows[seq.request_id] = (seq, sh)
         common = 0
         for a, b in zip(sh.all_token_ids, tokens):
             if a != b:
@@ -74,10 +78,11 @@ class DraftModelProposer:
         sh.output_token_ids[:] = tokens[1:]
         sh.num_computed_tokens = min(sh.num_computed_tokens, common, len(tokens) - 1)
         self.bm.truncate(sh)
-        need = -(-(len(tokens) + steps) // self.bm.block_size) - len(sh.block_table)
-        if need > self.bm.num_free_blocks:
+        need = max(0, -(-(len(tokens) + steps) // self.bm.block_size) - len(sh.block_table))
+        if need > self.bm.num_free_blocks - self._reserved:
             self._release(seq, sh)
             return None
+        self._reserved += need
         return sh
 
     def _row(self, sh: Sequence, n: int) -> ScheduledSeq:
@@ -119,14 +124,14 @@ class DraftModelProposer:
         return self.runner.launch(out, {r.request_id: 0 for r in rows})
 
     def _release_stale(self) -> None:
-        for seq, sh in list(self._shadows.items()):
+        for seq, sh in list(self._shadows.values()):
             if seq.status is not SequenceStatus.RUNNING:
                 self._release(seq, sh)
 
     def _release(self, seq: Sequence, sh: Sequence) -> None:
         self.bm.free(sh)
         self.runner.release(sh.request_id)
-        self._shadows.pop(seq, None)
+        self._shadows.pop(seq.request_id, None)
 
 
 def draft_proposer(spec, engine) -> DraftModelProposer:
