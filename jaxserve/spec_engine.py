@@ -30,8 +30,8 @@ from jaxserve.core.spec_decode.speculator import BatchProposer, Speculator
 def ngram_batch_proposer(config: SpeculativeConfig) -> BatchProposer:
     ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
 
-    def propose(seqs, tokens, limits):
-        return [ngram.propose(s, t, k) for s, t, k in zip(seqs, tokens, limits)]
+    def propose(seqs, limits):
+        return [ngram.propose(s, k) for s, k in zip(seqs, limits)]
     return propose
 
 

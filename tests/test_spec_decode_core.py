@@ -49,13 +49,13 @@ def test_ngram_matches_brute_force_as_tokens_grow(min_n, max_n):
     found = 0
     for trial in range(6):
         seq = Sequence(str(trial), [rng.randrange(5) for _ in range(3)], None)
-        tokens = list(seq.prompt_token_ids)
         for _ in range(60):  # incremental: one index per sequence, extended step by step
             k = rng.randrange(1, 6)
-            got = proposer.propose(seq, tokens, k)
+            tokens = seq.all_token_ids
+            got = proposer.propose(seq, k)
             assert got == brute_force(tokens, min_n, max_n, k), (tokens, k)
             found += bool(got)
-            tokens.append(rng.randrange(5) if rng.random() < 0.7 else tokens[-3])
+            seq.append_token(rng.randrange(5) if rng.random() < 0.7 else tokens[-3])
     assert found > 50  # the test exercises matches, not only misses
 
 

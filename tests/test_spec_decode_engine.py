@@ -96,7 +96,8 @@ def test_max_tokens_stop_ids_and_logprobs(target, greedy_ref):
 
 def test_speculation_switches_off_for_a_drafter_always_wrong(target, greedy_ref):
     llm = _llm(target, {"method": "ngram", "num_speculative_tokens": 3, "disable_window": 12})
-    wrong = lambda seqs, tokens, limits: [[(t[-1] + 1) % 256] * k for t, k in zip(tokens, limits)]
+    wrong = lambda seqs, limits: [[(s.all_token_ids[-1] + 1) % 256] * k
+                                  for s, k in zip(seqs, limits)]
     llm.engine.spec.speculator.proposer = wrong
     outs = llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
     assert _ids(outs) == greedy_ref[:2]

@@ -37,12 +37,11 @@ class DraftModelProposer:
         # (a plain dict: the draft's slot and blocks must be given back, not just forgotten).
         self._shadows: dict[str, tuple[Sequence, Sequence]] = {}
 
-    def __call__(self, seqs: list[Sequence], tokens: list[list[int]],
-                 limits: list[int]) -> list[list[int]]:
+    def __call__(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
         self._release_stale()
         steps = max(limits)
         self._reserved = 0  # blocks the shadows synced so far will take this call
-        shadows = [self._sync(seq, toks, steps) for seq, toks in zip(seqs, tokens)]
+        shadows = [self._sync(seq, seq.all_token_ids, steps) for seq in seqs]
         live = [(i, sh) for i, sh in enumerate(shadows) if sh is not None]
         if not live:
             return [[] for _ in seqs]

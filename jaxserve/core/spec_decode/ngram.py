@@ -31,27 +31,36 @@ class NgramProposer:
         # Keyed by the Sequence object: the index goes away with its sequence.
         self._indexes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-    def propose(self, seq, tokens: list[int], k: int) -> list[int]:
-        """Up to k drafted tokens continuing `tokens` (seq's known prompt + output ids)."""
-        if k < 1 or len(tokens) <= self.min_n:
+    def propose(self, seq, k: int) -> list[int]:
+        """Up to k drafted tokens continuing `seq` (its tokens, prompt + output, all known).
+        Reads only the tokens it needs (seq.token_ids_slice): no copy of the sequence."""
+        num = seq.num_tokens
+        if k < 1 or num <= self.min_n:
             return []
         index = self._indexes.get(seq)
         if index is None:
             index = self._indexes[seq] = _Index()
-        last = len(tokens) - 1
-        self._extend(index, tokens, last)
-        latest = index.latest
+        last = num - 1
+        self._extend(index, seq, last)
+        latest, get = index.latest, seq.token_ids_slice
+        suffix = get(max(0, last - self.max_n + 1), num)
         for n in range(min(self.max_n, last), self.min_n - 1, -1):
-            end = latest.get(tuple(tokens[last - n + 1:]))
+            end = latest.get(tuple(suffix[len(suffix) - n:]))
             if end is not None:
-                return tokens[end + 1:end + 1 + k]
+                return get(end + 1, min(end + 1 + k, num))
         return []
 
-    def _extend(self, index: _Index, tokens: list[int], last: int) -> None:
+    def _extend(self, index: _Index, seq, last: int) -> None:
         # n-grams ending at positions [indexed, last): each has a following token. A later
         # occurrence overwrites an earlier one: the most recent match wins.
+        first = index.indexed
+        if first >= last:
+            return
         latest, lo, hi = index.latest, self.min_n, self.max_n
-        for end in range(index.indexed, last):
+        base = max(0, first - hi + 1)
+        tokens = seq.token_ids_slice(base, last)  # the new n-grams' tokens only
+        for end in range(first, last):
+            e = end - base
             for n in range(lo, min(hi, end + 1) + 1):
-                latest[tuple(tokens[end - n + 1:end + 1])] = end
-        index.indexed = max(index.indexed, last)
+                latest[tuple(tokens[e - n + 1:e + 1])] = end
+        index.indexed = last

@@ -18,8 +18,9 @@ from jaxserve.core.sequence import PLACEHOLDER, Sequence
 from jaxserve.core.spec_decode.acceptance import AcceptanceWindow, SpecTotals, accepted_length
 from jaxserve.core.spec_decode.config import SpeculativeConfig
 
-# (sequences, their known tokens, drafts allowed each) -> drafts of each.
-BatchProposer = Callable[[list[Sequence], list[list[int]], list[int]], list[list[int]]]
+# (sequences, drafts allowed each) -> drafts of each. A proposer reads a sequence's tokens
+# itself (all known when it is called: prompt + output), only as far as it needs them.
+BatchProposer = Callable[[list[Sequence], list[int]], list[list[int]]]
 
 
 class _SeqSpec:
@@ -70,7 +71,7 @@ class Speculator:
                 budget -= k
         if not chosen:
             return {}
-        drafts = self.proposer(chosen, [s.all_token_ids for s in chosen], limits)
+        drafts = self.proposer(chosen, limits)
         proposed = {}
         for seq, k, d in zip(chosen, limits, drafts):
             d = list(d[:k])
