@@ -152,3 +152,16 @@ def test_sampled_distribution_matches_the_target(target, rule, monkeypatch):
         assert p_value > 1e-3, (p_value, outside)
     else:
         assert p_value < 1e-6, p_value
+
+
+def test_warmup_compiles_the_verification_programs(target, greedy_ref):
+    llm = LLM(target, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                          "prompt_lookup_min": 1},
+              max_num_seqs=2, max_model_len=96, max_num_batched_tokens=32, block_size=8)
+    runner = llm.engine.runner
+    assert runner.num_compiled == 2 * len(runner.shapes()) + len(runner.slot_buckets) + 1
+    outs = llm.generate(PROMPTS[:3], SamplingParams(temperature=0.0, max_tokens=24,
+                                                    ignore_eos=True), use_tqdm=False)
+    assert _ids(outs) == [r[:24] for r in greedy_ref[:3]]
+    st = llm.stats()
+    assert st["speculation"]["num_draft_tokens"] > 0 and st["num_compiles_after_warmup"] == 0
