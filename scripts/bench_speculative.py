@@ -8,8 +8,8 @@ Two workloads of greedy, EOS-ignored requests, run one request at a time (batch 
 Ways: no speculation, n-gram drafting (`{"method": "ngram"}`), and a draft model (SmolLM2 itself
 with W8A8 weights: on a CPU it costs about as much as the target, so it shows the mechanics and
 acceptance, not a speed-up). Every way runs every workload once to compile, then the rounds
-alternate the ways, so load from other jobs falls on all of them alike; tok/s is the median
-over rounds of generated tokens / wall time. The load average is printed with the table. It
+alternate the ways prompt by prompt, so load from other jobs falls on all of them alike; tok/s
+is the median over rounds of generated tokens / wall time. The load average is printed with the table. It
 also times the n-gram drafter alone per step at 1, 16 and 64 sequences.
 
     .venv/bin/python scripts/bench_speculative.py --md docs/bench_speculative.md \
@@ -67,7 +67,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--ways", default="none,ngram,draft_model")
     ap.add_argument("--prompts", type=int, default=3, help="prompts per workload (<= 3)")
     ap.add_argument("--md", type=pathlib.Path)
@@ -145,11 +145,17 @@ def main(argv=None) -> dict:
     for w in ways:  # compile every shape each way meets
         for prompts in workloads.values():
             run_way(llms[w], prompts, args.max_tokens)
+    # Each round runs every prompt once per way, the ways alternating prompt by prompt (and
+    # reversed every other round), so a change of load falls on all ways alike.
     runs = {(w, name): [] for w in ways for name in workloads}
     for r in range(args.rounds):
         for name, prompts in workloads.items():
-            for w in (ways if r % 2 == 0 else ways[::-1]):
-                runs[(w, name)].append(run_way(llms[w], prompts, args.max_tokens))
+            parts = {w: [] for w in ways}
+            for p in prompts:
+                for w in (ways if r % 2 == 0 else ways[::-1]):
+                    parts[w].append(run_way(llms[w], [p], args.max_tokens))
+            for w, xs in parts.items():
+                runs[(w, name)].append({key: sum(x[key] for x in xs) for key in xs[0]})
     load = os.getloadavg()
     print("load average at end:", load, flush=True)
     rows = []
