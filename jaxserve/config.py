@@ -17,6 +17,7 @@ from jaxserve.config_fields import check_choices
 from jaxserve.core.block_manager import validate_block_size
 from jaxserve.core.scheduler import SchedulerConfig
 from jaxserve.faults import FaultConfig
+from jaxserve.core.spec_decode.config import SpeculativeConfig
 from models.config import Dtype
 
 # Which implementation runs inside the jitted step (jaxserve/runtime/backends.py).
@@ -138,8 +139,15 @@ class EngineConfig:
     faults: str | None = dataclasses.field(default=None, metadata=_help(
         "fault injection for tests, e.g. 'step_raise=3' (jaxserve/faults.py; default "
         "$JAXSERVE_FAULTS, else off)"))
+    # core/spec_decode/config.py; a dict (vLLM's form) or JSON text is turned into one.
+    speculative_config: SpeculativeConfig | None = dataclasses.field(default=None, metadata=_help(
+        "speculative decoding, as JSON: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+        "\"prompt_lookup_max\": 4}' or '{\"method\": \"draft_model\", \"model\": ..., "
+        "\"draft_quantization\": \"w8a8\"}' (docs/speculative.md)"))
 
     def __post_init__(self):
+        object.__setattr__(self, "speculative_config",
+                           SpeculativeConfig.parse(self.speculative_config))
         check_choices(self)  # dtype, backends, quantization, kv_cache_dtype
         validate_block_size(self.block_size)
         for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):

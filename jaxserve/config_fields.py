@@ -36,6 +36,11 @@ def field_type(annotation) -> FieldType:
         if len(rest) != 1:
             raise TypeError(f"a config field holds one type (or None), got {annotation!r}")
         annotation, optional = rest[0], True
+    parse = getattr(annotation, "parse", None)
+    if dataclasses.is_dataclass(annotation) and callable(parse):
+        # A nested frozen config (e.g. SpeculativeConfig): the flag takes its JSON text, which
+        # the config's __post_init__ parses (so a bad value gets the config's own message).
+        return FieldType(base=str, optional=optional)
     if typing.get_origin(annotation) is typing.Literal:
         choices = typing.get_args(annotation)
         bases = {type(c) for c in choices}

@@ -70,16 +70,21 @@ class _InFlight:
     schedule_s: float
     launch_s: float = 0.0
     h2d_bytes: int = 0
+    drafts: dict[str, int] = dataclasses.field(default_factory=dict)  # a verification step's
 
 
 NON_FINITE = "the model produced non-finite logits (NaN or inf) for this request"
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, model: Model | None = None):
+    def __init__(self, config: EngineConfig, model: Model | None = None,
+                 draft_model: Model | None = None):
+        """draft_model: the draft of speculative_config's "draft_model" method, already
+        loaded (else loaded from speculative_config.model)."""
         self.config = config
         self.faults = injector(config.faults)  # None (no fault injection) but in tests
         self._num_step_calls = 0
+        self.draft_model = draft_model
         self.model = model if model is not None else load_model(
             config.model, backends.default_dtype(config.dtype),
             weights_cache=config.weights_cache)
@@ -127,10 +132,12 @@ class LLMEngine:
             # Unrolled layers need the weights whole on one device: tensor parallel keeps the loop.
             unroll_layers=unroll,
             branch_free_sampling=backends.gpu_step(),
-            poison_rows=self.faults is not None and self.faults.config.poisons_logits)
+            poison_rows=self.faults is not None and self.faults.config.poisons_logits,
+            num_speculative_tokens=spec_decode_tokens(config))
         self.model = self.runner.model  # with TP, the placed shards: no unsharded copy is kept
         # Multi-host: process 0 schedules and broadcasts every step; the others follow().
         self.channel = multihost.attach(self.runner)
+        self.spec = speculation(config, self)  # None without speculative_config
         self.requests: dict[str, RequestStateProtocol] = {}
         # Every live sequence id (a request's own id, its branches' and beams') -> its request.
         self._owner: dict[str, RequestStateProtocol] = {}
@@ -342,7 +349,10 @@ class LLMEngine:
             with jax.profiler.TraceAnnotation("schedule"):
                 if prev is not None:
                     self.scheduler.commit(prev.out)
+                drafts = self.spec.before_schedule(self) if self.spec is not None else {}
                 out = self.scheduler.schedule()
+                if drafts:
+                    drafts = self.spec.after_schedule(out, drafts)
                 for sid in out.preempted:  # also when nothing runs this step
                     self.runner.release(sid)
             t1 = time.perf_counter()
@@ -355,8 +365,8 @@ class LLMEngine:
                     outputs += errors
                     if not out.is_empty:
                         launched = _InFlight(out, self.runner.launch(
-                            out, seeds, self._matchers(out), self.grammar, self._poison(out)),
-                            schedule_s=t1 - t0)
+                            out, seeds, self._matchers(out), self.grammar, self._poison(out),
+                            drafts=drafts), schedule_s=t1 - t0, drafts=drafts)
                         launched.h2d_bytes = self.runner.h2d_bytes - bytes0
                         launched.launch_s = time.perf_counter() - t1
             if prev is not None:
@@ -364,7 +374,7 @@ class LLMEngine:
                 outputs += done
                 wait += wait_prev
             if launched is not None:
-                if self.config.async_scheduling:
+                if self.config.async_scheduling and not launched.drafts:
                     self._inflight = launched
                 else:
                     done, wait_now = self._finish(launched, committed=False)
@@ -383,7 +393,8 @@ class LLMEngine:
             if state is not None and (type(state) is not RequestState
                                       or state.num_pending_forks or state.constrained):
                 return False
-        return True
+        # A sequence that speculates drafts from its last id: it must be known.
+        return self.spec is None or not self.spec.needs_ids(self, out)
 
     def _matchers(self, out: SchedulerOutput) -> dict:
         """Sequence id -> grammar state of the constrained rows that sample in this step."""
@@ -421,11 +432,15 @@ class LLMEngine:
             # A row of NaN/inf logits gives a non-finite logprob (which always comes back):
             # that request alone failed; its token is not kept.
             bad = {owner[sid].request_id: NON_FINITE for sid, r in sampled.items()
-                   if not math.isfinite(r.logprob)}
+                   if not all(math.isfinite(x.logprob)
+                              for x in (r if isinstance(r, tuple) else (r,)))}
             outputs = self._fail(bad) if bad else []
             if bad:
                 sampled = {sid: r for sid, r in sampled.items() if sid in owner}
-            outputs += self._postprocess(step.out, items, sampled, committed)
+            if step.drafts:
+                outputs += self.spec.postprocess(self, step.out, items, sampled, step.drafts)
+            else:
+                outputs += self._postprocess(step.out, items, sampled, committed)
         t2 = time.perf_counter()
         self._record_step(step, len(sampled), wait_s=t1 - t0, postprocess_s=t2 - t1)
         return outputs, t1 - t0
@@ -609,7 +624,33 @@ class LLMEngine:
             "kv_memory": self.memory().to_dict(),
             "kv_memory_time_avg": self.kv_tracker.to_dict(),
             "profiling": self.profiler.active,
+            "speculation": None if self.spec is None else self.spec.stats(),
         }
+
+
+def spec_decode_tokens(config: EngineConfig) -> int:
+    """k: drafted tokens per verified row (0: no speculative decoding)."""
+    spec = config.speculative_config
+    return 0 if spec is None else spec.num_speculative_tokens
+
+
+def speculation(config: EngineConfig, engine: LLMEngine):
+    """The engine's speculative decoding (spec_engine.py), or None without it."""
+    spec = config.speculative_config
+    if spec is None:
+        return None
+    if jax.process_count() > 1:
+        raise ValueError("speculative decoding runs on one host; multi-host serving does not "
+                         "support speculative_config yet")
+    from jaxserve import spec_engine
+    if spec.method == "ngram":
+        proposer = spec_engine.ngram_batch_proposer(spec)
+    else:
+        from jaxserve.runtime.draft_model import draft_proposer
+        proposer = draft_proposer(spec, engine)
+    return spec_engine.EngineSpeculation(
+        spec, proposer, max_model_len=engine.max_model_len,
+        max_num_batched_tokens=config.max_num_batched_tokens)
 
 
 def _in_background(job, name: str) -> concurrent.futures.Future:

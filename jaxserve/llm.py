@@ -22,12 +22,15 @@ class LLM:
     max_num_batched_tokens, max_model_len, kv_cache_memory, ...).
     """
 
-    def __init__(self, model: str | Model = "smollm2-135m", **engine_kwargs):
+    def __init__(self, model: str | Model = "smollm2-135m", *, draft_model: Model | None = None,
+                 **engine_kwargs):
+        # draft_model: a loaded draft for speculative_config={"method": "draft_model", ...}.
         if isinstance(model, Model):
             config = EngineConfig(model=model.source, dtype=model.dtype, **engine_kwargs)
-            self.engine = LLMEngine(config, model=model)
+            self.engine = LLMEngine(config, model=model, draft_model=draft_model)
         else:
-            self.engine = LLMEngine(EngineConfig(model=str(model), **engine_kwargs))
+            self.engine = LLMEngine(EngineConfig(model=str(model), **engine_kwargs),
+                                    draft_model=draft_model)
 
     @property
     def tokenizer(self):

@@ -258,6 +258,25 @@ class BlockManager:
         seq.num_registered_blocks = 0
         self._holders.pop(seq.request_id, None)
 
+    def truncate(self, seq: Sequence) -> int:
+        """Returns the blocks past what `seq`'s tokens need (a speculative row's rejected tail),
+        newest first; returns how many were freed. Only uncomputed positions may be cut: the
+        registered (cached) blocks hold computed tokens, which truncation never touches."""
+        keep = max(blocks_for_tokens(seq.num_tokens, self.block_size),
+                   blocks_for_tokens(seq.num_computed_tokens, self.block_size))
+        if keep < seq.num_registered_blocks:
+            raise InvariantError(f"{seq.request_id!r}: truncating to {keep} blocks would drop "
+                                 f"{seq.num_registered_blocks - keep} registered ones")
+        cut = seq.block_table[keep:]
+        for block in reversed(cut):
+            self._release(block)
+        del seq.block_table[keep:]
+        # Hashes of blocks that held drafts no longer name the sequence's tokens.
+        del seq.block_hashes[seq.num_known_tokens // self.block_size:]
+        if not seq.block_table:
+            self._holders.pop(seq.request_id, None)
+        return len(cut)
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Share all of `parent`'s blocks with `child` (copy-on-write on later writes).
 

@@ -12,6 +12,22 @@ class RequestMetrics:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    # Speculative decoding (core/spec_decode): verified rows, drafted tokens, accepted drafts,
+    # and tokens the verified rows emitted (accepted + the target's own, per row).
+    spec_num_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_emitted_tokens: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens \
+            else None
+
+    @property
+    def spec_mean_accepted_length(self) -> float | None:
+        """Tokens per verified row (accepted drafts + 1)."""
+        return self.spec_emitted_tokens / self.spec_num_drafts if self.spec_num_drafts else None
 
     @property
     def time_to_first_token(self) -> float | None:

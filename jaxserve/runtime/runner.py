@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from jaxserve.runtime import buckets, slot_state, step_layout
+from jaxserve.runtime import buckets, slot_state, spec_points, step_layout
 from jaxserve.runtime.attention_backends import AttentionBackend, XlaAttention
 from jaxserve.core.outputs import SampleResult
 from jaxserve.runtime.kv_cache import KVCache, PagedMeta
@@ -66,8 +66,9 @@ class StepInputs:
     holds num_pairs and want_logprobs. pages: the page table [R, max_blocks] ("page_table"
     backends) or the chunk pages [T / 16, Pc] (XLA); pairs [3, W] (XLA) or None. mask
     [R, ceil(V / 32)] int32: the rows' packed bitmasks of allowed tokens, all ones for rows
-    without a constraint; None when no row has one (a program without the masking).
-    poison [R] float32: added to each row's logits before sampling (fault injection,
+    without a constraint; None when no row has one (a program without the masking). points
+    [4, P] int32: a verification step's sampling points (spec_points.py), None in a plain step.
+    poison [R] (or [P] with points) float32: added to each row's logits before sampling (fault injection,
     jaxserve/faults.py: NaN or inf on a poisoned row, 0 elsewhere); None in every program of
     an engine without that fault, so normal programs are unchanged.
     """
@@ -78,6 +79,7 @@ class StepInputs:
     pairs: jax.Array | None = None
     mask: jax.Array | None = None
     poison: jax.Array | None = None
+    points: jax.Array | None = None
 
     def field(self, name: str) -> jax.Array:
         if name in TOKEN_FIELDS:
@@ -116,6 +118,11 @@ class StepCall:
         """Whether it carries token bitmasks (the step's other compiled variant)."""
         return self.inputs.mask is not None
 
+    @property
+    def verifies(self) -> bool:
+        """Whether it samples at verification points (speculative decoding's variant)."""
+        return self.inputs.points is not None
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -144,6 +151,10 @@ class Pending:
     rows: list[int]
     sampled: SamplerOutput
     want_logprobs: bool
+    # A verification step: each item's sampling points (rows then index points); the items
+    # with drafts get a tuple of results from collect.
+    points: list[list[int]] | None = None
+    drafted: frozenset[str] = frozenset()
 
 
 def _nbytes(tree) -> int:
@@ -160,12 +171,16 @@ class ModelRunner:
                  attention: AttentionBackend | None = None, linear=None,
                  tp: TensorParallel | None = None, kv_cache_dtype=None,
                  structured_outputs: bool = False, unroll_layers: bool = False,
-                 branch_free_sampling: bool = False, poison_rows: bool = False):
+                 branch_free_sampling: bool = False, poison_rows: bool = False,
+                 num_speculative_tokens: int = 0):
         """poison_rows: every step takes StepInputs.poison (fault injection only).
         unroll_layers, branch_free_sampling: the GPU program's shape (backends.gpu_step):
         layers unrolled so no weight slice is copied, and a sampler without conditionals, each
-        of which would make the host wait for the device mid-step."""
+        of which would make the host wait for the device mid-step.
+        num_speculative_tokens: k > 0 compiles a verification variant of every step program
+        (rows of up to k drafts sampled at each of their last k + 1 queries)."""
         c = model.config
+        self.num_speculative_tokens = num_speculative_tokens
         # Steps with constrained rows run a masked variant of each program, so steps without
         # any pay nothing for the feature. Warm-up compiles the plain ones; the masked ones
         # can follow off the engine thread (masked_warmup), so they do not delay serving.
@@ -231,12 +246,16 @@ class ModelRunner:
         # Named scopes label the ops in a profile (step / attention, mlp, sampling).
         meta, f = inp.meta(self.ragged), inp.field
         token_slot, row_slot, ctx = f("token_slot"), f("row_slot"), meta.context_lens
+        logits_index, samples = f("logits_index"), f("samples") != 0  # [R] each
+        if inp.points is not None:  # verification: sample at every point instead, [P] each
+            logits_index, row_slot, ctx, samples = (inp.points[0], inp.points[1], inp.points[2],
+                                                    inp.points[3] != 0)
         with jax.named_scope("step"):
             # Decode inputs not known on the host come from the slot's last sample.
             tokens = jnp.where(f("feed") != 0, state.last_tokens[token_slot], f("tokens"))  # [T]
             history = state.history.at[token_slot, meta.positions[0]].set(tokens)
             logits, cache = self._module.apply({"params": params}, tokens[None], meta.positions,
-                                               cache, meta, logits_index=f("logits_index"))
+                                               cache, meta, logits_index=logits_index)
             if self.tp is not None:  # one gather of vocab-parallel logits; sampler replicated
                 logits = jax.lax.with_sharding_constraint(logits, self.tp.replicated)
             if inp.poison is not None:  # fault injection: the sampler must see the bad row
@@ -246,7 +265,7 @@ class ModelRunner:
                 want = f("scalars")[1] != 0
                 out = sample(logits, st, history[row_slot], ctx, state.prompt_lens[row_slot], ctx,
                              want, mask=inp.mask, branch_free=self.branch_free_sampling)
-            written = jnp.where(f("samples") != 0, row_slot, self.idle_slot)
+            written = jnp.where(samples, row_slot, self.idle_slot)
             state = dataclasses.replace(state, history=history,
                                         last_tokens=state.last_tokens.at[written].set(out.tokens))
         return cache, state, out
@@ -279,6 +298,8 @@ class ModelRunner:
         start = time.perf_counter()
         # Every process warms up itself (same programs in the same order): nothing to broadcast.
         calls = [self.step_template(*shape) for shape in self.shapes()]
+        if self.num_speculative_tokens:
+            calls += [self.step_template(*shape, verify=True) for shape in self.shapes()]
         calls += [self.slots_template(d) for d in self.slot_buckets] + [self.copy_template()]
         if self.structured_outputs and not deferred:
             calls += self._masked_templates()
@@ -319,14 +340,21 @@ class ModelRunner:
             return time.perf_counter() - start
         return run
 
-    def step_template(self, tokens: int, masked: bool = False) -> StepCall:
+    def step_template(self, tokens: int, masked: bool = False,
+                      verify: bool = False) -> StepCall:
         """An idle step of `tokens` flat tokens: no rows, everything masked (with an all-ones
-        token bitmask when `masked`)."""
+        token bitmask when `masked`; with idle sampling points when `verify`)."""
         lay = step_layout.build([], self.page_table, tokens=tokens, max_num_seqs=self.num_slots,
                                 block_size=self.block_size, idle_slot=self.idle_slot,
                                 ragged=self.ragged)
         mask = self._all_allowed(lay) if masked else None
-        return self.step_call(lay, want_logprobs=False, mask=mask)
+        points = self._points(lay, [])[0] if verify else None
+        return self.step_call(lay, want_logprobs=False, mask=mask, points=points)
+
+    def _points(self, lay: step_layout.Layout, sampling_rows) -> tuple[np.ndarray, list]:
+        size = spec_points.num_points(lay.tokens.shape[0], self.num_slots,
+                                      self.num_speculative_tokens)
+        return spec_points.build(lay, sampling_rows, size, self.idle_slot)
 
     def _all_allowed(self, lay: step_layout.Layout) -> np.ndarray:
         return np.full((lay.context_lens.shape[0], self.mask_words), -1, np.int32)  # [R, W]
@@ -361,7 +389,8 @@ class ModelRunner:
 
     @staticmethod
     def _key(call: StepCall | SlotsCall | CopyCall) -> tuple:
-        return type(call).__name__, call.shape, getattr(call, "masked", False)
+        return (type(call).__name__, call.shape, getattr(call, "masked", False),
+                getattr(call, "verifies", False))
 
     def _executable(self, call: StepCall | SlotsCall | CopyCall) -> jax.stages.Compiled:
         """The call's compiled program: compiled (from the persistent cache if it is there)
@@ -435,12 +464,15 @@ class ModelRunner:
     # ---- one engine step ------------------------------------------------------------------
 
     def launch(self, out: SchedulerOutput, seeds: dict[str, int], matchers=None,
-               grammar=None, poison: dict[str, float] | None = None) -> Pending:
+               grammar=None, poison: dict[str, float] | None = None,
+               drafts: dict[str, int] | None = None) -> Pending:
         """Dispatches the scheduled work as one step; returns without waiting for the device.
 
         matchers: sequence id -> grammar state (core/grammar.py Matcher) of the constrained
         rows that sample; `grammar.fill(mask, [(matcher, row)])` writes their bitmasks.
         poison: sequence id -> value added to its row's logits (fault injection only).
+        drafts: sequence id -> k for rows whose last k tokens are drafts (speculative
+        decoding): the step samples after each of their last k + 1 queries (not with matchers).
         """
         if out.blocks_to_copy:
             self.copy_blocks(out.blocks_to_copy)
@@ -465,17 +497,22 @@ class ModelRunner:
             mask = self._all_allowed(lay)
             grammar.fill(mask, [(matchers[item.request_id], lay.row_index[k])
                                 for k, item in enumerate(items) if item.request_id in matchers])
-        call = self.step_call(lay, want, mask)
-        if poison:
-            for k, item in enumerate(items):
-                if item.request_id in poison:
-                    call.inputs.poison[lay.row_index[k]] = poison[item.request_id]
-        sampled = self.run(call)
         sampling = [(item, lay.row_index[k]) for k, item in enumerate(items) if item.is_last_chunk]
-        return Pending([i for i, _ in sampling], [r for _, r in sampling], sampled, want)
+        points = owned = None
+        if drafts:
+            points, owned = self._points(lay, [(r, drafts.get(i.request_id, 0))
+                                               for i, r in sampling])
+        call = self.step_call(lay, want, mask, points)
+        if poison:  # fault injection: every logits row (or point) of a poisoned sequence
+            for (item, row), at in zip(sampling, owned or [[r] for _, r in sampling]):
+                if item.request_id in poison:
+                    call.inputs.poison[at] = poison[item.request_id]
+        sampled = self.run(call)
+        return Pending([i for i, _ in sampling], [r for _, r in sampling], sampled, want,
+                       points=owned, drafted=frozenset(drafts or ()))
 
     def step_call(self, lay: step_layout.Layout, want_logprobs: bool,
-                  mask: np.ndarray | None = None) -> StepCall:
+                  mask: np.ndarray | None = None, points: np.ndarray | None = None) -> StepCall:
         """The StepCall of a step layout (step_layout.build with this runner's settings);
         mask [R, W] int32: the rows' token bitmasks, or None."""
         t, r = lay.tokens.shape[0], lay.context_lens.shape[0]
@@ -488,25 +525,34 @@ class ModelRunner:
             per_row[i, :r] = getattr(lay, name)
         per_row[-1, :2] = (0 if lay.num_pairs is None else lay.num_pairs, want_logprobs)
         pages = lay.chunk_pages if self.ragged else lay.page_table
-        poison = np.zeros(r, np.float32) if self.poison_rows else None  # [R]
+        rows = r if points is None else points.shape[1]
+        poison = np.zeros(rows, np.float32) if self.poison_rows else None  # [R] or [P]
         return StepCall(StepInputs(per_token=per_token, per_row=per_row, pages=pages,
-                                   pairs=lay.pairs, mask=mask, poison=poison))
+                                   pairs=lay.pairs, mask=mask, poison=poison,
+                                   points=points))
 
-    def collect(self, pending: Pending) -> dict[str, SampleResult]:
-        """Waits for a launched step's ids; returns the sampled token of every item that samples."""
+    def collect(self, pending: Pending) -> dict[str, SampleResult | tuple[SampleResult, ...]]:
+        """Waits for a launched step's ids; returns the sampled token of every item that samples
+        (for a drafted row of a verification step, its k + 1 samples, in position order)."""
         if not pending.items:
             return {}
         sampled = pending.sampled
         tokens, logprob = np.asarray(sampled.tokens), np.asarray(sampled.logprob)
         top_ids = np.asarray(sampled.top_ids) if pending.want_logprobs else None
         top_lps = np.asarray(sampled.top_logprobs) if pending.want_logprobs else None
-        results = {}
-        for item, row in zip(pending.items, pending.rows):
-            k = item.seq.sampling_params.logprobs
+
+        def result(k: int | None, at: int) -> SampleResult:
             top = None
             if k is not None:
-                top = {int(t): float(lp) for t, lp in zip(top_ids[row, :k], top_lps[row, :k])}
-            results[item.request_id] = SampleResult(int(tokens[row]), float(logprob[row]), top)
+                top = {int(t): float(lp) for t, lp in zip(top_ids[at, :k], top_lps[at, :k])}
+            return SampleResult(int(tokens[at]), float(logprob[at]), top)
+
+        results = {}
+        points = pending.points or [[row] for row in pending.rows]
+        for item, at in zip(pending.items, points):
+            k, rid = item.seq.sampling_params.logprobs, item.request_id
+            results[rid] = (tuple(result(k, p) for p in at) if rid in pending.drafted
+                            else result(k, at[-1]))
         return results
 
 

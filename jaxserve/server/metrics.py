@@ -57,6 +57,33 @@ class _EngineCollector:
                                 1.0 if self._loop.alive else 0.0)
         yield from _step_metrics(s)
         yield from _kv_memory_metrics(s)
+        yield from _spec_metrics(s.get("speculation"))
+
+
+SPEC_COUNTERS = {
+    "num_drafts": ("jaxserve_spec_decode_num_drafts", "Drafted rows verified"),
+    "num_draft_tokens": ("jaxserve_spec_decode_num_draft_tokens", "Drafted tokens verified"),
+    "num_accepted_tokens": ("jaxserve_spec_decode_num_accepted_tokens",
+                            "Drafted tokens the target accepted"),
+    "num_emitted_tokens": ("jaxserve_spec_decode_num_emitted_tokens",
+                           "Tokens verified rows produced (accepted + the target's own)"),
+    "num_disabled": ("jaxserve_spec_decode_num_disabled",
+                     "Sequences whose speculation switched off for low acceptance"),
+}
+
+
+def _spec_metrics(spec: dict | None):
+    """Speculative decoding (engine.stats()["speculation"], None without it)."""
+    if spec is None:
+        return
+    for key, (name, text) in SPEC_COUNTERS.items():
+        yield CounterMetricFamily(name, text, spec[key])
+    yield GaugeMetricFamily("jaxserve_spec_decode_acceptance_rate",
+                            "Accepted / drafted tokens since start (0 before any draft)",
+                            spec["acceptance_rate"] or 0.0)
+    yield GaugeMetricFamily("jaxserve_spec_decode_mean_accepted_length",
+                            "Tokens per verified row since start (0 before any draft)",
+                            spec["mean_accepted_length"] or 0.0)
 
 
 STEP_HISTOGRAMS = {

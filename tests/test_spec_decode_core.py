@@ -1,0 +1,89 @@
+"""Speculative decoding's host pieces: config, n-gram drafter, acceptance, block truncation.
+
+The n-gram drafter is checked against a brute-force scan of the whole sequence; the block
+manager's truncation against its own invariant checker and the prefix cache's contents.
+"""
+
+import json
+import random
+
+import pytest
+
+from jaxserve.config import EngineConfig
+from jaxserve.core.block_manager import BlockManager
+from jaxserve.core.sequence import Sequence
+from jaxserve.core.spec_decode.acceptance import AcceptanceWindow, accepted_length
+from jaxserve.core.spec_decode.config import SpeculativeConfig
+from jaxserve.core.spec_decode.ngram import NgramProposer
+
+
+def test_config_forms_and_errors():
+    want = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
+    assert EngineConfig(speculative_config={"method": "ngram",
+                                            "num_speculative_tokens": 3}).speculative_config == want
+    assert SpeculativeConfig.parse(json.dumps({"num_speculative_tokens": 3})) == want
+    assert SpeculativeConfig.parse({"model": "x"}).method == "draft_model"
+    for bad, word in [({"method": "eagle"}, "method"), ({"num_speculative_tokens": 0}, ">= 1"),
+                      ({"prompt_lookup_min": 5, "prompt_lookup_max": 2}, "<="),
+                      ({"method": "draft_model"}, "model"), ({"k": 2}, "unknown keys"),
+                      ("{not json", "JSON"), ({"num_speculative_tokens": 16}, "<= 15")]:
+        with pytest.raises(ValueError, match=word):
+            EngineConfig(speculative_config=bad)
+
+
+def brute_force(tokens, min_n, max_n, k):
+    """The proposal by definition: the longest suffix n-gram's latest earlier occurrence."""
+    last = len(tokens) - 1
+    for n in range(min(max_n, last), min_n - 1, -1):
+        suffix = tokens[last - n + 1:]
+        for end in range(last - 1, n - 2, -1):  # latest occurrence ending before the last
+            if tokens[end - n + 1:end + 1] == suffix:
+                return tokens[end + 1:end + 1 + k]
+    return []
+
+
+@pytest.mark.parametrize("min_n,max_n", [(1, 1), (1, 3), (2, 4), (3, 5)])
+def test_ngram_matches_brute_force_as_tokens_grow(min_n, max_n):
+    rng = random.Random(min_n * 10 + max_n)
+    proposer = NgramProposer(min_n, max_n)
+    found = 0
+    for trial in range(6):
+        seq = Sequence(str(trial), [rng.randrange(5) for _ in range(3)], None)
+        for _ in range(60):  # incremental: one index per sequence, extended step by step
+            k = rng.randrange(1, 6)
+            tokens = seq.all_token_ids
+            got = proposer.propose(seq, k)
+            assert got == brute_force(tokens, min_n, max_n, k), (tokens, k)
+            found += bool(got)
+            seq.append_token(rng.randrange(5) if rng.random() < 0.7 else tokens[-3])
+    assert found > 50  # the test exercises matches, not only misses
+
+
+def test_accepted_length_and_window():
+    assert accepted_length([1, 2, 3], [1, 2, 3, 9]) == 3
+    assert accepted_length([1, 2, 3], [1, 5, 3, 9]) == 1
+    assert accepted_length([1], [2, 4]) == 0
+    w = AcceptanceWindow(window=8, threshold=0.25)
+    assert not w.record(4, 0)  # not a full window yet
+    assert w.record(4, 1)  # 1 of 8
+    w = AcceptanceWindow(window=8, threshold=0.25)
+    assert not any(w.record(4, 2) for _ in range(10))
+
+
+def test_truncate_returns_tail_blocks_and_keeps_the_cache_clean():
+    bm = BlockManager(num_blocks=16, block_size=4, enable_caching=True)
+    seq = Sequence("a", list(range(10)), None)
+    bm.allocate(seq)  # 10 tokens: 3 blocks
+    seq.num_computed_tokens = 10
+    bm.register_computed(seq)  # blocks 0, 1 are full and cached
+    seq.output_token_ids.extend([50, 51, 52, 53, 54, 55])  # a drafted row's tokens
+    bm.allocate(seq, 6)
+    assert len(seq.block_table) == 4
+    free = bm.num_free_blocks
+    del seq.output_token_ids[-5:]  # 1 accepted: 11 tokens, 11 computed
+    seq.num_computed_tokens = 11
+    assert bm.truncate(seq) == 1
+    assert len(seq.block_table) == 3 and bm.num_free_blocks == free + 1
+    bm.register_computed(seq)
+    bm.check_invariants()
+    assert bm.num_cached_blocks == 2  # no block holding drafts was registered
