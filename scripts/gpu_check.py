@@ -583,9 +583,10 @@ def xla_engine_attention():
         cache = KVCache(k=k_cache, v=v_cache)
         qf = jnp.zeros((meta.positions.shape[1],) + q.shape[1:], q.dtype)  # [T, H, Dh]
         qf = qf.at[flat_index].set(q)
-        out = attention._single_query_attention(qf, cache, layer, meta, True)
+        logits = attention._Logits(None, None, None)  # no window, soft-cap or query scale
+        out = attention._single_query_attention(qf, cache, layer, meta, True, logits)
         if qf.shape[0] >= QUERY_CHUNK:  # as ragged_attention_xla: no multi rows below
-            chunked = attention._chunked_attention(qf, cache, layer, meta)
+            chunked = attention._chunked_attention(qf, cache, layer, meta, logits)
             out = jnp.where(meta.multi[:, None, None], chunked, out)
         return out[flat_index].astype(q.dtype)  # [N, H, Dh]
     return fn
