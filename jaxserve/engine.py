@@ -431,9 +431,10 @@ class LLMEngine:
                        if sid in owner and not items[sid].seq.is_finished}
             # A row of NaN/inf logits gives a non-finite logprob (which always comes back):
             # that request alone failed; its token is not kept.
-            bad = {owner[sid].request_id: NON_FINITE for sid, r in sampled.items()
-                   if not all(math.isfinite(x.logprob)
-                              for x in (r if isinstance(r, tuple) else (r,)))}
+            bad = {} if self.runner.all_finite(step.pending) else {
+                owner[sid].request_id: NON_FINITE for sid, r in sampled.items()
+                if not all(math.isfinite(x.logprob)
+                           for x in (r if isinstance(r, tuple) else (r,)))}
             outputs = self._fail(bad) if bad else []
             if bad:
                 sampled = {sid: r for sid, r in sampled.items() if sid in owner}

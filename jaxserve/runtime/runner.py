@@ -547,13 +547,22 @@ class ModelRunner:
                 top = {int(t): float(lp) for t, lp in zip(top_ids[at, :k], top_lps[at, :k])}
             return SampleResult(int(tokens[at]), float(logprob[at]), top)
 
+        if pending.points is None:  # a plain step: one sample per item
+            return {item.request_id: result(item.seq.sampling_params.logprobs, row)
+                    for item, row in zip(pending.items, pending.rows)}
         results = {}
-        points = pending.points or [[row] for row in pending.rows]
-        for item, at in zip(pending.items, points):
+        for item, at in zip(pending.items, pending.points):
             k, rid = item.seq.sampling_params.logprobs, item.request_id
             results[rid] = (tuple(result(k, p) for p in at) if rid in pending.drafted
                             else result(k, at[-1]))
         return results
+
+    @staticmethod
+    def all_finite(pending: Pending) -> bool:
+        """Whether every sampled logprob of a collected step is finite (NaN or inf anywhere in
+        a row's logits makes its logprob non-finite): one array check instead of one per row;
+        the array collect fetched is cached on the device array."""
+        return not pending.items or bool(np.isfinite(np.asarray(pending.sampled.logprob)).all())
 
 
 def _checked(attention, config, block_size: int) -> AttentionBackend:
