@@ -167,7 +167,8 @@ def jaxserve_batch1(llm, prompt: list[int], new_tokens: int, repeats: int) -> di
         n = len(out.outputs[0].token_ids)
         ttft = out.metrics.time_to_first_token
         run = {"seconds": seconds, "ttft_s": ttft, "tok_s": n / seconds,
-               "decode_tok_s": (n - 1) / (seconds - ttft), "new_tokens": n}
+               "decode_tok_s": (n - 1) / (seconds - ttft), "new_tokens": n,
+               "token_ids": list(out.outputs[0].token_ids)}
         if best is None or run["seconds"] < best["seconds"]:
             best = run
     best["num_compiles_after_warmup"] = llm.stats()["num_compiles_after_warmup"]
@@ -307,7 +308,24 @@ def table_rows(args, workload, js: dict, hf: dict | None, lc: dict) -> list[dict
     if not lc["measured"]:
         label += " - NOT MEASURED IN THIS RUN (docs/peers.md figure)"
     rows.append({"system": label, "kind": "batch1", "workload": b1,
-                 "tok_s": lc["batch1"]["tok_s"], "measured": lc["measured"]})
+                 "tok_s": lc["batch1"]["tok_s"], "measured": lc["measured"],
+                 "token_ids": lc.get("token_ids")})
+    # Greedy agreement with jaxserve float32 (the unquantized reference): the share of the
+    # batch-1 positions whose token equals float32's, and where the first difference falls.
+    b1_ids = {f"jaxserve {d}": r.get("token_ids") for d, r in js["batch1"].items()}
+    b1_ids.update({f"jaxserve {args.dtype} {q}": r["batch1"].get("token_ids")
+                   for q, r in js.get("quantized", {}).items()})
+    ref = b1_ids.get("jaxserve float32")
+    for r in rows:
+        ids = r.pop("token_ids", None) or b1_ids.get(r["system"])
+        if r["kind"] == "batch1" and ref and ids:
+            same = [a == b for a, b in zip(ids, ref)]
+            r["agree_f32"] = sum(same) / len(ref)
+            r["first_diff_f32"] = same.index(False) if False in same else None
+    lc_tok_s = lc["batch1"]["tok_s"] if lc["measured"] else None
+    for r in rows:
+        if r["kind"] == "batch1" and lc_tok_s:
+            r["ratio_vs_llama_cpp"] = r["tok_s"] / lc_tok_s
     for kind in ("throughput", "batch1"):
         hf_best = max((r["tok_s"] for r in rows
                        if r["kind"] == kind and r["system"].startswith("HF")), default=None)
@@ -321,10 +339,17 @@ def render_markdown(args, env: dict, rows: list[dict], js: dict, hf: dict | None
     cmd = " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv])
     lines = ["# jaxserve throughput benchmark", "", f"Command: `{cmd}`", "",
              "Environment: " + ", ".join(f"{k}={v}" for k, v in env.items()), "",
-             "| system | workload | tok/s | ratio vs HF best |", "|---|---|---|---|"]
+             "| system | workload | tok/s | ratio vs HF best | vs llama.cpp | greedy ids = "
+             "float32's (first difference) |", "|---|---|---|---|---|---|"]
     for r in rows:
         ratio = f"{r['ratio_vs_hf_best']:.2f}x" if r.get("ratio_vs_hf_best") else "-"
-        lines.append(f"| {r['system']} | {r['workload']} | {r['tok_s']:.1f} | {ratio} |")
+        vs_lc = f"{r['ratio_vs_llama_cpp']:.2f}x" if r.get("ratio_vs_llama_cpp") else "-"
+        agree = "-"
+        if r.get("agree_f32") is not None:
+            first = r["first_diff_f32"]
+            agree = f"{r['agree_f32']:.0%} ({'none' if first is None else f'at {first}'})"
+        lines.append(f"| {r['system']} | {r['workload']} | {r['tok_s']:.1f} | {ratio} | "
+                     f"{vs_lc} | {agree} |")
     t = js["throughput"]
     lines += ["", "Notes:",
               f"- tok/s counts only each request's own generated tokens; the ratio compares "

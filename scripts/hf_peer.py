@@ -135,32 +135,56 @@ def run_hf(work: dict) -> dict:
 # ---- llama.cpp ---------------------------------------------------------------------------------
 
 def run_llama_cpp(work: dict) -> dict:
-    """Batch-1 decode with llama-cpp-python on the GGUF as shipped (its own quantized kernels)."""
-    import inspect
+    """Batch-1 greedy decode with llama.cpp on the GGUF as shipped (its own quantized kernels).
+
+    Through llama-cpp-python's low-level API: the high-level `Llama` constructor has no
+    `use_extra_bufts` argument, and the AMX extra buffer type it leaves on segfaults on these
+    CPUs, so the model is loaded from a params struct with it off."""
     import llama_cpp
-    kwargs = {"model_path": work["model_path"], "n_threads": work["threads"],
-              "n_threads_batch": work["threads"], "n_ctx": 1024, "verbose": False}
-    if "use_extra_bufts" in inspect.signature(llama_cpp.Llama.__init__).parameters:
-        kwargs["use_extra_bufts"] = False  # the AMX extra buffer type segfaults on these CPUs
-    llm = llama_cpp.Llama(**kwargs)
+    llama_cpp.llama_backend_init()
+    mparams = llama_cpp.llama_model_default_params()
+    mparams.use_extra_bufts = False
+    model = llama_cpp.llama_model_load_from_file(work["model_path"].encode(), mparams)
+    if not model:
+        raise RuntimeError(f"llama.cpp could not load {work['model_path']}")
+    cparams = llama_cpp.llama_context_default_params()
+    cparams.n_ctx, cparams.n_batch = 1024, 512
+    cparams.n_threads = cparams.n_threads_batch = work["threads"]
+    ctx = llama_cpp.llama_init_from_model(model, cparams)
+    sampler = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
+    llama_cpp.llama_sampler_chain_add(sampler, llama_cpp.llama_sampler_init_greedy())
     b1 = work["batch1"]
-    best = None
+
+    def decode(ids: list[int]) -> None:
+        arr = (llama_cpp.llama_token * len(ids))(*ids)
+        if llama_cpp.llama_decode(ctx, llama_cpp.llama_batch_get_one(arr, len(ids))) != 0:
+            raise RuntimeError("llama_decode failed")
+
+    best, tokens = None, None
     for _ in range(b1.get("repeats", 1) + 1):  # the first run is a warm-up
-        llm.reset()
+        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx), True)
+        llama_cpp.llama_sampler_reset(sampler)
+        out = []
         t0 = time.perf_counter()
-        first, n = None, 0
-        for _tok in llm.generate(b1["prompt"], temp=0.0, top_k=1, reset=True):
-            n += 1
+        decode(list(b1["prompt"]))
+        first = None
+        while len(out) < b1["max_tokens"]:  # EOS ignored, as for the other systems
+            tok = llama_cpp.llama_sampler_sample(sampler, ctx, -1)
+            out.append(int(tok))
             first = first or time.perf_counter()
-            if n >= b1["max_tokens"]:
-                break
+            if len(out) < b1["max_tokens"]:
+                decode([tok])
         end = time.perf_counter()
+        n = len(out)
         run = {"seconds": end - t0, "ttft_s": first - t0, "tok_s": n / (end - t0),
                "decode_tok_s": (n - 1) / (end - first), "new_tokens": n}
         if best is None or run["seconds"] < best["seconds"]:
-            best = run
+            best, tokens = run, out
+    llama_cpp.llama_sampler_free(sampler)
+    llama_cpp.llama_free(ctx)
+    llama_cpp.llama_model_free(model)
     return {"llama_cpp": llama_cpp.__version__, "threads": work["threads"],
-            "use_extra_bufts": kwargs.get("use_extra_bufts"), "batch1": best}
+            "use_extra_bufts": False, "batch1": best, "token_ids": tokens}
 
 
 def main():

@@ -6,7 +6,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WITH_TEST=0
-[ "${1:-}" = "--test" ] && WITH_TEST=1
+WITH_PEERS=0
+for arg in "$@"; do
+  case "$arg" in
+    --test) WITH_TEST=1 ;;
+    # llama.cpp as a benchmark peer (scripts/bench_throughput.py --llama-cpp-python
+    # .venv-ref/bin/python): a native build of llama-cpp-python, ~10 min on 2 cores, so not in CI.
+    --peers) WITH_TEST=1; WITH_PEERS=1 ;;
+    *) echo "setup: unknown option $arg (use --test and/or --peers)" >&2; exit 2 ;;
+  esac
+done
 
 pyenv_root() { command -v pyenv >/dev/null 2>&1 && pyenv root || echo "$HOME/.pyenv"; }
 
@@ -78,5 +87,11 @@ if [ "$WITH_TEST" = 1 ]; then
       echo "setup: no /usr/bin/chromium (as root: apt-get install chromium); the browser tests will skip" >&2
     fi
   fi
+fi
+if [ "$WITH_PEERS" = 1 ] && ! .venv-ref/bin/python -c "import llama_cpp" 2>/dev/null; then
+  echo "setup: building llama-cpp-python natively in .venv-ref (about 10 minutes)"
+  CMAKE_ARGS="-DGGML_NATIVE=ON" .venv-ref/bin/python -m pip install --quiet --no-cache-dir \
+    "llama-cpp-python==0.3.36" 2>&1 | grep -v "is ignored" || true
+  .venv-ref/bin/python -c "import llama_cpp" || { echo "setup: llama-cpp-python build failed" >&2; exit 1; }
 fi
 echo "setup: ready"
