@@ -31,7 +31,8 @@ def _routed_sizes(e: int, k: int, tokens: int, seed: int) -> list[int]:
 # first / last group, boundaries inside tiles; and routed top-k (k = 1, 2) batches.
 SIZES = [[1], [37], [3, 0, 5, 0], [0, 0, 0, 16], [37, 0, 0, 0], [10, 7, 0, 20],
          [1, 1, 1, 1, 1, 1, 1, 1], [0, 0, 1, 0, 0, 0, 0, 0],
-         _routed_sizes(8, 2, 19, 1), _routed_sizes(8, 1, 9, 2), _routed_sizes(4, 2, 1, 3)]
+         _routed_sizes(8, 2, 19, 1), _routed_sizes(8, 1, 9, 2), _routed_sizes(4, 2, 1, 3),
+         [150, 0, 101, 49]]  # M = 300: the kernel's prefill-sized 64-row tiles
 
 
 def _numpy_gmm(x, w, sizes, scales=None):
