@@ -8,7 +8,8 @@ shared and noisy: compare the ratios in a row, not across runs):
 - ragged: `jax.lax.ragged_dot` (XLA:CPU makes it a masked product over every expert);
 - tiled tm=T: the megablox tiling in plain XLA (pallas_kernels/grouped_matmul.py
   `grouped_matmul_tiled`), T rows per tile;
-- auto: what the `xla` backend picks for the shape (jaxserve/runtime/grouped_matmul.py).
+- auto: the tiled path at the tile the `xla` backend picks for the shape
+  (jaxserve/runtime/grouped_matmul.py `cpu_tile_rows`).
 Every way is checked against ragged first. Prints a markdown table with the load average.
 """
 
@@ -29,7 +30,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxserve.runtime.grouped_matmul import cpu_choice, tiled_gmm  # noqa: E402
+from jaxserve.runtime.grouped_matmul import cpu_tile_rows, tiled_gmm  # noqa: E402
 from models.moe import moe_ffn, ragged_gmm  # noqa: E402
 from pallas_kernels.grouped_matmul import num_items  # noqa: E402
 
@@ -76,16 +77,16 @@ def main(argv=None):
                     jax.block_until_ready(fn(x, *weights))
                     times[name].append(time.perf_counter() - t)
             med = {w: float(np.median(v)) * 1e3 for w, v in times.items()}
-            rows.append((label, n * k, e, k, d, f, med, cpu_choice(n * k, e)))
+            rows.append((label, n * k, e, k, d, f, med, cpu_tile_rows(n * k, e)))
     print(f"load average {os.getloadavg()}; jax {jax.__version__} on {jax.default_backend()}; "
           f"median of {args.repeats}, ms (ratio: time / ragged's)")
     names = [w for w in ways if w != "ragged"]
     print("| shapes | M | E | k | D | F | ragged ms | " + " | ".join(names) + " |")
     print("|---" * (7 + len(names)) + "|")
-    for label, m, e, k, d, f, med, choice in rows:
+    for label, m, e, k, d, f, med, tm in rows:
         cells = [f"{med[w]:.2f} ({med[w] / med['ragged']:.2f}x)" if w in med else "-"
                  for w in names]
-        cells[0] += f" {choice[0]} tm={choice[1]}" if choice[0] == "tiled" else " ragged"
+        cells[0] += f" tm={tm}"
         print(f"| {label} | {m} | {e} | {k} | {d} | {f} | {med['ragged']:.2f} | "
               + " | ".join(cells) + " |")
 

@@ -6,8 +6,9 @@ the MoE model's linears.
 - `pallas` / `pallas-interpret`: the Triton kernel (pallas_kernels/grouped_matmul.py), or the
   same kernel through the Pallas interpreter (tests). A projection the kernel cannot tile
   (K or N not a multiple of 16) runs the tiled XLA path instead.
-- `xla`: the tiled XLA path (`grouped_matmul_tiled`), or `jax.lax.ragged_dot` where
-  `cpu_choice` says so; its tile and choice were measured on XLA:CPU only (docs/moe.md).
+- `xla`: the tiled XLA path (`grouped_matmul_tiled`), its tile picked per shape by
+  `cpu_tile_rows` (a cost model fitted on XLA:CPU only, docs/moe.md). ragged_dot was never
+  measurably faster there, so it is not chosen.
 - `ragged`: always `jax.lax.ragged_dot` (models/moe.py's default; the oracle in tests).
 Under tensor parallelism the kernel runs per shard (`TensorParallel.grouped_matmul`); the XLA
 paths are partitioned by XLA from the weights' shardings.
@@ -20,7 +21,7 @@ import logging
 from models.moe import int8_expert_arrays, ragged_gmm
 from models.quantized import is_quantized
 from pallas_kernels.grouped_matmul import (grouped_matmul, grouped_matmul_tiled,
-                                           kernel_unsupported)
+                                           kernel_unsupported, num_items)
 
 log = logging.getLogger("jaxserve")
 
@@ -32,22 +33,27 @@ def _arrays(w):
     return int8_expert_arrays(w) if is_quantized(w) else (w, None)
 
 
-def cpu_choice(m: int, num_experts: int) -> tuple[str, int]:
-    """("tiled", tm) or ("ragged", 0) for M rows over E experts on XLA:CPU (docs/moe.md)."""
-    if m <= num_experts:
-        return "tiled", 1
-    return "tiled", 32
+# Cost of one work item's [K, N] weights (gathered, then read by the dot) in rows of
+# multiply-adds: fitted to scripts/bench_moe_cpu.py on XLA:CPU (docs/moe.md); 128 puts every
+# measured shape's best tile within noise of the chosen one.
+ITEM_COST_ROWS = 128
+_TILE_ROWS = tuple(1 << i for i in range(8))  # 1 .. 128, the measured range
+
+
+def cpu_tile_rows(m: int, num_experts: int) -> int:
+    """The tiled XLA path's tile for M rows over E experts: the tm minimising the modelled
+    cost `num_items * (ITEM_COST_ROWS + tm)` (per-item weight traffic plus the rows computed,
+    padding included). Decode-sized M gets 1 (each row its own item: M gathered expert
+    matrices, fewer than E), prefill-sized M 32..128."""
+    return min(_TILE_ROWS, key=lambda tm: (num_items(m, num_experts, tm) * (ITEM_COST_ROWS + tm),
+                                           tm))
 
 
 def tiled_gmm(tm: int | None = None):
-    """The tiled XLA path; tm None picks `cpu_choice`'s tile (or ragged_dot where it chooses)."""
+    """The tiled XLA path; tm None picks `cpu_tile_rows` for each call's shape."""
     def gmm(a, w, group_sizes, parallel=None):
         del parallel
-        rows = tm
-        if rows is None:
-            way, rows = cpu_choice(a.shape[0], group_sizes.shape[0])
-            if way == "ragged":
-                return ragged_gmm(a, w, group_sizes)
+        rows = tm or cpu_tile_rows(max(a.shape[0], 1), group_sizes.shape[0])
         wq, scales = _arrays(w)
         return grouped_matmul_tiled(a, wq, group_sizes, scales, tm=rows)
     return gmm
