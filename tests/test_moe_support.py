@@ -42,13 +42,16 @@ def test_expert_ffn_that_does_not_split_is_named():
 @pytest.mark.subprocess
 @pytest.mark.timeout(1000)
 def test_tensor_parallel_greedy_equals_one_device():
-    # float and w8a16 experts, each on 1 and 2 devices, in one worker process
+    # float and w8a16 experts, each on 1 and 2 devices, in one worker process; and the
+    # experts on the Pallas kernel (interpreted), run per shard (TensorParallel.grouped_matmul)
     runs = run_worker({"moe": ["tokens", {"config_name": "moe", "sizes": [1, 2]}],
                        "w8a16": ["tokens", {"config_name": "moe", "sizes": [1, 2],
-                                            "quantization": "w8a16"}]})
+                                            "quantization": "w8a16"}],
+                       "kernel": ["tokens", {"config_name": "moe", "sizes": [2],
+                                             "linear_backend": "pallas-interpret"}]})
     out, w8 = runs["moe"], runs["w8a16"]
     assert w8["1"]["tokens"] == w8["2"]["tokens"]  # int8 experts split like the float ones
-    assert out["1"]["tokens"] == out["2"]["tokens"]
+    assert out["1"]["tokens"] == out["2"]["tokens"] == runs["kernel"]["2"]["tokens"]
     # Each device holds half of every expert: the experts are most of this model's weights.
     # (replicated experts would leave each device about 0.67 of the weights here)
     assert max(out["2"]["weights"]) < 0.6 * max(out["1"]["weights"])
