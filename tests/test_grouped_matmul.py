@@ -1,5 +1,5 @@
-"""The grouped matmul (pallas_kernels/grouped_matmul.py): the Pallas kernel (interpreted on
-CPU), the tiled XLA path and the dense reference against a float64 numpy per-group loop and
+"""The grouped matmul (pallas_kernels/grouped_matmul.py): the Pallas kernel (interpreted, and
+compiled on a GPU: the `interpret` fixture), the tiled XLA path and the dense reference against a float64 numpy per-group loop and
 `jax.lax.ragged_dot`; the tile schedule; the sm_90a compile; the dots' shapes."""
 
 import re
@@ -79,22 +79,22 @@ def test_tiled_xla_matches_references(sizes, tm):
 
 
 @pytest.mark.parametrize("sizes", SIZES, ids=str)
-def test_kernel_matches_references(sizes):
+def test_kernel_matches_references(sizes, interpret):
     x, w, gs, _ = _case(sizes, 32, 48, jnp.float32)
-    _check_all(grouped_matmul(x, w, gs, interpret=True), x, w, gs, None)
+    _check_all(grouped_matmul(x, w, gs, interpret=interpret), x, w, gs, None)
 
 
 @pytest.mark.parametrize("sizes", [[10, 7, 0, 20], _routed_sizes(8, 2, 19, 1)], ids=str)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_int8_and_bf16_match_references(sizes, dtype):
+def test_int8_and_bf16_match_references(sizes, dtype, interpret):
     """bf16 activations with float weights, and int8 codes with per-(group, channel) scales,
     through both paths (block_k 16 so the kernel's K loop runs twice)."""
     for int8 in (False, True):
         if dtype == jnp.float32 and not int8:
             continue  # the grid above
         x, w, gs, scales = _case(sizes, 32, 48, dtype, int8=int8)
-        _check_all(grouped_matmul(x, w, gs, scales, block_k=16, interpret=True), x, w, gs,
-                   scales)
+        _check_all(grouped_matmul(x, w, gs, scales, block_k=16, interpret=interpret), x, w,
+                   gs, scales)
         _check_all(grouped_matmul_tiled(x, w, gs, scales, tm=8), x, w, gs, scales)
 
 
