@@ -1,6 +1,7 @@
 """The grouped matmul (pallas_kernels/grouped_matmul.py): the Pallas kernel (interpreted, and
-compiled on a GPU: the `interpret` fixture), the tiled XLA path and the dense reference against a float64 numpy per-group loop and
-`jax.lax.ragged_dot`; the tile schedule; the sm_90a compile; the dots' shapes."""
+compiled on a GPU: the `interpret` fixture), the tiled XLA path and the dense reference
+against a float64 numpy per-group loop and `jax.lax.ragged_dot`; the tile schedule; the
+sm_90a compile; the dots' shapes."""
 
 import re
 

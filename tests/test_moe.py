@@ -183,3 +183,12 @@ def test_moe_ffn_backends_run_int8_experts():
            for kind, gmm in _backends().items()}
     for kind in ("xla", "pallas-interpret"):
         np.testing.assert_allclose(got[kind], got["ragged"], atol=2e-5, rtol=2e-5)
+
+
+def test_kernel_backend_falls_back_where_triton_cannot_tile():
+    """D = 24, F = 40 (not multiples of 16): the pallas backend runs the tiled XLA path."""
+    rng = np.random.default_rng(11)
+    args = _weights(rng, 4, 24, 40, 5, 0.0)
+    out, _ = moe_ffn(*map(jnp.asarray, args), 2, True, _backends()["pallas-interpret"])
+    np.testing.assert_allclose(np.asarray(out), _numpy_moe(*args, 2, True)[0], atol=2e-5,
+                               rtol=2e-5)
