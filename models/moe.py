@@ -1,9 +1,9 @@
 """Mixture-of-experts MLP (Mixtral, Qwen3-MoE, OLMoE): top-k routing and a grouped matmul.
 
 Each token picks its top-k experts by router softmax; its k (token, expert) pairs are sorted by
-expert so that every expert's rows are contiguous, and each expert projection is one
-`jax.lax.ragged_dot` over the sorted rows with the per-expert row counts as group sizes
-(no Python loop over experts, the number of programs independent of the routing). The rows
+expert so that every expert's rows are contiguous, and each expert projection is one grouped
+matmul over the sorted rows with the per-expert row counts as group sizes (no Python loop
+over experts, the number of programs independent of the routing). The rows
 are put back in token order by a gather (deterministic, unlike a scatter-add) and summed with
 their routing weights.
 
