@@ -48,9 +48,12 @@ def test_tensor_parallel_greedy_equals_one_device():
                        "w8a16": ["tokens", {"config_name": "moe", "sizes": [1, 2],
                                             "quantization": "w8a16"}],
                        "kernel": ["tokens", {"config_name": "moe", "sizes": [2],
-                                             "linear_backend": "pallas-interpret"}]})
+                                             "linear_backend": "pallas-interpret"}],
+                       "kernel_w8": ["tokens", {"config_name": "moe", "sizes": [2],
+                                                "linear_backend": "pallas-interpret",
+                                                "quantization": "w8a16"}]})
     out, w8 = runs["moe"], runs["w8a16"]
-    assert w8["1"]["tokens"] == w8["2"]["tokens"]  # int8 experts split like the float ones
+    assert w8["1"]["tokens"] == w8["2"]["tokens"] == runs["kernel_w8"]["2"]["tokens"]
     assert out["1"]["tokens"] == out["2"]["tokens"] == runs["kernel"]["2"]["tokens"]
     # Each device holds half of every expert: the experts are most of this model's weights.
     # (replicated experts would leave each device about 0.67 of the weights here)
