@@ -27,6 +27,7 @@ from jaxserve.core.grammar import GrammarCompiler
 from jaxserve.config import EngineConfig
 from jaxserve.core.admission import check_admission
 from jaxserve.faults import injector
+from jaxserve.runtime.grouped_matmul import grouped_matmul_backend
 from jaxserve.runtime.kv_cache import log_plan, plan_num_blocks
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.tools.profiling import Profiler
@@ -120,6 +121,10 @@ class LLMEngine:
         linear = backends.linear_backend(linear_kind, activation_bits(self.quantization))
         if tp is not None and linear_kind != "xla":  # the int4 kernel runs per shard
             linear = tp.linear(linear)
+        # The MoE experts follow the linear backend: the Pallas kernel on GPU, XLA on CPU.
+        gmm = grouped_matmul_backend(linear_kind) if mc.num_experts else None
+        if gmm is not None and tp is not None and linear_kind != "xla":  # kernel: per shard
+            gmm = tp.grouped_matmul(gmm)
         self.runner = ModelRunner(
             self.model, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, block_size=bs,
@@ -133,7 +138,7 @@ class LLMEngine:
             unroll_layers=unroll,
             branch_free_sampling=backends.gpu_step(),
             poison_rows=self.faults is not None and self.faults.config.poisons_logits,
-            num_speculative_tokens=spec_decode_tokens(config))
+            num_speculative_tokens=spec_decode_tokens(config), grouped_matmul=gmm)
         self.model = self.runner.model  # with TP, the placed shards: no unsharded copy is kept
         # Multi-host: process 0 schedules and broadcasts every step; the others follow().
         self.channel = multihost.attach(self.runner)

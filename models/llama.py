@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from models import windowed
 from models.config import ModelConfig
-from models.moe import MoEMLP
+from models.moe import GroupedMatmulFn, MoEMLP, ragged_gmm
 from models.gemma import GemmaRMSNorm
 from models.quantized import is_quantized
 from models.rope import apply_rope, attention_factor, inv_frequencies
@@ -249,6 +249,7 @@ class Block(nn.Module):
     attention: AttentionFn
     dtype: Any = jnp.float32
     linear: LinearFn = dense_linear
+    grouped_matmul: GroupedMatmulFn = ragged_gmm  # MoE experts (models/moe.py)
 
     @nn.compact
     def __call__(self, carry, positions, meta):
@@ -264,7 +265,8 @@ class Block(nn.Module):
         h = norm(name="post_norm")(x)
         # Flax puts module names on jax's name stack, so profiles already read ".../attn/...",
         # ".../mlp/..." (jaxserve/tools/profiling.py); Attention adds "attention" around the kernel.
-        mlp = (MoEMLP(c, self.dtype, name="mlp") if c.num_experts  # models/moe.py
+        mlp = (MoEMLP(c, self.dtype, self.grouped_matmul, name="mlp")
+               if c.num_experts  # models/moe.py
                else MLP(c, self.dtype, self.linear, name="mlp"))
         h = mlp(h)
         if c.architecture in windowed.GEMMA:
@@ -279,6 +281,8 @@ class Llama(nn.Module):
     dtype: Any = jnp.float32
     attention: AttentionFn = dense_causal_attention
     linear: LinearFn = dense_linear
+    # The MoE experts' grouped matmul (models/moe.py; jaxserve/runtime/grouped_matmul.py).
+    grouped_matmul: GroupedMatmulFn = ragged_gmm
     # Layers as L separate blocks ("layers_0", ...; params from unstack_layers) instead of one
     # loop over stacked weights, where XLA:GPU first copies each layer's weight slices into
     # fresh buffers (a kernel operand must be a whole buffer): docs/gpu_step_report.md. The
@@ -303,12 +307,12 @@ class Llama(nn.Module):
         if self.unroll_layers:
             for i in range(c.num_layers):
                 carry, _ = Block(c, self.attention, self.dtype, self.linear,
-                                 name=layer_name(i))(carry, positions, meta)
+                                 self.grouped_matmul, name=layer_name(i))(carry, positions, meta)
         else:
             layers = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
                              in_axes=(nn.broadcast, nn.broadcast), length=c.num_layers)
-            carry, _ = layers(c, self.attention, self.dtype, self.linear, name="layers")(
-                carry, positions, meta)
+            carry, _ = layers(c, self.attention, self.dtype, self.linear, self.grouped_matmul,
+                              name="layers")(carry, positions, meta)
         x, kv_cache, _ = carry
         if logits_index is not None:
             x = x.reshape(-1, x.shape[-1])[logits_index]  # [R, D]

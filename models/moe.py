@@ -1,9 +1,9 @@
 """Mixture-of-experts MLP (Mixtral, Qwen3-MoE, OLMoE): top-k routing and a grouped matmul.
 
 Each token picks its top-k experts by router softmax; its k (token, expert) pairs are sorted by
-expert so that every expert's rows are contiguous, and each expert projection is one
-`jax.lax.ragged_dot` over the sorted rows with the per-expert row counts as group sizes
-(no Python loop over experts, the number of programs independent of the routing). The rows
+expert so that every expert's rows are contiguous, and each expert projection is one grouped
+matmul over the sorted rows with the per-expert row counts as group sizes (no Python loop
+over experts, the number of programs independent of the routing). The rows
 are put back in token order by a gather (deterministic, unlike a scatter-add) and summed with
 their routing weights.
 
@@ -12,11 +12,17 @@ Expert weights are stacked per layer: gate/up `[E, D, F]`, down `[E, F, D]`, rou
 parallelism splits them by `EXPERT_ROLES` (runtime/sharding.py), and w8a16 quantizes them
 per expert and output channel (jaxserve/quantization/moe.py); other quantization paths refuse
 MoE models.
+
+The grouped matmul is a backend, injected like the Linears' (`grouped_matmul(a, w,
+group_sizes, parallel) -> [M, N] float32`, `parallel` the kernel's EXPERT_ROLES role):
+`ragged_gmm` here is the default and the oracle; jaxserve/runtime/grouped_matmul.py supplies
+the Pallas kernel and the tiled XLA path (pallas_kernels/grouped_matmul.py), which do not
+compute every expert for every row as XLA's `ragged_dot` does (docs/moe.md).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import flax.linen as nn
 import jax
@@ -66,41 +72,57 @@ _OUTPUT_MAJOR = jax.lax.RaggedDotDimensionNumbers(
     rhs_group_dimensions=[0])
 
 
-def _gmm(a, w, group_sizes):
+def int8_expert_arrays(w: Int8Weight):
+    """(codes `[E, N, K]` int8, scales `[E, N]`) of w8a16 experts; other quantized weights are
+    refused: the MoE paths take int8 per-channel symmetric weights only."""
+    if not isinstance(w, Int8Weight) or w.offsets is not None or w.scales.shape[-2] != 1:
+        groups = getattr(getattr(w, "scales", None), "shape", (0, 0))[-2]
+        raise ValueError("MoE experts run int8 per-channel symmetric weights only (w8a16); got "
+                         f"{type(w).__name__} with {groups} groups")
+    return w.q8, w.scales[..., 0, :]
+
+
+def ragged_gmm(a, w, group_sizes, parallel: str | None = None):
     """a `[M, K]` (rows grouped by expert) @ each group's expert of w `[E, K, N]` -> `[M, N]`
-    float32. An Int8Weight (per output channel, symmetric: w8a16's experts) is converted to
-    a's dtype inside the product (exact) and its per-(expert, channel) scale applied per row."""
+    float32, by `jax.lax.ragged_dot`: the default grouped matmul and the tests' oracle.
+    An Int8Weight (per output channel, symmetric: w8a16's experts) is converted to a's dtype
+    inside the product (exact) and its per-(expert, channel) scale applied per row.
+    `parallel` (the kernel's EXPERT_ROLES role) is for sharding wrappers (unused here)."""
+    del parallel
     if not is_quantized(w):
         return jax.lax.ragged_dot(a, w, group_sizes, preferred_element_type=jnp.float32)
-    if not isinstance(w, Int8Weight) or w.offsets is not None or w.scales.shape[-2] != 1:
-        raise ValueError("MoE experts run int8 per-channel symmetric weights only (w8a16); got "
-                         f"{type(w).__name__} with {w.scales.shape[-2]} groups")
-    y = jax.lax.ragged_dot_general(a, w.q8.astype(a.dtype), group_sizes, _OUTPUT_MAJOR,
+    q8, scales = int8_expert_arrays(w)
+    y = jax.lax.ragged_dot_general(a, q8.astype(a.dtype), group_sizes, _OUTPUT_MAJOR,
                                    preferred_element_type=jnp.float32)  # [M, N]
     row_expert = jnp.repeat(jnp.arange(group_sizes.shape[0]), group_sizes,
                             total_repeat_length=a.shape[0])  # [M]
-    return y * jnp.take(w.scales[:, 0, :], row_expert, axis=0).astype(jnp.float32)
+    return y * jnp.take(scales, row_expert, axis=0).astype(jnp.float32)
 
 
-def grouped_ffn(xs, gate, up, down, group_sizes, dtype):
+GroupedMatmulFn = Callable[[jnp.ndarray, Any, jnp.ndarray, "str | None"], jnp.ndarray]
+
+
+def grouped_ffn(xs, gate, up, down, group_sizes, dtype, gmm: GroupedMatmulFn = ragged_gmm):
     """SwiGLU expert FFN over rows sorted by expert: xs `[M, D]`, gate/up `[E, D, F]`,
     down `[E, F, D]` (float, or Int8Weight), group_sizes `[E]` (summing to M). Returns
     `[M, D]` in `dtype`."""
-    def gmm(a, w):
-        return _gmm(a, w, group_sizes)
+    def mm(a, w, name):
+        return gmm(a, w, group_sizes, EXPERT_ROLES[name])
 
-    h = (jax.nn.silu(gmm(xs, gate).astype(dtype)) * gmm(xs, up).astype(dtype))  # [M, F]
-    return gmm(h, down).astype(dtype)  # [M, D]
+    h = (jax.nn.silu(mm(xs, gate, "gate").astype(dtype))
+         * mm(xs, up, "up").astype(dtype))  # [M, F]
+    return mm(h, down, "down").astype(dtype)  # [M, D]
 
 
-def moe_ffn(x, router, gate, up, down, k: int, renormalize: bool):
+def moe_ffn(x, router, gate, up, down, k: int, renormalize: bool,
+            gmm: GroupedMatmulFn = ragged_gmm):
     """The MoE MLP on tokens x `[N, D]`; returns (`[N, D]` in x's dtype, experts `[N, k]`)."""
     n, d = x.shape
     num_experts = router.shape[-1]
     _, weights, experts = route(x, router, k, renormalize)
     order, group_sizes = sort_by_expert(experts, num_experts)
     xs = jnp.take(x, order // k, axis=0)  # [N*k, D], grouped by expert
-    ys = grouped_ffn(xs, gate, up, down, group_sizes, x.dtype)  # [N*k, D]
+    ys = grouped_ffn(xs, gate, up, down, group_sizes, x.dtype, gmm)  # [N*k, D]
     back = jnp.argsort(order)  # [N*k]: the sorted row of each (token, slot) pair
     ys = jnp.take(ys, back, axis=0).reshape(n, k, d)  # [N, k, D]
     # transformers weights each expert's output in the activation dtype, then sums.
@@ -117,6 +139,7 @@ class MoEMLP(nn.Module):
 
     config: ModelConfig
     dtype: Any = jnp.float32
+    grouped_matmul: GroupedMatmulFn = ragged_gmm
 
     @nn.compact
     def __call__(self, x):
@@ -128,7 +151,7 @@ class MoEMLP(nn.Module):
         down = self._experts("down", (e, f, d))  # [E, F, D]
         flat = x.reshape(-1, d)  # [B*T, D]
         out, experts = moe_ffn(flat, router, gate, up, down, c.num_experts_per_tok,
-                               c.norm_topk_prob)
+                               c.norm_topk_prob, self.grouped_matmul)
         # Kept only when the caller asks for "intermediates" (the routing tests); else a no-op.
         self.sow("intermediates", "experts", experts.reshape(*x.shape[:-1], -1))  # [B, T, k]
         return out.reshape(x.shape)

@@ -1,14 +1,16 @@
-"""Times the MoE MLP's ragged_dot grouped matmul against dense references, on this machine.
+"""Times the MoE MLP's grouped matmul paths against each other on this machine's CPU.
 
-    .venv/bin/python scripts/bench_moe_cpu.py [--repeats 5]
+    .venv/bin/python scripts/bench_moe_cpu.py [--repeats 3] [--tm 1 8 32] [--shapes small]
 
-Three ways to compute the same top-k expert FFN, alternated in one process (the CPU is shared
-and noisy: compare the ratios in a row, not across runs):
-- grouped: models/moe.py (sort by expert, three `jax.lax.ragged_dot`s);
-- all-experts: every expert on every token, outputs weighted by the (mostly zero) routing
-  weights: the dense compute the grouped matmul is meant to avoid;
-- gathered: each (token, slot) pair multiplies the weight matrices of its expert, gathered.
-Prints a markdown table with the load average.
+The whole MoE MLP (models/moe.py `moe_ffn`: routing, sort, three grouped matmuls, unsort),
+float32, with each way of running the grouped matmul, alternated in one process (the CPU is
+shared and noisy: compare the ratios in a row, not across runs):
+- ragged: `jax.lax.ragged_dot` (XLA:CPU makes it a masked product over every expert);
+- tiled tm=T: the megablox tiling in plain XLA (pallas_kernels/grouped_matmul.py
+  `grouped_matmul_tiled`), T rows per tile;
+- auto: the tiled path at the tile the `xla` backend picks for the shape
+  (jaxserve/runtime/grouped_matmul.py `cpu_tile_rows`).
+Every way is checked against ragged first. Prints a markdown table with the load average.
 """
 
 from __future__ import annotations
@@ -28,62 +30,65 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from models.moe import moe_ffn, route  # noqa: E402
+from jaxserve.runtime.grouped_matmul import cpu_tile_rows, tiled_gmm  # noqa: E402
+from models.moe import moe_ffn, ragged_gmm  # noqa: E402
+from pallas_kernels.grouped_matmul import num_items  # noqa: E402
+
+# A tiled way whose gathered weights ([items, D, F] float32) pass this is not run: at tm = 1
+# and prefill sizes they take gigabytes (the machine is shared).
+MAX_GATHER_BYTES = 512 << 20
+
+# (label, experts, top-k, d_model, expert ffn, token counts): Mixtral-style routing at SmolLM2
+# widths, and Qwen3-30B-A3B's routing (128 experts, top-8) at a quarter of its widths.
+FAMILIES = {
+    "smollm-ish": (8, 2, 576, 1536, (1, 8, 32, 256, 1024)),
+    "qwen3moe-ish": (128, 8, 512, 192, (1, 8, 64, 256)),
+}
+SMALL = {"tiny": (8, 2, 64, 128, (1, 8, 256))}  # a smoke run (tests/test_bench_scripts.py)
 
 
-def all_experts(x, router, gate, up, down, k, renormalize):
-    _, weights, experts = route(x, router, k, renormalize)
-    dense = jnp.zeros((x.shape[0], gate.shape[0]), x.dtype)  # [N, E]
-    dense = dense.at[jnp.arange(x.shape[0])[:, None], experts].set(weights.astype(x.dtype))
-    h = jax.nn.silu(jnp.einsum("ND,EDF->ENF", x, gate)) * jnp.einsum("ND,EDF->ENF", x, up)
-    return jnp.einsum("ENF,EFD,NE->ND", h, down, dense), experts
-
-
-def gathered(x, router, gate, up, down, k, renormalize):
-    _, weights, experts = route(x, router, k, renormalize)
-    g, u, dn = gate[experts], up[experts], down[experts]  # [N, k, D, F], [N, k, F, D]
-    h = jax.nn.silu(jnp.einsum("ND,NKDF->NKF", x, g)) * jnp.einsum("ND,NKDF->NKF", x, u)
-    y = jnp.einsum("NKF,NKFD->NKD", h, dn)
-    return jnp.sum(y * weights.astype(x.dtype)[..., None], axis=1), experts
-
-
-WAYS = {"grouped": moe_ffn, "all-experts": all_experts, "gathered": gathered}
-
-
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=5)
-    args = ap.parse_args()
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--tm", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--shapes", choices=("full", "small"), default="full")
+    args = ap.parse_args(argv)
+    ways = {"ragged": ragged_gmm, "auto": tiled_gmm()}
+    ways.update({f"tm={t}": tiled_gmm(t) for t in args.tm})
     rows = []
-    # (tokens, experts, top-k, d_model, expert ffn): decode-sized and prefill-sized batches.
-    for n, e, k, d, f in [(8, 8, 2, 256, 512), (64, 8, 2, 256, 512), (512, 8, 2, 256, 512),
-                          (64, 32, 4, 256, 256), (512, 32, 4, 256, 256)]:
+    for label, (e, k, d, f, tokens) in (FAMILIES if args.shapes == "full" else SMALL).items():
         rng = np.random.default_rng(0)
-        arrays = [jnp.asarray(rng.standard_normal(s), jnp.float32) / np.sqrt(s[-2])
-                  for s in [(n, d + 1), (d, e), (e, d, f), (e, d, f), (e, f, d)]]
-        arrays[0] = arrays[0][:, :d] * np.sqrt(d + 1)
-        fns = {w: jax.jit(fn, static_argnames=("k", "renormalize")) for w, fn in WAYS.items()}
-        ref = None
-        for name, fn in fns.items():  # compile, and check the ways agree
-            out = np.asarray(fn(*arrays, k=k, renormalize=True)[0])
-            ref = out if ref is None else ref
-            assert np.allclose(out, ref, atol=1e-4), name
-        times = {w: [] for w in fns}
-        for _ in range(args.repeats):  # alternate the ways so load swings hit them all
-            for name, fn in fns.items():
-                t = time.perf_counter()
-                jax.block_until_ready(fn(*arrays, k=k, renormalize=True))
-                times[name].append(time.perf_counter() - t)
-        med = {w: float(np.median(v)) * 1e3 for w, v in times.items()}
-        rows.append((n, e, k, d, f, med))
+        weights = [jnp.asarray(rng.standard_normal(s) / np.sqrt(s[-2]), jnp.float32)
+                   for s in [(d, e), (e, d, f), (e, d, f), (e, f, d)]]
+        for n in tokens:
+            x = jnp.asarray(rng.standard_normal((n, d)), jnp.float32)
+            fns = {w: jax.jit(lambda *a, g=g: moe_ffn(*a, k, True, g)[0])
+                   for w, g in ways.items()
+                   if not w.startswith("tm=")
+                   or num_items(n * k, e, int(w[3:])) * d * f * 4 <= MAX_GATHER_BYTES}
+            ref = np.asarray(fns["ragged"](x, *weights))
+            for name, fn in fns.items():  # compile, and check the ways agree
+                np.testing.assert_allclose(np.asarray(fn(x, *weights)), ref, atol=1e-4,
+                                           err_msg=name)
+            times = {w: [] for w in fns}
+            for _ in range(args.repeats):  # alternate the ways so load swings hit them all
+                for name, fn in fns.items():
+                    t = time.perf_counter()
+                    jax.block_until_ready(fn(x, *weights))
+                    times[name].append(time.perf_counter() - t)
+            med = {w: float(np.median(v)) * 1e3 for w, v in times.items()}
+            rows.append((label, n * k, e, k, d, f, med, cpu_tile_rows(n * k, e)))
     print(f"load average {os.getloadavg()}; jax {jax.__version__} on {jax.default_backend()}; "
-          f"median of {args.repeats}, ms")
-    print("| tokens | E | k | D | F | grouped (ragged_dot) | all-experts | gathered |")
-    print("|---|---|---|---|---|---|---|---|")
-    for n, e, k, d, f, med in rows:
-        print(f"| {n} | {e} | {k} | {d} | {f} | {med['grouped']:.2f} | "
-              f"{med['all-experts']:.2f} ({med['all-experts'] / med['grouped']:.2f}x) | "
-              f"{med['gathered']:.2f} ({med['gathered'] / med['grouped']:.2f}x) |")
+          f"median of {args.repeats}, ms (ratio: time / ragged's)")
+    names = [w for w in ways if w != "ragged"]
+    print("| shapes | M | E | k | D | F | ragged ms | " + " | ".join(names) + " |")
+    print("|---" * (7 + len(names)) + "|")
+    for label, m, e, k, d, f, med, tm in rows:
+        cells = [f"{med[w]:.2f} ({med[w] / med['ragged']:.2f}x)" if w in med else "-"
+                 for w in names]
+        cells[0] += f" tm={tm}"
+        print(f"| {label} | {m} | {e} | {k} | {d} | {f} | {med['ragged']:.2f} | "
+              + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""scripts/bench_host_overhead.py and scripts/bench_startup.py in their --quick modes.
+"""scripts/bench_host_overhead.py and scripts/bench_startup.py in their --quick modes, and
+scripts/bench_moe_cpu.py on its small shapes.
 
 Timings on a shared machine are not assertable: these check the reports' structure, counts
 and the arithmetic between their fields, so the benchmark runs for issue 14's figures are not
@@ -90,3 +91,14 @@ def test_startup_quick(tmp_path):
     md = out.with_suffix(".md").read_text()
     assert "| cold |" in md and "| warm |" in md and "target <= 10 s" in md
     assert "load average at start" in proc.stdout
+
+
+@pytest.mark.subprocess
+@pytest.mark.timeout(700)
+def test_bench_moe_cpu_small():
+    # The script checks every way against ragged_dot before it times them.
+    proc = run_script("bench_moe_cpu.py", "--shapes", "small", "--repeats", "1", "--tm", "8",
+                      timeout=600)
+    rows = [line.split("|") for line in proc.stdout.splitlines() if line.startswith("| tiny |")]
+    assert [int(r[2]) for r in rows] == [2, 16, 512]  # M = tokens x top-2
+    assert all(positive(float(r[7])) for r in rows)  # ragged's ms

@@ -42,13 +42,19 @@ def test_expert_ffn_that_does_not_split_is_named():
 @pytest.mark.subprocess
 @pytest.mark.timeout(1000)
 def test_tensor_parallel_greedy_equals_one_device():
-    # float and w8a16 experts, each on 1 and 2 devices, in one worker process
+    # float and w8a16 experts, each on 1 and 2 devices, in one worker process; and the
+    # experts on the Pallas kernel (interpreted), run per shard (TensorParallel.grouped_matmul)
     runs = run_worker({"moe": ["tokens", {"config_name": "moe", "sizes": [1, 2]}],
                        "w8a16": ["tokens", {"config_name": "moe", "sizes": [1, 2],
-                                            "quantization": "w8a16"}]})
+                                            "quantization": "w8a16"}],
+                       "kernel": ["tokens", {"config_name": "moe", "sizes": [2],
+                                             "linear_backend": "pallas-interpret"}],
+                       "kernel_w8": ["tokens", {"config_name": "moe", "sizes": [2],
+                                                "linear_backend": "pallas-interpret",
+                                                "quantization": "w8a16"}]})
     out, w8 = runs["moe"], runs["w8a16"]
-    assert w8["1"]["tokens"] == w8["2"]["tokens"]  # int8 experts split like the float ones
-    assert out["1"]["tokens"] == out["2"]["tokens"]
+    assert w8["1"]["tokens"] == w8["2"]["tokens"] == runs["kernel_w8"]["2"]["tokens"]
+    assert out["1"]["tokens"] == out["2"]["tokens"] == runs["kernel"]["2"]["tokens"]
     # Each device holds half of every expert: the experts are most of this model's weights.
     # (replicated experts would leave each device about 0.67 of the weights here)
     assert max(out["2"]["weights"]) < 0.6 * max(out["1"]["weights"])
@@ -109,15 +115,20 @@ def test_random_moe_model_runs_in_the_engine_dense_path():
     assert model.forward_logits([1, 2, 3]).shape == (3, 64)
 
 
-def test_sharded_experts_compile_for_2_h200s_with_one_all_reduce():
+@pytest.mark.parametrize("kind", ["ragged", "xla", "pallas"])
+def test_sharded_experts_compile_for_2_h200s_with_one_all_reduce(kind):
     """The MoE MLP with EXPERT_ROLES' specs, compiled deviceless for 2 H200s: XLA partitions
-    the ragged dots on F and sums down's partial products in one all-reduce."""
+    the ragged dots (ragged) and the tiled path's gathers and batched dots (xla) on F, the
+    kernel runs per shard (pallas: TensorParallel.grouped_matmul's shard_map); each sums
+    down's partial products in one all-reduce and gathers nothing."""
     import re
 
     import jax.numpy as jnp
     from jax.experimental import topologies
     from jax.sharding import NamedSharding
 
+    from jaxserve.runtime.grouped_matmul import grouped_matmul_backend
+    from jaxserve.runtime.sharding import TensorParallel
     from models.moe import moe_ffn
     from tests import cuda_lowering
     reason = cuda_lowering.cuda_compiler_available()
@@ -135,7 +146,10 @@ def test_sharded_experts_compile_for_2_h200s_with_one_all_reduce():
     jax.config.update("jax_enable_compilation_cache", False)  # compile-only client
     try:
         with jax.set_mesh(mesh):
-            fn = jax.jit(lambda *a: moe_ffn(*a, 2, True)[0],
+            gmm = grouped_matmul_backend(kind)
+            if kind == "pallas":
+                gmm = TensorParallel(mesh).grouped_matmul(gmm)
+            fn = jax.jit(lambda *a: moe_ffn(*a, 2, True, gmm)[0],
                          out_shardings=NamedSharding(mesh, P()))
             hlo = fn.trace(*args).lower().compile().as_text()
     finally:
@@ -143,6 +157,8 @@ def test_sharded_experts_compile_for_2_h200s_with_one_all_reduce():
     found = {op: len(re.findall(op + r"(?:-start)?\(", hlo))
              for op in ("all-reduce", "all-gather", "all-to-all")}
     assert found == {"all-reduce": 1, "all-gather": 0, "all-to-all": 0}
+    if kind == "pallas":  # the three projections ran as the kernel
+        assert hlo.count('custom_call_target="__gpu$xla.gpu.triton"') == 3
 
 
 def _dequantized(w):

@@ -376,6 +376,28 @@ class TensorParallel:
                                  out_specs=out_spec, check_vma=False)(x, w)
         return sharded
 
+    def grouped_matmul(self, fn):
+        """Wraps the MoE grouped matmul kernel (opaque to the SPMD partitioner): each device
+        runs it on its share of the experts' F, by the kernel's EXPERT_ROLES role (models/
+        moe.py). gate/up (column): rows replicated, weights and output split on F; down (row):
+        rows and weights split on F, partial products psum'd (the MLP's one all-reduce). The
+        group sizes (the routing) are replicated."""
+        def sharded(x, w, group_sizes, parallel: Parallel = None):
+            if parallel is None:
+                return fn(x, w, group_sizes, parallel)
+            split = SPLIT[parallel]
+            x_spec, out_spec = (P(), P(None, AXIS)) if split == "out" else (P(None, AXIS), P())
+            w_spec = (weight_specs(w, split) if is_quantized(w)
+                      else axes_spec(w.shape, ("in", "out"), split))
+
+            def local(x, w, group_sizes):  # x [M, D] or [M, F/N]; w its expert shards
+                y = fn(x, w, group_sizes, parallel)
+                return jax.lax.psum(y, AXIS) if split == "in" else y
+
+            return jax.shard_map(local, mesh=self.mesh, in_specs=(x_spec, w_spec, P()),
+                                 out_specs=out_spec, check_vma=False)(x, w, group_sizes)
+        return sharded
+
 
 def per_device_config(config: ModelConfig, n: int) -> ModelConfig:
     """The config one device sees for KV planning: its share of the (padded) KV heads."""
