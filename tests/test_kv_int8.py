@@ -19,7 +19,7 @@ from jaxserve.runtime import kv_quant, step_layout
 from jaxserve.runtime.attention import ragged_attention_xla, write_kv
 from jaxserve.runtime.kv_cache import KVCache, PagedMeta, new_cache, plan_num_blocks
 from jaxserve.runtime.runner import _copy_blocks
-from jaxserve.tools.kv_size import kv_size
+from jaxserve.tools.kv_size import SCALE_BYTES as KV_SIZE_SCALE_BYTES, kv_size
 from models.llama import dense_causal_attention
 from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
 from pallas_kernels.ragged_paged_attention import (ragged_paged_attention,
@@ -367,20 +367,37 @@ def test_engine_int8_matches_dense_model_on_quantized_kv(tiny, prompts, backend)
         assert tokens == dense_greedy(tiny, prompt, 8)
 
 
+def run_engine(model, prompts, **kw):
+    """Greedy outputs (8 tokens each) and the engine's stats, with int8 KV on the XLA path."""
+    from jaxserve.core.sampling_params import SamplingParams
+    from jaxserve.engine import LLMEngine
+    engine = LLMEngine(EngineConfig(model="tiny", block_size=16, max_num_seqs=4,
+                                    max_model_len=64, max_num_batched_tokens=64, warmup=False,
+                                    kv_cache_dtype="int8", attention_backend="xla", **kw),
+                       model=model)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    return [done[str(i)] for i in range(len(prompts))], engine.stats()
+
+
 def test_engine_int8_prefix_caching_and_preemption_keep_outputs(tiny):
-    # A shared 40-token prefix (two full blocks reused) and a cache too small for all four
-    # sequences at once (preemption and recompute): outputs as with neither.
+    # Three prompts sharing a 32-token prefix (two full blocks: prefix-cache hits, their codes
+    # and scales reused) in a cache of 6 blocks, less than the 3 x 4 the sequences need
+    # (preemption, recompute): outputs as with neither.
     rng = np.random.default_rng(3)
-    prefix = rng.integers(1, 256, 40).tolist()
-    prompts = [prefix + rng.integers(1, 256, n).tolist() for n in (3, 9, 5, 12)]
-    base = greedy(tiny, prompts, kv_cache_dtype="int8", attention_backend="xla",
-                  enable_prefix_caching=False)
+    prefix = rng.integers(1, 256, 32).tolist()
+    prompts = [prefix + rng.integers(1, 256, n).tolist() for n in (3, 9, 5)]
+    base, _ = run_engine(tiny, prompts, enable_prefix_caching=False)
     per_block = 16 * TINY.kv_bytes_per_token(1, kv_quant.SCALE_BYTES)
-    tight = greedy(tiny, prompts, kv_cache_dtype="int8", attention_backend="xla",
-                   kv_cache_memory=per_block * 12)
-    assert tight == base
-    for prompt, tokens in zip(prompts[:1], base):
-        assert tokens == dense_greedy(tiny, prompt, 8)
+    got, stats = run_engine(tiny, prompts, kv_cache_memory=per_block * 6)
+    assert stats["prefix_cache_hits_blocks"] > 0 and stats["num_preemptions"] > 0, stats
+    assert got == base
 
 
 # ---- memory and config ------------------------------------------------------------------------
@@ -395,7 +412,11 @@ def test_memory_counts_the_scales():
     # The cache the runner allocates holds exactly that many bytes.
     c = new_cache((30, 10, 16, 3, 64), jnp.int8)
     assert sum(x.nbytes for x in jax.tree.leaves(c)) == per_token * 16 * 10
-    assert kv_size(SMOLLM2, 1, 100, "int8").bytes_per_token == per_token
+    size = kv_size(SMOLLM2, 1, 100, "int8")
+    assert size.bytes_per_token == per_token and size.total_bytes == 100 * per_token
+    assert "2*30*3*64*1 + 2*30*3*4 (scales) = 12,240 bytes" in "\n".join(size.lines(SMOLLM2))
+    assert kv_size(SMOLLM2, 1, 100, "float32").bytes_per_token == 46080
+    assert KV_SIZE_SCALE_BYTES["int8"] == kv_quant.SCALE_BYTES  # the tool repeats the number
 
 
 def test_config_accepts_int8_and_names_the_choices():
