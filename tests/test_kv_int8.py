@@ -338,13 +338,21 @@ def fake_quantized_attention(q, k, v, cache, layer, meta, **kw):
     return dense_causal_attention(q, rt(k), rt(v), cache, layer, meta, **kw)
 
 
-def dense_greedy(model, prompt, n):
+@functools.cache
+def _dense_forward(model):
     module = model.module(attention=fake_quantized_attention)
-    fwd = jax.jit(lambda p, ids: module.apply(
+    return jax.jit(lambda p, ids: module.apply(
         {"params": p}, ids, jnp.arange(ids.shape[1], dtype=jnp.int32)[None])[0][0])
-    ids = list(prompt)
+
+
+def dense_greedy(model, prompt, n):
+    """Greedy by full recompute; ids padded to a multiple of 64 (causal: the padding cannot
+    change earlier positions), so a few programs serve every length."""
+    fwd, ids = _dense_forward(model), list(prompt)
     for _ in range(n):
-        ids.append(int(np.argmax(np.asarray(fwd(model.params, jnp.asarray([ids], jnp.int32)))[-1])))
+        padded = np.zeros((1, -(-len(ids) // 64) * 64), np.int32)
+        padded[0, :len(ids)] = ids
+        ids.append(int(np.argmax(np.asarray(fwd(model.params, jnp.asarray(padded)))[len(ids) - 1])))
     return ids[len(prompt):]
 
 
@@ -398,6 +406,37 @@ def test_engine_int8_prefix_caching_and_preemption_keep_outputs(tiny):
     got, stats = run_engine(tiny, prompts, kv_cache_memory=per_block * 6)
     assert stats["prefix_cache_hits_blocks"] > 0 and stats["num_preemptions"] > 0, stats
     assert got == base
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas-interpret"])
+def test_engine_int8_sliding_window_and_softcap_match_dense_model(backend):
+    # Gemma 2's attention: a window of 6 (shorter than the prompts), soft-caps, a query scale.
+    from models.random_init import random_model
+    from tp_worker import GEMMA2
+    model = random_model(GEMMA2, seed=3)
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(1, 256, n).tolist() for n in (9, 21, 40)]
+    got = greedy(model, prompts, attention_backend=backend, kv_cache_dtype="int8")
+    assert got == [dense_greedy(model, p, 8) for p in prompts]
+
+
+def test_engine_int8_speculative_rollback_matches_dense_model(tiny):
+    # n-gram drafts on repetitive prompts: rejected drafts' K/V (codes and scales) are rolled
+    # back and rewritten; a small cache forces preemption too.
+    from jaxserve import LLM, SamplingParams
+    prompts = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7], [1, 2, 3] * 5, [40, 41, 42, 43] * 4]
+    per_block = 8 * TINY.kv_bytes_per_token(1, kv_quant.SCALE_BYTES)
+    llm = LLM(tiny, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                        "prompt_lookup_min": 1},
+              max_num_seqs=3, max_model_len=64, max_num_batched_tokens=64, block_size=8,
+              warmup=False, kv_cache_dtype="int8", attention_backend="xla",
+              kv_cache_memory=9 * per_block)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16,
+                                                ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [dense_greedy(tiny, p, 16) for p in prompts]
+    st = llm.stats()
+    assert st["speculation"]["num_draft_tokens"] > st["speculation"]["num_accepted_tokens"] > 0
+    assert st["num_preemptions"] > 0
 
 
 # ---- memory and config ------------------------------------------------------------------------
