@@ -439,6 +439,20 @@ def test_engine_int8_speculative_rollback_matches_dense_model(tiny):
     assert st["num_preemptions"] > 0
 
 
+@pytest.mark.model
+def test_smollm2_int8_engine_matches_dense_model_on_quantized_kv(smollm2_fp32):
+    # The real model: the engine's int8 cache (XLA path and the native kernel) gives the greedy
+    # tokens of the dense model reading the same quantized K/V (what scripts/kv_quant_report.py
+    # scores).
+    tok = smollm2_fp32.tokenizer
+    prompts = [[tok.bos_token_id] + tok.encode(t) if tok.add_bos else tok.encode(t)
+               for t in ("The capital of France is", "def fibonacci(n):")]
+    want = [dense_greedy(smollm2_fp32, p, 8) for p in prompts]
+    for backend in ("xla", "cpu"):
+        assert greedy(smollm2_fp32, prompts, attention_backend=backend,
+                      kv_cache_dtype="int8") == want, backend
+
+
 # ---- memory and config ------------------------------------------------------------------------
 
 def test_memory_counts_the_scales():
