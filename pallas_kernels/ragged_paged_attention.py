@@ -181,11 +181,12 @@ def _ragged_kernel(layer_ref, window_ref, qs_ref, lens_ref, pt_ref, q_ref, k_ref
 
 
 def _ragged_call(layer, window, query_start, context_lens, page_table, qp, k_cache, v_cache,
-                 scales, *, num_tiles: int, block_q: int, gp: int, pages_per_split: int, num_splits: int,
-                 pages_per_step: int, sm_scale: float, softcap: float | None, num_warps: int,
-                 num_stages: int, interpret):
+                 scales, *, num_tiles: int, block_q: int, gp: int, pages_per_split: int,
+                 num_splits: int, pages_per_step: int, sm_scale: float, softcap: float | None,
+                 num_warps: int, num_stages: int, interpret):
     """Partial results per split and tile: out `[S, NT, K, M, Dh]` f32, max and sum
-    `[S, NT, K, M]` f32; with one split only the out, `[1, NT, K, M, Dh]` in q's dtype."""
+    `[S, NT, K, M]` f32; with one split only the out, `[1, NT, K, M, Dh]` in q's dtype.
+    scales: an int8 cache's (k_scale, v_scale), or () for a float cache."""
     num_kv_heads, _, head_dim = qp.shape
     rows = block_q * gp
     kernel = functools.partial(_ragged_kernel, block_q=block_q, gp=gp,

@@ -132,7 +132,7 @@ def test_xla_path_matches_oracle_on_dequantized_cache(query_lens, starts, block_
     kc, ks, _ = quantize_kv_np(k_prev)
     vc, vs, _ = quantize_kv_np(v_prev)
     t = tokens
-    q, k, v = rounded((1, t, heads, dh)), rounded((1, t, kv_heads, dh)), rounded((1, t, kv_heads, dh))
+    q, k, v = (rounded((1, t, n, dh)) for n in (heads, kv_heads, kv_heads))
     meta = PagedMeta(positions=lay.positions[None], slots=lay.write_slots[None],
                      query_start=lay.query_start, context_lens=lay.context_lens,
                      page_table=np.zeros((len(lay.context_lens), 1), np.int32), pairs=lay.pairs,
@@ -218,7 +218,8 @@ def test_cpu_kernel_matches_oracle_on_dequantized_cache(query_lens, starts, bloc
 def test_cpu_kernel_refuses_int8_without_scales():
     q = jnp.zeros((4, 4, 32), jnp.float32)
     cache = jnp.zeros((1, 2, 4, 2, 32), jnp.int8)
-    table, qs, cl = jnp.zeros((1, 1), jnp.int32), jnp.zeros((2,), jnp.int32), jnp.ones((1,), jnp.int32)
+    table, qs = jnp.zeros((1, 1), jnp.int32), jnp.zeros((2,), jnp.int32)
+    cl = jnp.ones((1,), jnp.int32)
     with pytest.raises(ValueError, match="int8 cache comes with k_scale and v_scale"):
         ragged_paged_attention_cpu(q, cache, cache, 0, table, qs, cl)
     scales = jnp.zeros((1, 2, 4, 2), jnp.float32)

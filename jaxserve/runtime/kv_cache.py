@@ -97,5 +97,5 @@ def log_plan(config: ModelConfig, block_size: int, dtype, num_blocks: int) -> No
     log.info("KV cache: %d bytes/token (2*layers*kv_heads*(head_dim*bytes + scale bytes) = "
              "2*%d*%d*(%d*%d + %d); the 2*L*d_model*p formula would say %d), %d blocks of %d "
              "tokens = %d tokens, %.1f MiB", per_token, config.num_layers, config.num_kv_heads,
-             config.head_dim, dtype_bytes, scale_bytes, textbook, num_blocks - 1, block_size, (num_blocks - 1) * block_size,
-             num_blocks * block_size * per_token / 2**20)
+             config.head_dim, dtype_bytes, scale_bytes, textbook, num_blocks - 1, block_size,
+             (num_blocks - 1) * block_size, num_blocks * block_size * per_token / 2**20)
