@@ -39,10 +39,6 @@ class KVCache:
     def quantized(self) -> bool:
         return self.k_scale is not None
 
-    @property
-    def block_size(self) -> int:
-        return self.k.shape[2]
-
 
 def new_cache(shape: tuple[int, ...], dtype) -> KVCache:
     """Zeros `shape` `[L, NB, BS, K, Dh]` of dtype; int8 adds zero scales `[L, NB, BS, K]`."""

@@ -15,10 +15,8 @@ signature for f32 and bf16 models and makes dequantization exact against a float
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
-KV_QUANT_DTYPE = "int8"
 SCALE_DTYPE = jnp.float32
 SCALE_BYTES = 4      # per (token, KV head) for K and again for V
 QMAX = 127.0
