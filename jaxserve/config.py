@@ -28,7 +28,9 @@ QuantizationAlias = Literal["int4"]
 QUANTIZATION_ALIASES: Mapping[QuantizationAlias, QuantizationPath] = MappingProxyType(
     {"int4": "w4a16"})
 Quantization = Literal[QuantizationPath, QuantizationAlias]
-KVCacheDtype = Literal["auto", Dtype]
+# int8: codes plus a float32 scale per (token, KV head), dequantized inside the attention
+# (jaxserve/runtime/kv_quant.py).
+KVCacheDtype = Literal["auto", Dtype, "int8"]
 LayerLoop = Literal["auto", "scan", "unrolled"]
 
 BACKENDS = get_args(Backend)
@@ -120,9 +122,11 @@ class EngineConfig:
         "write jax.profiler traces here for TensorBoard/Perfetto (jaxserve/tools/profiling.py); "
         "serve: enables POST /start_profile and /stop_profile"))
     # "bfloat16" halves the bytes each decode step reads (and doubles the tokens a budget holds)
-    # at bf16 rounding of K/V.
+    # at bf16 rounding of K/V; "int8" stores 1 byte per element plus a float32 scale per
+    # (token, KV head): 0.27x float32's bytes at head_dim 64 (docs/quantization.md).
     kv_cache_dtype: KVCacheDtype = dataclasses.field(default="auto", metadata=_help(
-        "K/V storage; auto: the model's dtype (bfloat16 halves decode's KV reads)"))
+        "K/V storage; auto: the model's dtype (bfloat16 halves decode's KV reads); int8: "
+        "int8 codes with a scale per token and KV head, dequantized inside the attention"))
     # jaxserve/runtime/sharding.py; must not exceed jax.device_count().
     tensor_parallel_size: int = dataclasses.field(default=1, metadata=_help(
         "devices to split every layer over (at most jax.device_count())"))

@@ -101,8 +101,7 @@ class LLMEngine:
         plan_mc = sharding.per_device_config(mc, tp.size) if tp else mc
         kv_dtype = np.dtype(self.model.params["embedding"].dtype if config.kv_cache_dtype == "auto"
                             else jnp.dtype(config.kv_cache_dtype))
-        dtype_bytes = kv_dtype.itemsize
-        num_blocks = plan_num_blocks(plan_mc, bs, dtype_bytes, _kv_budget(config, self.model))
+        num_blocks = plan_num_blocks(plan_mc, bs, kv_dtype, _kv_budget(config, self.model))
         if jax.process_count() > 1:  # one cache shape on every host: process 0's plan
             num_blocks = multihost.agree(num_blocks)
         capacity = max(0, num_blocks - 1) * bs
@@ -113,7 +112,7 @@ class LLMEngine:
         # Raises, with the numbers, when one max_model_len sequence cannot fit the cache.
         self.scheduler = Scheduler(config.scheduler_config(num_blocks=num_blocks,
                                                            max_model_len=max_len))
-        log_plan(plan_mc, bs, dtype_bytes, num_blocks)
+        log_plan(plan_mc, bs, kv_dtype, num_blocks)
         self.max_model_len = max_len
         tok = self.model.tokenizer
         self.eos_ids = set(tok.stop_token_ids) if tok is not None else set(mc.eos_token_ids)

@@ -159,9 +159,11 @@ class ModelConfig:
     def queries_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        # K and V for every layer; with GQA only the KV heads are stored.
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+    def kv_bytes_per_token(self, dtype_bytes: int, scale_bytes: int = 0) -> int:
+        # K and V for every layer; with GQA only the KV heads are stored. scale_bytes: per
+        # (token, KV head) of K or V (an int8 cache's scales).
+        return 2 * self.num_layers * self.num_kv_heads * (self.head_dim * dtype_bytes
+                                                          + scale_bytes)
 
     def num_params(self) -> int:
         d, v = self.hidden_size, self.vocab_size

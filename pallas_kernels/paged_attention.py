@@ -16,6 +16,9 @@ GPU (Triton) support: head_dim 64 or 128 (any power of 2 lowers), block sizes 8.
 2; 8 compiles to a dot with a K/N of 8, which Triton accepts but is unverified on a GPU here), bf16
 and f32 (f32 dots at IEEE precision, not TF32). Other block sizes (1, 2, 4, non-powers of 2) are
 the XLA path's job (jaxserve/runtime/attention.py).
+
+int8 cache (k_scale/v_scale given): as ragged_paged_attention.py, codes read in q's dtype and
+the float32 scales applied to the logits and to the probabilities of the PV dot.
 """
 
 from __future__ import annotations
@@ -39,6 +42,30 @@ _STEP_KEYS = {"bfloat16": 128}  # keys per loop step by default (other dtypes: a
 NO_WINDOW = 1 << 30      # a sliding window that never cuts (global layers)
 
 
+def check_scales(q, k_cache, v_cache, k_scale, v_scale) -> tuple:
+    """(k_scale, v_scale) of an int8 cache, () for a float one; raises on a mismatch."""
+    if (k_scale is None) != (v_scale is None):
+        raise ValueError("pass both k_scale and v_scale (an int8 cache) or neither")
+    if k_scale is None:
+        if k_cache.dtype == jnp.int8:
+            raise ValueError("an int8 KV cache needs its k_scale and v_scale")
+        return ()
+    if k_cache.dtype != jnp.int8 or v_cache.dtype != jnp.int8:
+        raise ValueError(f"scales come with an int8 cache, got {k_cache.dtype}/{v_cache.dtype}")
+    if q.dtype not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"with an int8 cache q is float32 or bfloat16, got {q.dtype}")
+    for name, x in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if x.shape != k_cache.shape[:-1] or x.dtype != jnp.float32:
+            raise ValueError(f"{name} must be float32 {k_cache.shape[:-1]} (the cache's shape "
+                             f"less head_dim), got {x.dtype} {x.shape}")
+    return (k_scale, v_scale)
+
+
+def dequantize_cache(codes, scale):
+    """An int8 cache's values `[..., Dh]` float32: codes * scale `[...]`."""
+    return codes.astype(jnp.float32) * scale.astype(jnp.float32)[..., None]
+
+
 def _dot(a, b, b_contract: int, precision):
     # Explicit f32 accumulation; HIGHEST keeps f32 inputs at IEEE precision (DEFAULT is TF32).
     return lax.dot_general(a, b, (((1,), (b_contract,)), ((), ())), precision=precision,
@@ -46,12 +73,14 @@ def _dot(a, b, b_contract: int, precision):
 
 
 def _paged_attention_kernel(layer_ref, window_ref, lens_ref, pt_ref, q_ref, k_ref, v_ref,
-                            o_ref, *ml_refs,  # outputs: one split's partial result
+                            *refs,  # [k_scale_ref, v_scale_ref,] o_ref[, m_ref, l_ref]
                             pages_per_split: int, pages_per_step: int, sm_scale: float,
-                            softcap: float | None):
+                            softcap: float | None, quantized: bool):
     # layer_ref [1], window_ref [1], lens_ref [B], pt_ref [B, P]: whole arrays (scalars).
-    # q_ref [Gp, Dh]; k_ref/v_ref [L, NB, BS, K, Dh] whole caches; o_ref [Gp, Dh]; ml_refs:
-    # m_ref, l_ref [Gp], absent when there is one split (o_ref then holds the output in q's dtype).
+    # q_ref [Gp, Dh]; k_ref/v_ref [L, NB, BS, K, Dh] whole caches; int8: k/v_scale_ref
+    # [L, NB, BS, K] whole. Outputs (one split's partial result): o_ref [Gp, Dh]; m_ref, l_ref
+    # [Gp], absent when there is one split (o_ref then holds the output in q's dtype).
+    scale_refs, (o_ref, *ml_refs) = (refs[:2], refs[2:]) if quantized else ((), refs)
     b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     block_size, head_dim = k_ref.shape[2], k_ref.shape[4]
     layer = layer_ref[0]
@@ -80,27 +109,38 @@ def _paged_attention_kernel(layer_ref, window_ref, lens_ref, pt_ref, q_ref, k_re
         v = v_ref[layer, block, pl.ds(0, block_size), h, pl.ds(0, head_dim)]
         key_pos = page * block_size + slot  # [BS, 1]
         valid = (key_pos < length) & (key_pos >= lo) & in_split  # [BS, 1]
-        # Slots past the context (last page only) hold anything, NaN included: p = 0 alone would
-        # not cancel 0 * NaN in p @ v, so zero them.
-        v = jnp.where(valid, v, jnp.zeros_like(v))
+        if quantized:  # codes convert exactly (|code| <= 127)
+            k = k.astype(q.dtype)
         logits = _dot(q, k, 1, precision) * sm_scale  # [Gp, BS] f32
+        vs = None
+        if quantized:  # the scales of unseen slots may be NaN: masked below, zeroed for PV
+            at = (layer, block, pl.ds(0, block_size), h)
+            logits = logits * scale_refs[0][at].reshape(1, block_size)
+            vs = jnp.where(valid.reshape(1, block_size),
+                           scale_refs[1][at].reshape(1, block_size), 0.0)  # [1, BS]
+            v = v.astype(q.dtype)
+        else:
+            # Slots past the context (last page only) hold anything, NaN included: p = 0 alone
+            # would not cancel 0 * NaN in p @ v, so zero them.
+            v = jnp.where(valid, v, jnp.zeros_like(v))
         if softcap is not None:  # before the mask, as transformers' Gemma 2
             logits = softcap * jnp.tanh(logits / softcap)
-        return jnp.where(valid.reshape(1, block_size), logits, _MASK_VALUE), v
+        return jnp.where(valid.reshape(1, block_size), logits, _MASK_VALUE), v, vs
 
     def body(i, carry):
         acc, m_prev, l_prev = carry  # [Gp, Dh], [Gp], [Gp] float32
         # All of a step's pages are loaded before the softmax update (several loads in flight).
         pages = [page_logits(i * pages_per_step + j) for j in range(pages_per_step)]
         m_next = m_prev
-        for logits, _ in pages:
+        for logits, _, _ in pages:
             m_next = jnp.maximum(m_next, logits.max(axis=-1))
         correction = jnp.exp(m_prev - m_next)
         acc, l_next = acc * correction[:, None], l_prev * correction
-        for logits, v in pages:
+        for logits, v, vs in pages:
             p = jnp.exp(logits - m_next[:, None])
             l_next = l_next + p.sum(axis=-1)
-            acc = acc + _dot(p.astype(v.dtype), v, 0, precision)  # [Gp, Dh] f32
+            pw = p if vs is None else p * vs  # int8: p @ (codes * scales) as (p * scales) @ codes
+            acc = acc + _dot(pw.astype(v.dtype), v, 0, precision)  # [Gp, Dh] f32
         return acc, m_next, l_next
 
     gp = q.shape[0]
@@ -114,8 +154,8 @@ def _paged_attention_kernel(layer_ref, window_ref, lens_ref, pt_ref, q_ref, k_re
         ml_refs[1][...] = l
 
 
-def _paged_attention_call(layer, window, context_lens, page_table, q, k_cache, v_cache, *,
-                          pages_per_split: int, num_splits: int, pages_per_step: int,
+def _paged_attention_call(layer, window, context_lens, page_table, q, k_cache, v_cache, scales,
+                          *, pages_per_split: int, num_splits: int, pages_per_step: int,
                           sm_scale: float, softcap: float | None, num_warps: int,
                           num_stages: int, interpret):
     """Partial results per split: out `[S, B, K, Gp, Dh]` f32, max and sum `[S, B, K, Gp]` f32;
@@ -123,7 +163,7 @@ def _paged_attention_call(layer, window, context_lens, page_table, q, k_cache, v
     batch, num_kv_heads, gp, head_dim = q.shape
     kernel = functools.partial(_paged_attention_kernel, pages_per_split=pages_per_split,
                                pages_per_step=pages_per_step, sm_scale=sm_scale,
-                               softcap=softcap)
+                               softcap=softcap, quantized=bool(scales))
     # Whole arrays: on Triton a ref is a pointer into global memory, nothing is copied; the
     # kernel computes its own indices. (memory_space=pl.ANY lowers the same on
     # Triton but the strict interpreter refuses direct loads from it.)
@@ -143,7 +183,7 @@ def _paged_attention_call(layer, window, context_lens, page_table, q, k_cache, v
         grid=(batch, num_kv_heads, num_splits),
         in_specs=[whole(layer), whole(window), whole(context_lens), whole(page_table),
                   pl.BlockSpec((None, None, gp, head_dim), lambda b, h, s: (b, h, 0, 0)),
-                  whole(k_cache), whole(v_cache)],
+                  whole(k_cache), whole(v_cache), *map(whole, scales)],
         out_specs=out_specs,
         out_shape=out_shape,
         # Interpreters ignore Triton params, and the strict (TPU) interpreter rejects them.
@@ -151,7 +191,7 @@ def _paged_attention_call(layer, window, context_lens, page_table, q, k_cache, v
                                                                     num_stages=num_stages),
         interpret=interpret,
         name="paged_attention_decode",
-    )(layer, window, context_lens, page_table, q, k_cache, v_cache)
+    )(layer, window, context_lens, page_table, q, k_cache, v_cache, *scales)
     return tuple(outs) if num_splits > 1 else (outs[0], None, None)
 
 
@@ -182,8 +222,8 @@ def _default_pages_per_split(batch: int, num_kv_heads: int, num_pages: int,
 @functools.partial(jax.jit, static_argnames=("pages_per_split", "pages_per_step", "sm_scale",
                                              "softcap", "num_warps", "num_stages",
                                              "interpret"))
-def paged_attention(q, k_cache, v_cache, layer, page_table, context_lens, *, window=None,
-                    softcap: float | None = None,
+def paged_attention(q, k_cache, v_cache, layer, page_table, context_lens, *, k_scale=None,
+                    v_scale=None, window=None, softcap: float | None = None,
                     pages_per_split: int | None = None, pages_per_step: int | None = None,
                     sm_scale: float | None = None, num_warps: int = 4, num_stages: int = 2,
                     interpret=False) -> jax.Array:
@@ -192,6 +232,8 @@ def paged_attention(q, k_cache, v_cache, layer, page_table, context_lens, *, win
     Args:
       q: `[B, H, Dh]` bf16 or f32, one query token per row; H = K * G.
       k_cache, v_cache: `[L, NB, BS, K, Dh]` the caches of all layers (block 0 = null block).
+      k_scale, v_scale: int8 caches only: `[L, NB, BS, K]` float32, each (token, KV head)'s
+        scale (the cache's values are codes * scale); None for float caches.
       layer: int32 scalar, may be traced (e.g. inside `lax.scan` over layers).
       page_table: `[B, P]` int32 block ids; token i of row b is at
         `(page_table[b, i // BS], i % BS)`. Entries past the context may hold anything.
@@ -216,6 +258,7 @@ def paged_attention(q, k_cache, v_cache, layer, page_table, context_lens, *, win
     if num_heads % num_kv_heads or k_cache.shape != v_cache.shape or \
             k_cache.shape[-1] != head_dim:
         raise ValueError(f"incompatible shapes q {q.shape}, k {k_cache.shape}, v {v_cache.shape}")
+    scales = check_scales(q, k_cache, v_cache, k_scale, v_scale)
     group = num_heads // num_kv_heads
     gp = max(_MIN_DOT_ROWS, _next_pow2(group))
     num_pages = page_table.shape[1]
@@ -231,7 +274,7 @@ def paged_attention(q, k_cache, v_cache, layer, page_table, context_lens, *, win
     window = jnp.asarray(NO_WINDOW if window is None else window, jnp.int32).reshape(1)
     o, m, l = _paged_attention_call(
         jnp.asarray(layer, jnp.int32).reshape(1), window, context_lens.astype(jnp.int32),
-        page_table.astype(jnp.int32), qg, k_cache, v_cache, pages_per_split=pps,
+        page_table.astype(jnp.int32), qg, k_cache, v_cache, scales, pages_per_split=pps,
         num_splits=num_splits, pages_per_step=step, sm_scale=scale, softcap=softcap,
         num_warps=num_warps,
         num_stages=num_stages, interpret=interpret)
@@ -245,10 +288,14 @@ def paged_attention(q, k_cache, v_cache, layer, page_table, context_lens, *, win
 
 
 def paged_attention_reference(q, k_cache, v_cache, layer, page_table, context_lens, *,
-                              window=None, softcap: float | None = None,
+                              k_scale=None, v_scale=None, window=None,
+                              softcap: float | None = None,
                               sm_scale: float | None = None) -> jax.Array:
     """Gathers each row's pages, masks past `context_lens` (and before the window), soft-caps,
-    softmax in float32. Same shapes."""
+    softmax in float32. Same shapes. An int8 cache (k_scale, v_scale given) is dequantized to
+    float32 first."""
+    if check_scales(q, k_cache, v_cache, k_scale, v_scale):
+        k_cache, v_cache = dequantize_cache(k_cache, k_scale), dequantize_cache(v_cache, v_scale)
     batch, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads

@@ -21,6 +21,11 @@ GPU (Triton) support: head_dim 64 or 128 (powers of 2), bf16 and f32 (f32 dots a
 precision, not TF32), block sizes 8..128 (powers of 2) and 256 in bf16: at 256 slots the f32
 pages overflow an H200's 227 KiB of shared memory (seen in deviceless sm_90a compiles, as is
 that the default tiles of every other combination fit).
+
+int8 cache (k_scale/v_scale given, jaxserve/runtime/kv_quant.py): codes `[L, NB, BS, K, Dh]`
+int8 and float32 scales `[L, NB, BS, K]` per (token, KV head). Codes convert exactly to q's
+dtype (|code| <= 127) for the dots; a page's key scales multiply its logits and its value
+scales the probabilities of the PV dot, in float32, so no dequantized page is materialised.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.paged_attention import check_scales, dequantize_cache
 
 # Finite, so a fully masked row never computes inf - inf.
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -62,24 +69,30 @@ def _find_row(qs_ref, tile, *, num_rows: int, block_q: int):
     return lo
 
 
-def _load_page(k_ref, v_ref, pt_ref, layer, r, h, page, in_split):
-    """Keys and values `[BS, Dh]` of row r's page `page` for KV head h. A page outside the
-    split's visible pages (`in_split` false: the next split's, or past the table) reads the null
-    block, in bounds, for the caller to mask; the table itself is read in bounds."""
+def _load_page(k_ref, v_ref, scale_refs, pt_ref, layer, r, h, page, in_split):
+    """Keys and values `[BS, Dh]` of row r's page `page` for KV head h, and (int8 cache,
+    scale_refs = (k_scale_ref, v_scale_ref)) their scales `[BS]` f32, else None. A page outside
+    the split's visible pages (`in_split` false: the next split's, or past the table) reads the
+    null block, in bounds, for the caller to mask; the table itself is read in bounds."""
     block_size, head_dim = k_ref.shape[2], k_ref.shape[4]
     block = jnp.where(in_split, pt_ref[r, jnp.minimum(page, pt_ref.shape[1] - 1)], 0)
     index = (layer, block, pl.ds(0, block_size), h, pl.ds(0, head_dim))
-    return k_ref[index], v_ref[index]
+    if not scale_refs:
+        return k_ref[index], v_ref[index], None, None
+    at = (layer, block, pl.ds(0, block_size), h)
+    return k_ref[index], v_ref[index], scale_refs[0][at], scale_refs[1][at]
 
 
 def _ragged_kernel(layer_ref, window_ref, qs_ref, lens_ref, pt_ref, q_ref, k_ref, v_ref,
-                   o_ref, *ml_refs,  # outputs: one split's partial result for one tile
+                   *refs,  # [k_scale_ref, v_scale_ref,] o_ref[, m_ref, l_ref]
                    block_q: int, gp: int, pages_per_split: int, pages_per_step: int,
-                   sm_scale: float, softcap: float | None):
+                   sm_scale: float, softcap: float | None, quantized: bool):
     # layer_ref [1], window_ref [1], qs_ref [R + 1], lens_ref [R], pt_ref [R, P]: whole arrays.
     # q_ref [K, (T + Bq) * Gp, Dh] whole (token-major, heads of a group inner, zero padded).
-    # k_ref/v_ref [L, NB, BS, K, Dh] whole caches; o_ref [M, Dh]; ml_refs: m_ref, l_ref [M],
+    # k_ref/v_ref [L, NB, BS, K, Dh] whole caches; int8: k/v_scale_ref [L, NB, BS, K] whole.
+    # Outputs: one split's partial result for one tile, o_ref [M, Dh]; m_ref, l_ref [M],
     # absent when there is one split (o_ref then holds the final output in q's dtype).
+    scale_refs, (o_ref, *ml_refs) = (refs[:2], refs[2:]) if quantized else ((), refs)
     t, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     block_size, head_dim = k_ref.shape[2], k_ref.shape[4]
     rows = block_q * gp
@@ -110,26 +123,33 @@ def _ragged_kernel(layer_ref, window_ref, qs_ref, lens_ref, pt_ref, q_ref, k_ref
     slot = lax.broadcasted_iota(jnp.int32, (1, block_size), 1)  # [1, BS]
 
     def page_logits(i, j):
-        """Masked logits `[M, BS]` f32 and values `[BS, Dh]` of step i's page j."""
+        """Masked logits `[M, BS]` f32, values `[BS, Dh]` and (int8) value scales `[1, BS]`
+        f32 (else None) of step i's page j."""
         local = i * pages_per_step + j  # page within this split
         in_split = local < n_pages
-        k, v = _load_page(k_ref, v_ref, pt_ref, layer_ref[0], r, h, first_page + local,
-                          in_split)
+        k, v, ks, vs = _load_page(k_ref, v_ref, scale_refs, pt_ref, layer_ref[0], r, h,
+                                  first_page + local, in_split)
         key_pos = (first_page + local) * block_size + slot  # [1, BS]
         # Slots past the context hold anything, NaN included: p = 0 alone would not cancel
         # 0 * NaN in p @ v, so zero them.
         # Keys before the window (lo) are zeroed too: a page the window left behind may hold
         # anything once its block is reused.
-        v = jnp.where(((key_pos < length) & (key_pos >= lo) & in_split).reshape(block_size, 1),
-                      v, jnp.zeros_like(v))
+        valid = (key_pos < length) & (key_pos >= lo) & in_split  # [1, BS]
+        if quantized:  # codes are finite; the scales of such slots are not: zero those
+            k, v = k.astype(q.dtype), v.astype(q.dtype)  # exact: |code| <= 127
+            vs = jnp.where(valid, vs.reshape(1, block_size), 0.0)
+        else:
+            v = jnp.where(valid.reshape(block_size, 1), v, jnp.zeros_like(v))
         # Causal within the row; a query's own position is < length, so this also hides the
         # slots past the context (from all but the tile rows past the row's queries, which
         # are discarded).
         visible = (key_pos <= q_pos) & (key_pos > q_pos - window) & in_split  # [M, BS]
         logits = _dot(q, k, 1, precision) * sm_scale  # [M, BS] f32
+        if quantized:
+            logits = logits * ks.reshape(1, block_size)
         if softcap is not None:  # before the mask, as transformers' Gemma 2
             logits = softcap * jnp.tanh(logits / softcap)
-        return jnp.where(visible, logits, _MASK_VALUE), v
+        return jnp.where(visible, logits, _MASK_VALUE), v, vs
 
     def body(i, carry):
         acc, m_prev, l_prev = carry  # [M, Dh], [M], [M] float32
@@ -137,16 +157,17 @@ def _ragged_kernel(layer_ref, window_ref, qs_ref, lens_ref, pt_ref, q_ref, k_ref
         # correction per step, and several pages' loads in flight.
         pages = [page_logits(i, j) for j in range(pages_per_step)]
         m_next = m_prev
-        for logits, _ in pages:
+        for logits, _, _ in pages:
             m_next = jnp.maximum(m_next, logits.max(axis=-1))
         correction = jnp.exp(m_prev - m_next)
         acc, l_next = acc * correction[:, None], l_prev * correction
-        for logits, v in pages:
+        for logits, v, vs in pages:
             # A row that sees nothing in a split gets garbage (p = 1) there, but its mass l
             # meets exp(_MASK_VALUE - max) = 0 in the combine; every real query sees key 0.
             p = jnp.exp(logits - m_next[:, None])
             l_next = l_next + p.sum(axis=-1)
-            acc = acc + _dot(p.astype(v.dtype), v, 0, precision)  # [M, Dh] f32
+            pw = p if vs is None else p * vs  # int8: p @ (codes * scales) as (p * scales) @ codes
+            acc = acc + _dot(pw.astype(v.dtype), v, 0, precision)  # [M, Dh] f32
         return acc, m_next, l_next
 
     init = (jnp.zeros((rows, head_dim), jnp.float32),
@@ -159,17 +180,18 @@ def _ragged_kernel(layer_ref, window_ref, qs_ref, lens_ref, pt_ref, q_ref, k_ref
         ml_refs[1][...] = l
 
 
-def _ragged_call(layer, window, query_start, context_lens, page_table, qp, k_cache, v_cache, *,
-                 num_tiles: int, block_q: int, gp: int, pages_per_split: int, num_splits: int,
-                 pages_per_step: int, sm_scale: float, softcap: float | None, num_warps: int,
-                 num_stages: int, interpret):
+def _ragged_call(layer, window, query_start, context_lens, page_table, qp, k_cache, v_cache,
+                 scales, *, num_tiles: int, block_q: int, gp: int, pages_per_split: int,
+                 num_splits: int, pages_per_step: int, sm_scale: float, softcap: float | None,
+                 num_warps: int, num_stages: int, interpret):
     """Partial results per split and tile: out `[S, NT, K, M, Dh]` f32, max and sum
-    `[S, NT, K, M]` f32; with one split only the out, `[1, NT, K, M, Dh]` in q's dtype."""
+    `[S, NT, K, M]` f32; with one split only the out, `[1, NT, K, M, Dh]` in q's dtype.
+    scales: an int8 cache's (k_scale, v_scale), or () for a float cache."""
     num_kv_heads, _, head_dim = qp.shape
     rows = block_q * gp
     kernel = functools.partial(_ragged_kernel, block_q=block_q, gp=gp,
                                pages_per_split=pages_per_split, pages_per_step=pages_per_step,
-                               sm_scale=sm_scale, softcap=softcap)
+                               sm_scale=sm_scale, softcap=softcap, quantized=bool(scales))
 
     # Whole arrays: on Triton a ref is a pointer into global memory, nothing is copied; the
     # kernel computes its own indices (see paged_attention.py).
@@ -189,7 +211,8 @@ def _ragged_call(layer, window, query_start, context_lens, page_table, qp, k_cac
         kernel,
         grid=(num_tiles, num_kv_heads, num_splits),
         in_specs=[whole(layer), whole(window), whole(query_start), whole(context_lens),
-                  whole(page_table), whole(qp), whole(k_cache), whole(v_cache)],
+                  whole(page_table), whole(qp), whole(k_cache), whole(v_cache),
+                  *map(whole, scales)],
         out_specs=out_specs,
         out_shape=out_shape,
         # Interpreters ignore Triton params, and the strict (TPU) interpreter rejects them.
@@ -197,7 +220,7 @@ def _ragged_call(layer, window, query_start, context_lens, page_table, qp, k_cac
                                                                     num_stages=num_stages),
         interpret=interpret,
         name="ragged_paged_attention",
-    )(layer, window, query_start, context_lens, page_table, qp, k_cache, v_cache)
+    )(layer, window, query_start, context_lens, page_table, qp, k_cache, v_cache, *scales)
     return tuple(outs) if num_splits > 1 else (outs[0], None, None)
 
 
@@ -276,6 +299,7 @@ def _merge_splits(o, m, l):
                                              "pages_per_step", "sm_scale", "softcap",
                                              "num_warps", "num_stages", "interpret"))
 def ragged_paged_attention(q, k_cache, v_cache, layer, page_table, query_start, context_lens, *,
+                           k_scale=None, v_scale=None,
                            window=None, softcap: float | None = None,
                            queries_per_tile: int | None = None,
                            pages_per_split: int | None = None,
@@ -285,8 +309,11 @@ def ragged_paged_attention(q, k_cache, v_cache, layer, page_table, query_start, 
     """Causal attention of ragged rows of queries over their pages of the KV cache.
 
     Args:
-      q: `[T, H, Dh]` in the cache's dtype (bf16 or f32), a flat token axis; H = K * G.
+      q: `[T, H, Dh]` in the cache's dtype (bf16 or f32; int8 cache: bf16 or f32), a flat
+        token axis; H = K * G.
       k_cache, v_cache: `[L, NB, BS, K, Dh]` the caches of all layers (block 0 = null block).
+      k_scale, v_scale: int8 caches only: `[L, NB, BS, K]` float32, each (token, KV head)'s
+        scale (the cache's values are codes * scale); None for float caches.
       layer: int32 scalar, may be traced (e.g. inside `lax.scan` over layers).
       page_table: `[R, P]` int32 block ids; position i of row r is at
         `(page_table[r, i // BS], i % BS)`. Entries past the context may hold anything.
@@ -317,6 +344,7 @@ def ragged_paged_attention(q, k_cache, v_cache, layer, page_table, query_start, 
     num_tokens, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = k_cache.shape
     num_rows, num_pages = page_table.shape
+    scales = check_scales(q, k_cache, v_cache, k_scale, v_scale)
     if num_heads % num_kv_heads or k_cache.shape != v_cache.shape or \
             k_cache.shape[-1] != head_dim or query_start.shape != (num_rows + 1,) or \
             context_lens.shape != (num_rows,):
@@ -346,7 +374,8 @@ def ragged_paged_attention(q, k_cache, v_cache, layer, page_table, query_start, 
     o, m, l = _ragged_call(
         jnp.asarray(layer, jnp.int32).reshape(1), window, query_start,
         context_lens.astype(jnp.int32),
-        page_table.astype(jnp.int32), qp, k_cache, v_cache, num_tiles=num_tiles, block_q=bq,
+        page_table.astype(jnp.int32), qp, k_cache, v_cache, scales, num_tiles=num_tiles,
+        block_q=bq,
         gp=gp, pages_per_split=pps, num_splits=num_splits, pages_per_step=step, sm_scale=scale,
         softcap=softcap, num_warps=warps, num_stages=num_stages, interpret=interpret)
     tiles = _merge_splits(o, m, l)  # [NT, K, Bq * Gp, Dh]
@@ -362,10 +391,14 @@ def ragged_paged_attention(q, k_cache, v_cache, layer, page_table, query_start, 
 
 
 def ragged_paged_attention_reference(q, k_cache, v_cache, layer, page_table, query_start,
-                                     context_lens, *, window=None, softcap: float | None = None,
+                                     context_lens, *, k_scale=None, v_scale=None, window=None,
+                                     softcap: float | None = None,
                                      sm_scale: float | None = None) -> jax.Array:
     """Each token gathers its row's pages, masks causally (and by the window), soft-caps,
-    softmax in float32. Same shapes; tokens that belong to no row are zeros."""
+    softmax in float32. Same shapes; tokens that belong to no row are zeros. An int8 cache
+    (k_scale, v_scale given) is dequantized to float32 first."""
+    if check_scales(q, k_cache, v_cache, k_scale, v_scale):
+        k_cache, v_cache = dequantize_cache(k_cache, k_scale), dequantize_cache(v_cache, v_scale)
     num_tokens, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads

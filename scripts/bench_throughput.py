@@ -34,6 +34,7 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from jaxserve.config import KV_CACHE_DTYPES  # noqa: E402
 from jaxserve.tools.workload import TOKEN_RANGE, make_workload  # noqa: E402  (as `jaxserve bench`)
 LLAMA_CPP_PAPER_FIGURE = 71.3  # docs/peers.md: default build of llama-cpp-python 0.3.36, batch 1
 
@@ -55,7 +56,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--kv-cache-memory", type=int, default=4 << 30,
                     help="KV cache bytes (4 GiB holds 64 sequences of 1024 fp32 tokens)")
-    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                     help="jaxserve K/V storage (auto: the model's dtype)")
     ap.add_argument("--batch1-dtypes", default="float32,bfloat16",
                     help="jaxserve dtypes for the batch-1 decode row (comma separated, or '')")

@@ -85,6 +85,24 @@ def paged_case(seed: int, *, dtype, block_size: int, num_kv_heads: int, group: i
 
 
 
+def quantize_kv_np(x, garbage_code: int = -128):
+    """numpy int8 KV quantization, independent of jaxserve/runtime/kv_quant.py: per vector of
+    the last axis, scale = max|x| * float32(1 / 127), codes = round-half-even(x * float32(1 /
+    scale)) (a zero vector: scale 0, codes 0). NaN vectors (slots no row may read) get NaN
+    scales and `garbage_code` codes (-128 is outside the quantized range, so a read of one
+    shows). Returns (codes int8, scale float32 `x.shape[:-1]`, the dequantized float64 values
+    codes * scale)."""
+    x = np.asarray(x, np.float32)
+    bad = np.isnan(x).any(-1)
+    xs = np.where(bad[..., None], 0, x)
+    scale = (np.abs(xs).max(-1) * np.float32(1 / 127)).astype(np.float32)
+    inv = (np.float32(1) / np.where(scale > 0, scale, np.float32(1))).astype(np.float32)
+    codes = np.clip(np.round(xs * inv[..., None]), -127, 127).astype(np.int8)
+    codes[bad] = garbage_code
+    scale[bad] = np.nan
+    return codes, scale, codes.astype(np.float64) * scale.astype(np.float64)[..., None]
+
+
 def ragged_layout(rows: Sequence[tuple[int, int]], head: int = 0,
                   tail: int = 0) -> tuple[np.ndarray, int]:
     """query_start `[R + 1]` int32 for rows of (q_len, context_len) laid out back to back on a

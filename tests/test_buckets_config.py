@@ -1,5 +1,6 @@
 """Shape buckets, engine config validation and KV memory planning (no model needed)."""
 
+import numpy as np
 import pytest
 
 from jaxserve.runtime import buckets
@@ -32,7 +33,7 @@ def test_pick_beyond_largest_raises():
 def test_kv_bytes_per_token_uses_kv_heads():
     # 2 (K and V) * 30 layers * 3 KV heads * 64 dims * 4 bytes: a third of 2*L*d_model*4.
     assert SMOLLM2.kv_bytes_per_token(4) == 46080 == 2 * 30 * 576 * 4 // 3
-    assert plan_num_blocks(SMOLLM2, 16, 4, 46080 * 16 * 10 + 5) == 10
+    assert plan_num_blocks(SMOLLM2, 16, np.float32, 46080 * 16 * 10 + 5) == 10
 
 
 @pytest.mark.parametrize("kwargs,message", [

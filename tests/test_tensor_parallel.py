@@ -56,6 +56,13 @@ def runs():
         # run XLA dots, partitioned as on the xla backend, against w8a8 on 1 device.
         "w8a8_kernel": ["int4", {"sizes": [2], "quantization": "w8a8",
                                  "linear_backend": "pallas-interpret"}],
+        # int8 KV cache: scales split by KV head as the codes; the native kernel per shard
+        # (the CPU default), the XLA path by annotations and the Pallas kernel per shard.
+        "int8": ["tokens", {"config_name": "gqa", "sizes": [1, 2, 4], "kv_cache_dtype": "int8"}],
+        "int8_xla": ["tokens", {"config_name": "gqa", "sizes": [2], "kv_cache_dtype": "int8",
+                                "attention_backend": "xla"}],
+        "int8_kernel": ["tokens", {"config_name": "gqa", "sizes": [2], "kv_cache_dtype": "int8",
+                                   "attention_backend": "pallas-interpret"}],
         "hlo": ["hlo", {"n": 4}],
         "warmup": ["warmup", {"n": 4}],
         "hlo_int4_kernel": ["hlo", {"n": 2, "quantization": "int4",
@@ -139,11 +146,11 @@ def test_quantization_groups_must_not_straddle_devices():
 # ---- multi-device runs ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("label", ["gqa", "smol_heads", "kernel", "int4", "int4_kernel", "w8a8",
-                                   "w8a8_kernel"])
+                                   "w8a8_kernel", "int8", "int8_xla", "int8_kernel"])
 @pytest.mark.subprocess
 def test_same_greedy_tokens_as_one_device(runs, label):
-    one = runs[{"kernel": "gqa", "int4_kernel": "int4",
-                "w8a8_kernel": "w8a8"}.get(label, label)]["1"]["tokens"]
+    one = runs[{"kernel": "gqa", "int4_kernel": "int4", "w8a8_kernel": "w8a8",
+                "int8_xla": "int8", "int8_kernel": "int8"}.get(label, label)]["1"]["tokens"]
     assert len(one) == 2 and all(len(t) == 5 for t in one)
     for n, result in runs[label].items():
         assert result["tokens"] == one, f"tensor_parallel_size={n}"

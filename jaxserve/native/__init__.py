@@ -23,7 +23,8 @@ import jax
 SOURCES = (pathlib.Path(__file__).with_name("cpu_attention.cc"),)
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-std=c++17", "-fPIC", "-shared")
 # Handler symbols in the library and the FFI target names they are registered under.
-TARGETS = {"jaxserve_ragged_paged_attention": "JaxserveRaggedPagedAttention"}
+TARGETS = {"jaxserve_ragged_paged_attention": "JaxserveRaggedPagedAttention",
+           "jaxserve_ragged_paged_attention_int8": "JaxserveRaggedPagedAttentionInt8"}
 
 
 class NativeUnavailable(RuntimeError):

@@ -9,6 +9,10 @@
 // context_lens[r] - q_len + i, and query i sees the row's keys at positions <= its own.
 // Flat tokens of no row get zeros. Work items are (row, KV head, block of kQueryBlock queries),
 // taken from a shared counter by the calling thread and by tasks on XLA's intra-op pool.
+//
+// int8 cache (a second target, jaxserve/runtime/kv_quant.py): int8 codes plus float32 scales
+// [L, N, BS, K], one per (token, KV head); each key tile is dequantized into the float32
+// scratch the float caches are converted into, so the scoring loop is the same.
 
 #include <algorithm>
 #include <atomic>
@@ -19,6 +23,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -70,6 +75,7 @@ inline V16 vexp(V16 x) {
 }
 
 inline float to_f32(float x) { return x; }
+inline float to_f32(int8_t x) { return float(x); }
 inline float to_f32(uint16_t bits) {  // bfloat16: the high half of a float32
   uint32_t u = static_cast<uint32_t>(bits) << 16;
   float f;
@@ -85,6 +91,8 @@ struct Problem {
   const int32_t* context_lens;  // [R]
   const int32_t* page_table;    // [R, max_blocks]
   float* out;                   // [T, H, Dh]
+  const float* k_scale;         // int8 cache: [L, N, BS, K]; else null
+  const float* v_scale;
   int64_t layer, num_blocks, block_size, kv_heads, heads, head_dim, max_blocks;
   float scale;
 };
@@ -170,16 +178,28 @@ void attend_item(const Problem& p, const Item& it, std::vector<float>& scratch) 
   for (int32_t s0 = 0; s0 < key_end; s0 += kKeyTile) {
     const int32_t ns = std::min<int32_t>(kKeyTile, key_end - s0);
     const KT* krows[kKeyTile];
+    float kscale[kKeyTile];
     for (int32_t j = 0; j < kKeyTile; ++j) {  // lanes past the context repeat the last key
       const int32_t pos = s0 + std::min(j, ns - 1);
       const int64_t blk = table[pos / p.block_size], off = pos % p.block_size;
       const int64_t at = (((p.layer * p.num_blocks + blk) * p.block_size + off) * p.kv_heads +
                           it.kv_head) * dh;
       krows[j] = kc + at;
-      for (int64_t d = 0; d < dh; ++d) vt[j * dh + d] = to_f32(vc[at + d]);
+      if constexpr (std::is_same_v<KT, int8_t>) {  // dequantized: codes * (token, head) scale
+        kscale[j] = p.k_scale[at / dh];
+        const float vs = p.v_scale[at / dh];
+        for (int64_t d = 0; d < dh; ++d) vt[j * dh + d] = to_f32(vc[at + d]) * vs;
+      } else {
+        for (int64_t d = 0; d < dh; ++d) vt[j * dh + d] = to_f32(vc[at + d]);
+      }
     }
     for (int64_t d = 0; d < dh; ++d) {  // transposed: written in order, read from 16 rows
-      for (int32_t j = 0; j < kKeyTile; ++j) kt[d * kKeyTile + j] = to_f32(krows[j][d]);
+      if constexpr (std::is_same_v<KT, int8_t>) {
+        for (int32_t j = 0; j < kKeyTile; ++j)
+          kt[d * kKeyTile + j] = to_f32(krows[j][d]) * kscale[j];
+      } else {
+        for (int32_t j = 0; j < kKeyTile; ++j) kt[d * kKeyTile + j] = to_f32(krows[j][d]);
+      }
     }
     for (int64_t v0 = 0; v0 < nvp; v0 += kVecs) {
       int32_t visible[kVecs];
@@ -242,22 +262,40 @@ ItemFn pick(ffi::DataType q, ffi::DataType kv) {
   return nullptr;
 }
 
-ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> query_start,
-                ffi::Buffer<ffi::S32> context_lens, ffi::Buffer<ffi::S32> page_table,
-                ffi::ResultBuffer<ffi::F32> out, float scale) {
+ItemFn pick_int8(ffi::DataType q) {
+  using D = ffi::DataType;
+  if (q == D::F32) return run_item<float, int8_t>;
+  if (q == D::BF16) return run_item<uint16_t, int8_t>;
+  return nullptr;
+}
+
+// k_scale/v_scale: an int8 cache's scales [L, N, BS, K], or null (float caches).
+ffi::Error Run(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+               const float* k_scale, const float* v_scale, ffi::Buffer<ffi::S32> layer,
+               ffi::Buffer<ffi::S32> query_start, ffi::Buffer<ffi::S32> context_lens,
+               ffi::Buffer<ffi::S32> page_table, ffi::ResultBuffer<ffi::F32> out, float scale) {
   auto qd = q.dimensions(), kd = k.dimensions(), td = page_table.dimensions();
   if (qd.size() != 3 || kd.size() != 5 || td.size() != 2 || k.element_type() != v.element_type())
     return ffi::Error::InvalidArgument(
         "expected q [T, H, Dh], k/v [L, N, BS, K, Dh], table [R, M]; got ranks " +
         std::to_string(qd.size()) + ", " + std::to_string(kd.size()) + ", " +
         std::to_string(td.size()));
-  ItemFn fn = pick(q.element_type(), k.element_type());
-  if (!fn) return ffi::Error::InvalidArgument("q and the cache must be float32 or bfloat16");
+  ItemFn fn;
+  if (k_scale) {
+    if (k.element_type() != ffi::DataType::S8)
+      return ffi::Error::InvalidArgument("the int8 target takes an int8 cache");
+    fn = pick_int8(q.element_type());
+    if (!fn) return ffi::Error::InvalidArgument("q must be float32 or bfloat16");
+  } else {
+    fn = pick(q.element_type(), k.element_type());
+    if (!fn) return ffi::Error::InvalidArgument(
+        "q and the cache must be float32 or bfloat16 (an int8 cache: the int8 target)");
+  }
   auto shared = std::make_shared<Shared>();
   Problem& p = shared->problem;
   p = Problem{q.untyped_data(), k.untyped_data(), v.untyped_data(), query_start.typed_data(),
               context_lens.typed_data(), page_table.typed_data(), out->typed_data(),
+              k_scale, v_scale,
               layer.typed_data()[0], kd[1], kd[2], kd[3], qd[1], qd[2], td[1], scale};
   if (kd[4] != qd[2] || qd[1] % kd[3] != 0 || qd[2] % 16 != 0)
     return ffi::Error::InvalidArgument(
@@ -279,6 +317,29 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::A
   return ffi::Error::Success();
 }
 
+ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> query_start,
+                ffi::Buffer<ffi::S32> context_lens, ffi::Buffer<ffi::S32> page_table,
+                ffi::ResultBuffer<ffi::F32> out, float scale) {
+  return Run(pool, q, k, v, nullptr, nullptr, layer, query_start, context_lens, page_table, out,
+             scale);
+}
+
+ffi::Error ImplInt8(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                    ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale,
+                    ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> query_start,
+                    ffi::Buffer<ffi::S32> context_lens, ffi::Buffer<ffi::S32> page_table,
+                    ffi::ResultBuffer<ffi::F32> out, float scale) {
+  auto kd = k.dimensions(), sd = k_scale.dimensions(), vd = v_scale.dimensions();
+  bool ok = kd.size() == 5 && sd.size() == 4 && vd.size() == 4;
+  for (size_t i = 0; ok && i < 4; ++i) ok = sd[i] == kd[i] && vd[i] == kd[i];
+  if (!ok)
+    return ffi::Error::InvalidArgument("int8 cache scales must be [L, N, BS, K], the cache's "
+                                       "shape less head_dim");
+  return Run(pool, q, k, v, k_scale.typed_data(), v_scale.typed_data(), layer, query_start,
+             context_lens, page_table, out, scale);
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedPagedAttention, Impl,
@@ -287,6 +348,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedPagedAttention, Impl,
                                   .Arg<ffi::AnyBuffer>()  // q [T, H, Dh]
                                   .Arg<ffi::AnyBuffer>()  // k cache [L, N, BS, K, Dh]
                                   .Arg<ffi::AnyBuffer>()  // v cache
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer []
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // query_start [R + 1]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // context_lens [R]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // page_table [R, M]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out [T, H, Dh]
+                                  .Attr<float>("scale"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedPagedAttentionInt8, ImplInt8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // q [T, H, Dh]
+                                  .Arg<ffi::AnyBuffer>()  // k codes [L, N, BS, K, Dh] int8
+                                  .Arg<ffi::AnyBuffer>()  // v codes
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k scales [L, N, BS, K]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v scales
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer []
                                   .Arg<ffi::Buffer<ffi::S32>>()  // query_start [R + 1]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // context_lens [R]

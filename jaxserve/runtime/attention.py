@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxserve.runtime import kv_quant
 from jaxserve.runtime.kv_cache import KVCache, PagedMeta
 from jaxserve.runtime.step_layout import QUERY_CHUNK, kv_tile_blocks, pair_tile
 
@@ -15,11 +16,35 @@ MASK_VALUE = -1e30
 
 
 def write_kv(cache: KVCache, layer, k, v, slots) -> KVCache:
-    """Scatters k/v `[B, T, K, Dh]` into `layer` at flat `slots` `[B, T]`."""
+    """Scatters k/v `[B, T, K, Dh]` into `layer` at flat `slots` `[B, T]` (an int8 cache:
+    quantized per token and KV head, codes and scales written alike)."""
     block_size = cache.k.shape[2]
     blk, off = slots // block_size, slots % block_size
+    if cache.quantized:
+        (kc, ks), (vc, vs) = kv_quant.quantize(k), kv_quant.quantize(v)
+        return KVCache(k=cache.k.at[layer, blk, off].set(kc),
+                       v=cache.v.at[layer, blk, off].set(vc),
+                       k_scale=cache.k_scale.at[layer, blk, off].set(ks),
+                       v_scale=cache.v_scale.at[layer, blk, off].set(vs))
     return KVCache(k=cache.k.at[layer, blk, off].set(k.astype(cache.k.dtype)),
                    v=cache.v.at[layer, blk, off].set(v.astype(cache.v.dtype)))
+
+
+def _compute_dtype(q, cache: KVCache):
+    """The dtype the dots read: the cache's (q cast to it), or q's for an int8 cache, whose
+    codes convert exactly to bf16 and f32 (|code| <= 127 < 2^8)."""
+    return q.dtype if cache.quantized else cache.k.dtype
+
+
+def _pages(cache: KVCache, layer, blocks, dtype):
+    """K and V of `blocks` (any shape B) as (keys, values, key scales, value scales):
+    `[*B, BS, K, Dh]` in dtype and `[*B, BS, K]` float32, or None scales for a float cache.
+    An int8 cache's scales are applied to the scores and probabilities, not to the codes."""
+    keys, values = cache.k[layer, blocks], cache.v[layer, blocks]
+    if not cache.quantized:
+        return keys, values, None, None
+    return (keys.astype(dtype), values.astype(dtype), cache.k_scale[layer, blocks],
+            cache.v_scale[layer, blocks])
 
 
 def ragged_attention_xla(q, k, v, cache: KVCache, layer, meta: PagedMeta,
@@ -63,8 +88,11 @@ class _Logits:
         return seen if self.window is None else seen & (kpos > qpos - self.window)
 
 
-def _online_update(carry, scores, visible, values, segments, num_segments, pv_dims):
-    """One tile of a segment-wise online softmax. carry (m, l, acc) per segment."""
+def _online_update(carry, scores, visible, values, segments, num_segments, pv_dims,
+                   value_scales=None):
+    """One tile of a segment-wise online softmax. carry (m, l, acc) per segment.
+    value_scales (int8 cache): broadcast against p, they weight the probabilities of the PV dot
+    (sum_s p_s * scale_s * code_s is p @ dequantized values)."""
     m, l, acc = carry
     scores = jnp.where(visible, scores, MASK_VALUE)
     tile_max = jax.ops.segment_max(scores.max(-1), segments, num_segments=num_segments)
@@ -73,7 +101,9 @@ def _online_update(carry, scores, visible, values, segments, num_segments, pv_di
     p = jnp.where(visible, jnp.exp(scores - m_new[segments][..., None]), 0.0)
     corr = jnp.exp(m - m_new)
     l = l * corr + jax.ops.segment_sum(p.sum(-1), segments, num_segments=num_segments)
-    pv = jnp.einsum(pv_dims, p.astype(values.dtype), values, preferred_element_type=jnp.float32)
+    # A slot no query sees may hold any scale, NaN included: where, not a product with p = 0.
+    pw = p if value_scales is None else jnp.where(visible, p * value_scales, 0.0)
+    pv = jnp.einsum(pv_dims, pw.astype(values.dtype), values, preferred_element_type=jnp.float32)
     acc = acc * corr[..., None] + jax.ops.segment_sum(pv, segments, num_segments=num_segments)
     return m_new, l, acc
 
@@ -97,26 +127,37 @@ def _single_query_attention(q, cache: KVCache, layer, meta: PagedMeta, merge_kv_
     own = (jnp.arange(h, dtype=jnp.int32) // g)[:, None] == \
         (jnp.arange(bs * kh, dtype=jnp.int32) % kh)[None]  # [H, BS*K]: merged layout's mask
 
+    dtype = _compute_dtype(q, cache)
+
     def body(i, carry):
         blocks, toks, starts = lax.dynamic_slice_in_dim(meta.pairs, i * tile, tile, axis=1)
-        keys, values = cache.k[layer, blocks], cache.v[layer, blocks]  # [P, BS, K, Dh]
-        qp = q[toks].astype(keys.dtype)  # [P, H, Dh]
+        # [P, BS, K, Dh] each; int8: scales [P, BS, K]
+        keys, values, kscale, vscale = _pages(cache, layer, blocks, dtype)
+        qp = q[toks].astype(dtype)  # [P, H, Dh]
         if merge_kv_heads:
             keys = keys.reshape(tile, bs * kh, dh)  # [P, S = BS*K, Dh], s = slot*K + k
             values = values.reshape(tile, bs * kh, dh)
-            scores = logits.scaled(jnp.einsum("PHD,PSD->PHS", qp, keys,
-                                              preferred_element_type=jnp.float32), dh)
+            dots = jnp.einsum("PHD,PSD->PHS", qp, keys, preferred_element_type=jnp.float32)
+            if kscale is not None:  # [P, 1, S]
+                kscale, vscale = (x.reshape(tile, 1, bs * kh) for x in (kscale, vscale))
+                dots = dots * kscale
+            scores = logits.scaled(dots, dh)
             kpos = starts[:, None] + jnp.arange(bs * kh, dtype=jnp.int32)[None] // kh
             visible = logits.visible(kpos, qpos[toks][:, None])[:, None] & own[None]  # [P, H, S]
-            return _online_update(carry, scores, visible, values, toks, t, "PHS,PSD->PHD")
+            return _online_update(carry, scores, visible, values, toks, t, "PHS,PSD->PHD",
+                                  vscale)
         m, l, acc = carry
         qg = qp.reshape(tile, kh, g, dh)  # [P, K, G, Dh]
-        scores = logits.scaled(jnp.einsum("PKGD,PSKD->PKGS", qg, keys,
-                                          preferred_element_type=jnp.float32), dh)
+        dots = jnp.einsum("PKGD,PSKD->PKGS", qg, keys, preferred_element_type=jnp.float32)
+        if kscale is not None:  # [P, K, 1, BS]
+            kscale, vscale = (x.transpose(0, 2, 1)[:, :, None] for x in (kscale, vscale))
+            dots = dots * kscale
+        scores = logits.scaled(dots, dh)
         kpos = starts[:, None] + jnp.arange(bs, dtype=jnp.int32)[None]  # [P, BS]
         visible = logits.visible(kpos, qpos[toks][:, None])[:, None, None]  # [P, 1, 1, BS]
         carry = (m.reshape(t, kh, g), l.reshape(t, kh, g), acc.reshape(t, kh, g, dh))
-        m, l, acc = _online_update(carry, scores, visible, values, toks, t, "PKGS,PSKD->PKGD")
+        m, l, acc = _online_update(carry, scores, visible, values, toks, t, "PKGS,PSKD->PKGD",
+                                   vscale)
         return m.reshape(t, h), l.reshape(t, h), acc.reshape(t, h, dh)
 
     init = (jnp.full((t, h), MASK_VALUE, jnp.float32), jnp.zeros((t, h), jnp.float32),
@@ -140,24 +181,32 @@ def _chunked_attention(q, cache: KVCache, layer, meta: PagedMeta, logits: _Logit
     kt = kv_tile_blocks(bs)
     width = kt * bs
     qpos = meta.positions[0, :c * qc].reshape(c, qc)  # [C, Q]
-    qg = q[:c * qc].reshape(c, qc, kh, g, dh).astype(cache.k.dtype)  # [C, Q, K, G, Dh]
+    dtype = _compute_dtype(q, cache)
+    qg = q[:c * qc].reshape(c, qc, kh, g, dh).astype(dtype)  # [C, Q, K, G, Dh]
     far = jnp.where(meta.multi[:c * qc], meta.positions[0, :c * qc], -1).max()
     n_tiles = jnp.where(far >= 0, far // width + 1, 0)
 
     def body(j, carry):
         m, l, acc = carry  # [C, K, G, Q], same, [C, K, G, Q, Dh]
         blocks = lax.dynamic_slice_in_dim(meta.chunk_pages, j * kt, kt, axis=1)  # [C, kt]
-        keys = cache.k[layer, blocks].reshape(c, width, kh, dh)  # [C, S, K, Dh]
-        values = cache.v[layer, blocks].reshape(c, width, kh, dh)
-        scores = logits.scaled(jnp.einsum("CQKGD,CSKD->CKGQS", qg, keys,
-                                          preferred_element_type=jnp.float32), dh)
+        keys, values, kscale, vscale = _pages(cache, layer, blocks, dtype)
+        keys = keys.reshape(c, width, kh, dh)  # [C, S, K, Dh]
+        values = values.reshape(c, width, kh, dh)
+        dots = jnp.einsum("CQKGD,CSKD->CKGQS", qg, keys, preferred_element_type=jnp.float32)
+        if kscale is not None:  # int8: scales [C, K, 1, 1, S]
+            kscale, vscale = (x.reshape(c, width, kh).transpose(0, 2, 1)[:, :, None, None]
+                              for x in (kscale, vscale))
+            dots = dots * kscale
+        scores = logits.scaled(dots, dh)
         kpos = j * width + jnp.arange(width, dtype=jnp.int32)  # [S]
         visible = logits.visible(kpos[None, None], qpos[:, :, None])[:, None, None]  # [C,1,1,Q,S]
         scores = jnp.where(visible, scores, MASK_VALUE)
         m_new = jnp.maximum(m, scores.max(-1))
         p = jnp.where(visible, jnp.exp(scores - m_new[..., None]), 0.0)
         corr = jnp.exp(m - m_new)
-        pv = jnp.einsum("CKGQS,CSKD->CKGQD", p.astype(values.dtype), values,
+        # int8: value scales weight p (where: an unseen slot's scale may be NaN).
+        pw = p if vscale is None else jnp.where(visible, p * vscale, 0.0)
+        pv = jnp.einsum("CKGQS,CSKD->CKGQD", pw.astype(values.dtype), values,
                         preferred_element_type=jnp.float32)
         return m_new, l * corr + p.sum(-1), acc * corr[..., None] + pv
 

@@ -117,7 +117,9 @@ class CpuAttention(AttentionBackend):
                              "such models, and attention_backend='auto' runs them on XLA")
         cache = write_kv(cache, layer, k, v, meta.slots)
         out = ragged_paged_attention_cpu(q[0], cache.k, cache.v, layer, meta.page_table,
-                                         meta.query_start, meta.context_lens)  # [T, H, Dh]
+                                         meta.query_start, meta.context_lens,
+                                         k_scale=cache.k_scale,
+                                         v_scale=cache.v_scale)  # [T, H, Dh]
         return out[None].astype(q.dtype), cache
 
     def supports(self, config: ModelConfig, block_size: int) -> tuple[str, ...]:
@@ -148,9 +150,12 @@ class PallasAttention(AttentionBackend):
 
     def attend(self, q, k, v, cache, layer, meta, *, window=None, softcap=None, scale=None):
         cache = write_kv(cache, layer, k, v, meta.slots)
-        # The kernel takes q in the cache's dtype (kv_cache_dtype may differ from the model's).
-        out = ragged_paged_attention(q[0].astype(cache.k.dtype), cache.k, cache.v, layer,
+        # The kernel takes q in the cache's dtype (kv_cache_dtype may differ from the model's);
+        # an int8 cache's codes are read in q's dtype.
+        qf = q[0] if cache.quantized else q[0].astype(cache.k.dtype)
+        out = ragged_paged_attention(qf, cache.k, cache.v, layer,
                                      meta.page_table, meta.query_start, meta.context_lens,
+                                     k_scale=cache.k_scale, v_scale=cache.v_scale,
                                      window=window, softcap=softcap, sm_scale=scale,
                                      interpret=self.interpret)  # [T, H, Dh]
         return out[None].astype(q.dtype), cache

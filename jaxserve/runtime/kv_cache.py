@@ -6,7 +6,9 @@ import dataclasses
 import logging
 
 import jax
+import jax.numpy as jnp
 
+from jaxserve.runtime import kv_quant
 from models.config import ModelConfig
 
 log = logging.getLogger("jaxserve")
@@ -22,10 +24,29 @@ class KVCache:
     `[B, n_blocks, block_size, K, Dh]` into a contiguous context without a transpose.
     Block 0 is the null block: padding entries of the page table point at it and padded tokens
     write into it; it is never read unmasked.
+
+    int8 cache (kv_quant.py): k/v hold int8 codes and k_scale/v_scale `[L, num_blocks,
+    block_size, K]` float32 the scale of each (token, KV head); None for float caches. Every
+    leaf has the block axis second, so block copies and the head split treat them alike.
     """
 
     k: jax.Array
     v: jax.Array
+    k_scale: jax.Array | None = None
+    v_scale: jax.Array | None = None
+
+    @property
+    def quantized(self) -> bool:
+        return self.k_scale is not None
+
+
+def new_cache(shape: tuple[int, ...], dtype) -> KVCache:
+    """Zeros `shape` `[L, NB, BS, K, Dh]` of dtype; int8 adds zero scales `[L, NB, BS, K]`."""
+    if kv_quant.is_quantized(dtype):
+        return KVCache(k=jnp.zeros(shape, jnp.int8), v=jnp.zeros(shape, jnp.int8),
+                       k_scale=jnp.zeros(shape[:-1], kv_quant.SCALE_DTYPE),
+                       v_scale=jnp.zeros(shape[:-1], kv_quant.SCALE_DTYPE))
+    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
 
 @jax.tree_util.register_dataclass
@@ -54,18 +75,23 @@ class PagedMeta:
     chunk_pages: jax.Array | None = None
 
 
-def plan_num_blocks(config: ModelConfig, block_size: int, dtype_bytes: int,
-                    memory_bytes: int) -> int:
-    """Blocks (including the null block) that fit in `memory_bytes`."""
-    per_block = block_size * config.kv_bytes_per_token(dtype_bytes)
+def bytes_per_token(config: ModelConfig, dtype) -> int:
+    """KV bytes of one token in a cache of dtype, scales included (int8)."""
+    return config.kv_bytes_per_token(*kv_quant.bytes_per_element(dtype))
+
+
+def plan_num_blocks(config: ModelConfig, block_size: int, dtype, memory_bytes: int) -> int:
+    """Blocks (including the null block) of a dtype cache that fit in `memory_bytes`."""
+    per_block = block_size * bytes_per_token(config, dtype)
     return int(memory_bytes // per_block)
 
 
-def log_plan(config: ModelConfig, block_size: int, dtype_bytes: int, num_blocks: int) -> None:
-    per_token = config.kv_bytes_per_token(dtype_bytes)
+def log_plan(config: ModelConfig, block_size: int, dtype, num_blocks: int) -> None:
+    dtype_bytes, scale_bytes = kv_quant.bytes_per_element(dtype)
+    per_token = bytes_per_token(config, dtype)
     textbook = 2 * config.num_layers * config.hidden_size * dtype_bytes
-    log.info("KV cache: %d bytes/token (2*layers*kv_heads*head_dim*bytes = 2*%d*%d*%d*%d; "
-             "the 2*L*d_model*p formula would say %d), %d blocks of %d tokens = %d tokens, "
-             "%.1f MiB", per_token, config.num_layers, config.num_kv_heads, config.head_dim,
-             dtype_bytes, textbook, num_blocks - 1, block_size, (num_blocks - 1) * block_size,
-             num_blocks * block_size * per_token / 2**20)
+    log.info("KV cache: %d bytes/token (2*layers*kv_heads*(head_dim*bytes + scale bytes) = "
+             "2*%d*%d*(%d*%d + %d); the 2*L*d_model*p formula would say %d), %d blocks of %d "
+             "tokens = %d tokens, %.1f MiB", per_token, config.num_layers, config.num_kv_heads,
+             config.head_dim, dtype_bytes, scale_bytes, textbook, num_blocks - 1, block_size,
+             (num_blocks - 1) * block_size, num_blocks * block_size * per_token / 2**20)

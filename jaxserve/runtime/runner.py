@@ -34,10 +34,10 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from jaxserve.runtime import buckets, slot_state, spec_points, step_layout
+from jaxserve.runtime import buckets, kv_quant, slot_state, spec_points, step_layout
 from jaxserve.runtime.attention_backends import AttentionBackend, XlaAttention
 from jaxserve.core.outputs import SampleResult
-from jaxserve.runtime.kv_cache import KVCache, PagedMeta
+from jaxserve.runtime.kv_cache import KVCache, PagedMeta, new_cache
 from jaxserve.runtime.sampler import SamplerOutput, sample
 from jaxserve.runtime.slot_state import SlotsCall, SlotState
 from jaxserve.core.scheduler import ScheduledSeq, SchedulerOutput
@@ -139,8 +139,8 @@ class CopyCall:
 def _copy_blocks(cache: KVCache, pairs: jax.Array) -> KVCache:
     """pairs [C, 2] int32 (src, dst). A dst is never another pair's src: dst blocks are fresh."""
     src, dst = pairs[:, 0], pairs[:, 1]
-    return KVCache(k=cache.k.at[:, dst].set(cache.k[:, src]),
-                   v=cache.v.at[:, dst].set(cache.v[:, src]))
+    # Every leaf (K, V and an int8 cache's scales) has the block axis second.
+    return jax.tree.map(lambda x: x.at[:, dst].set(x[:, src]), cache)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,11 +196,12 @@ class ModelRunner:
                                  "layer loop")
             model = dataclasses.replace(model, params=unstack_layers(model.params,
                                                                      c.num_layers))
+        dtype = jnp.dtype(kv_cache_dtype or model.dtype)  # None: the model's dtype
         jit_kwargs = {}
         if tp is not None:  # tensor parallel: params and cache sharded over tp's mesh
             shardings = tp.param_shardings(model.params, c)
             model = dataclasses.replace(model, params=tp.place(model.params, shardings))
-            jit_kwargs = tp.step_jit_kwargs(shardings)
+            jit_kwargs = tp.step_jit_kwargs(shardings, kv_quant.is_quantized(dtype))
         self.model, self.block_size, self.max_model_len = model, block_size, max_model_len
         self.tp = tp
         self.before_call = None  # multi-host: process 0 broadcasts each device call here
@@ -209,9 +210,7 @@ class ModelRunner:
         self.max_blocks = -(-max_model_len // block_size)
         self.eos_ids = tuple(eos_ids)
         shape = (c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim)
-        dtype = jnp.dtype(kv_cache_dtype or model.dtype)  # None: the model's dtype
-        self.cache = (tp.new_cache(shape, dtype) if tp is not None else
-                      KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype)))
+        self.cache = tp.new_cache(shape, dtype) if tp is not None else new_cache(shape, dtype)
         host_state = slot_state.new_state(max_num_seqs + 1, max_model_len)
         self.state: SlotState = (tp.place(host_state, jax.tree.map(lambda _: tp.replicated,
                                                                    host_state))

@@ -32,7 +32,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.runtime.attention_backends import AttentionBackend, WrappedAttention
-from jaxserve.runtime.kv_cache import KVCache
+from jaxserve.runtime import kv_quant
+from jaxserve.runtime.kv_cache import KVCache, new_cache
 from models.config import ModelConfig
 from models.llama import LINEAR_ROLES, Parallel
 from models.model import Model
@@ -51,6 +52,14 @@ FLOAT_LAYOUT = {"kernel": ("in", "out"), "bias": ("out",)}  # kernel [.., K, N],
 KERNEL_WEIGHTS = (Int4Weight,)
 HEADS = P(None, None, AXIS, None)            # q/k/v/attention output [B, T, H, Dh]
 CACHE = P(None, None, None, AXIS, None)      # [L, NB, BS, K, Dh]
+CACHE_SCALES = P(None, None, None, AXIS)     # an int8 cache's scales [L, NB, BS, K]
+
+
+def cache_specs(quantized: bool) -> KVCache:
+    """The KV cache's partition specs: split by KV head, an int8 cache's scales as its codes."""
+    if quantized:
+        return KVCache(k=CACHE, v=CACHE, k_scale=CACHE_SCALES, v_scale=CACHE_SCALES)
+    return KVCache(k=CACHE, v=CACHE)
 
 
 def make_mesh(n: int) -> Mesh:
@@ -290,7 +299,12 @@ class TensorParallel:
 
     @property
     def cache_shardings(self) -> KVCache:
-        return KVCache(k=self.sharding(CACHE), v=self.sharding(CACHE))
+        """A float cache's shardings (cache_shardings_of: either kind)."""
+        return self.cache_shardings_of(False)
+
+    def cache_shardings_of(self, quantized: bool) -> KVCache:
+        return jax.tree.map(self.sharding, cache_specs(quantized),
+                            is_leaf=lambda x: isinstance(x, P))
 
     def param_shardings(self, params, config: ModelConfig):
         return jax.tree.map(self.sharding, param_specs(params, config, self.size),
@@ -304,24 +318,25 @@ class TensorParallel:
             lambda x, s: jax.make_array_from_callback(
                 x.shape, s, lambda idx, x=np.asarray(x): x[idx]), tree, shardings)
 
-    def step_jit_kwargs(self, param_shardings) -> dict:
+    def step_jit_kwargs(self, param_shardings, quantized_kv: bool = False) -> dict:
         """jit shardings of the runner's step(params, cache, state, inputs) -> (cache, state,
         out).
 
         The slot state, inputs and outputs are replicated; the cache keeps its sharding across
         the donation.
         """
-        rep = self.replicated
-        return dict(in_shardings=(param_shardings, self.cache_shardings, rep, rep),
-                    out_shardings=(self.cache_shardings, rep, rep))
+        rep, cache = self.replicated, self.cache_shardings_of(quantized_kv)
+        return dict(in_shardings=(param_shardings, cache, rep, rep),
+                    out_shardings=(cache, rep, rep))
 
     def new_cache(self, shape: tuple[int, ...], dtype) -> KVCache:
         """Zeros allocated shard by shard: no device ever holds the whole cache."""
         if shape[3] % self.size:
             raise ValueError(f"{shape[3]} KV heads do not split over {self.size} devices: "
                              "pad_heads the model first")
-        zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=self.sharding(CACHE))
-        return KVCache(k=zeros(), v=zeros())
+        quantized = kv_quant.is_quantized(dtype)
+        return jax.jit(lambda: new_cache(shape, dtype),
+                       out_shardings=self.cache_shardings_of(quantized))()
 
     def attention(self, backend: AttentionBackend) -> AttentionBackend:
         """The backend as it runs on this mesh, as it declares: per shard, or annotated."""
@@ -338,9 +353,10 @@ class TensorParallel:
 
             def local(q, k, v, cache, layer, meta, traced):
                 return fn(q, k, v, cache, layer, meta, **traced, **kw)
+            specs = cache_specs(cache.quantized)
             return jax.shard_map(local, mesh=self.mesh,
-                                 in_specs=(HEADS, HEADS, HEADS, CACHE, P(), P(), P()),
-                                 out_specs=(HEADS, CACHE), check_vma=False)(
+                                 in_specs=(HEADS, HEADS, HEADS, specs, P(), P(), P()),
+                                 out_specs=(HEADS, specs), check_vma=False)(
                 q, k, v, cache, layer, meta, traced)
         return per_shard
 
@@ -348,7 +364,8 @@ class TensorParallel:
         def annotated(q, k, v, cache, layer, meta, **kw):
             c = functools.partial(jax.lax.with_sharding_constraint, shardings=self.sharding(HEADS))
             out, cache = fn(c(q), c(k), c(v), cache, layer, meta, **kw)
-            cache = jax.lax.with_sharding_constraint(cache, self.cache_shardings)
+            cache = jax.lax.with_sharding_constraint(cache,
+                                                     self.cache_shardings_of(cache.quantized))
             return c(out), cache
         return annotated
 

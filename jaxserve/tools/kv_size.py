@@ -2,7 +2,9 @@
 
 K and V are stored for every layer, token and *KV* head:
 
-    bytes = 2 * B * S * layers * kv_heads * head_dim * dtype_bytes
+    bytes = 2 * B * S * layers * kv_heads * (head_dim * dtype_bytes + scale_bytes)
+
+(scale_bytes: 4 for the int8 cache's float32 scale per token and KV head, else 0.)
 
 The textbook formula `2 * B * S * layers * d_model * p` assumes every query head has its own K
 and V (no grouped-query attention, head_dim * heads == d_model); with GQA it overstates the
@@ -16,6 +18,10 @@ import dataclasses
 from models.config import ModelConfig
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8": 1, "int8": 1}
+# Bytes per (token, KV head) of K and again of V besides the elements: the int8 cache's float32
+# scales (jaxserve/runtime/kv_quant.py SCALE_BYTES; no jax here, so the number is repeated and
+# tests/test_kv_int8.py checks the two agree).
+SCALE_BYTES = {"int8": 4}
 
 
 def dtype_bytes(dtype: str) -> int:
@@ -24,8 +30,9 @@ def dtype_bytes(dtype: str) -> int:
     return DTYPE_BYTES[dtype]
 
 
-def kv_cache_bytes(config: ModelConfig, batch: int, seq_len: int, nbytes: int) -> int:
-    return batch * seq_len * config.kv_bytes_per_token(nbytes)
+def kv_cache_bytes(config: ModelConfig, batch: int, seq_len: int, nbytes: int,
+                   scale_bytes: int = 0) -> int:
+    return batch * seq_len * config.kv_bytes_per_token(nbytes, scale_bytes)
 
 
 def textbook_kv_bytes(config: ModelConfig, batch: int, seq_len: int, nbytes: int) -> int:
@@ -50,8 +57,10 @@ class KVSize:
         out = [f"model: {c.num_layers} layers, d_model {c.hidden_size}, {c.num_heads} heads, "
                f"{c.num_kv_heads} KV heads, head_dim {c.head_dim}; dtype {self.dtype}",
                f"per token: 2*{c.num_layers}*{c.num_kv_heads}*{c.head_dim}*"
-               f"{self.bytes_per_token // (2 * c.num_layers * c.num_kv_heads * c.head_dim)} = "
-               f"{self.bytes_per_token:,} bytes",
+               f"{DTYPE_BYTES[self.dtype]}"
+               + (f" + 2*{c.num_layers}*{c.num_kv_heads}*{SCALE_BYTES[self.dtype]} (scales)"
+                  if self.dtype in SCALE_BYTES else "")
+               + f" = {self.bytes_per_token:,} bytes",
                f"KV cache for batch {self.batch} x {self.seq_len} tokens: "
                f"{self.total_bytes:,} bytes ({_human(self.total_bytes)})",
                f"textbook 2*B*S*L*d_model*p: {self.textbook_bytes:,} bytes "
@@ -72,15 +81,15 @@ def kv_size(config: ModelConfig, batch: int, seq_len: int, dtype: str = "float16
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if budget is not None and (not isinstance(budget, int) or budget < 0):
         raise ValueError(f"budget is a byte count >= 0, got {budget!r}")
-    nbytes = dtype_bytes(dtype)
-    per_token = config.kv_bytes_per_token(nbytes)
+    nbytes, scale_bytes = dtype_bytes(dtype), SCALE_BYTES.get(dtype, 0)
+    per_token = config.kv_bytes_per_token(nbytes, scale_bytes)
     fit_contiguous = fit_paged = None
     if budget is not None:
         fit_contiguous = budget // (seq_len * per_token)
         usable_blocks = max(0, budget // (block_size * per_token) - 1)
         fit_paged = usable_blocks // -(-seq_len // block_size)
     return KVSize(batch, seq_len, dtype, per_token,
-                  kv_cache_bytes(config, batch, seq_len, nbytes),
+                  kv_cache_bytes(config, batch, seq_len, nbytes, scale_bytes),
                   textbook_kv_bytes(config, batch, seq_len, nbytes), budget, fit_contiguous,
                   fit_paged, block_size)
 
