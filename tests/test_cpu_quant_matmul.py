@@ -42,7 +42,8 @@ QT = gguf.GGMLQuantizationType
 
 def decode(cw: CpuPackedWeight):
     """The packed layout read back (independently of cpu_packed.py): codes u [K, N],
-    scales and bias [G, N] (bias None when absent), from the kernel's documented layout."""
+    scales and bias [G, N] float32 (bias = offsets + shift * scales; None without offsets),
+    from the kernel's documented layout."""
     codes = np.asarray(cw.codes)  # [T, K/c, 64]
     t, chunks, _ = codes.shape
     b = codes.reshape(t, chunks, 16, 4)  # [T, o, j, b]
@@ -53,14 +54,21 @@ def decode(cw: CpuPackedWeight):
         u = b.transpose(0, 2, 1, 3).reshape(16 * t, 4 * chunks)
     n = cw.out_features
 
-    def groups(a):  # [T, G, 16] -> [G, N]
-        return None if a is None else np.asarray(a).transpose(1, 0, 2).reshape(a.shape[1], -1)[:, :n]
-    return u[:n].T.astype(np.int64), groups(cw.scales), groups(cw.bias)
+    def groups(a):  # [T, G, 16] -> [G, N] float32
+        a = np.asarray(a, np.float32)
+        return a.transpose(1, 0, 2).reshape(a.shape[1], -1)[:, :n]
+    s = groups(cw.scales)
+    bias = None if cw.offsets is None else groups(cw.offsets) + np.float32(cw.shift) * s
+    return u[:n].T.astype(np.int64), s, bias
 
 
-def random_weight(bits, k, n, g, offsets, rng):
+def random_weight(bits, k, n, g, offsets, rng, f16=False):
+    """f16: scales and offsets that are float16 values (stored as float16, as GGUF's)."""
     s = rng.uniform(0.01, 0.1, (k // g, n)).astype(np.float32)
     b = (rng.standard_normal((k // g, n)) * 0.1).astype(np.float32) if offsets else None
+    if f16:
+        s = s.astype(np.float16).astype(np.float32)
+        b = None if b is None else b.astype(np.float16).astype(np.float32)
     if bits == 4:
         u = rng.integers(0, 16, (k, n))
         return Int4Weight(packed=np.asarray(pack_int4(jnp.asarray(u), group_size=g)), scales=s,
@@ -77,6 +85,7 @@ def test_packing_round_trips_the_weight(bits, g, offsets, n):
     cw = pack_weight(w)
     u, s, b = decode(cw)
     assert cw.zero == (8 if bits == 4 else 128) and cw.group_size == g
+    assert cw.scales.dtype == jnp.float32  # random scales are not float16 values
     deq = np.repeat(s, g, 0) * (u - cw.zero) + (0 if b is None else np.repeat(b, g, 0))
     np.testing.assert_allclose(deq, np.asarray(dequantize_weight(w)), rtol=1e-6, atol=1e-7)
 
@@ -92,10 +101,11 @@ SHAPES = [(1, 64, 48, 32), (2, 128, 80, 64), (3, 256, 16, 128), (5, 96, 112, 32)
 @pytest.mark.parametrize("m,k,n,g", SHAPES)
 def test_kernel_matches_numpy_reference(m, k, n, g, bits, limbs):
     rng = np.random.default_rng(m * 1000 + k + n)
-    w = random_weight(bits, k, n, g, offsets=(m + bits) % 2 == 1, rng=rng)
+    w = random_weight(bits, k, n, g, offsets=(m + bits) % 2 == 1, rng=rng, f16=m % 2 == 0)
     x = rng.standard_normal((m, k)).astype(np.float32)
     x[:, 1] *= 20  # an outlier channel
     cw = pack_weight(w)
+    assert cw.scales.dtype == (jnp.float16 if m % 2 == 0 else jnp.float32)
     u, s, b = decode(cw)
     y = np.asarray(quant_matmul_cpu(jnp.asarray(x), cw, limbs))
     assert y.shape == (m, n) and y.dtype == np.float32
@@ -108,6 +118,36 @@ def test_kernel_matches_numpy_reference(m, k, n, g, bits, limbs):
     step = np.abs(x).max(axis=1, keepdims=True) / 127 / (2 if limbs == 1 else 2 * 254)
     w_sym = np.abs(np.repeat(s, g, 0) * (u - cw.zero)).sum(axis=0)  # [N]
     assert np.all(np.abs(y - exact) <= step * w_sym * 1.001 + 1e-5 * np.abs(exact).max())
+
+
+@pytest.fixture(scope="module")
+def portable_target(tmp_path_factory):
+    """The library built without AVX-512 VNNI (its portable loop), under its own target."""
+    import ctypes
+    import subprocess
+    out = tmp_path_factory.mktemp("portable") / "libportable.so"
+    src = [s for s in native.SOURCES if s.name == "cpu_quant_matmul.cc"]
+    res = subprocess.run([native._compiler(), *native.FLAGS, "-mno-avx512vnni", "-I",
+                          jax.ffi.include_dir(), *map(str, src), "-o", str(out)],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-2000:]
+    lib = ctypes.cdll.LoadLibrary(str(out))
+    assert lib.jaxserve_quant_matmul_vnni() == 0
+    jax.ffi.register_ffi_target("jaxserve_quant_matmul_portable",
+                                jax.ffi.pycapsule(lib.JaxserveQuantMatmul), platform="cpu")
+    return "jaxserve_quant_matmul_portable"
+
+
+@pytest.mark.parametrize("bits,limbs,m,f16", [(4, 1, 5, False), (4, 2, 2, True),
+                                              (8, 2, 3, False), (8, 1, 1, True)])
+def test_portable_loop_matches_numpy_reference(portable_target, bits, limbs, m, f16):
+    rng = np.random.default_rng(bits + m)
+    cw = pack_weight(random_weight(bits, 128, 37, 32, offsets=True, rng=rng, f16=f16))
+    x = rng.standard_normal((m, 128)).astype(np.float32)
+    y = np.asarray(quant_matmul_cpu(jnp.asarray(x), cw, limbs, target=portable_target))
+    u, s, b = decode(cw)
+    ref = quant_matmul_reference(x, u, s, b, cw.zero, limbs)
+    np.testing.assert_allclose(y, ref, rtol=2e-6, atol=2e-6 * np.abs(ref).max())
 
 
 def test_rows_are_independent_and_zero_rows_give_the_bias_sums():
@@ -143,6 +183,7 @@ def test_gguf_blocks_repack_to_ggufs_own_dequantization(qtype):
     t = gguf_tensor(w_hf, qtype)
     ref_w = gguf.quants.dequantize(t.data, qtype).reshape(80, 256).T  # [K, N], llama.cpp's
     cw = pack_weight(native_weight(t))
+    assert cw.scales.dtype == jnp.float16  # d and m as in the file: exact, half the bytes
     u, s, b = decode(cw)
     deq = np.repeat(s, 32, 0) * (u - cw.zero) + (0 if b is None else np.repeat(b, 32, 0))
     # Q4_1's d u + m becomes d (u - 8) + (m + 8 d): float32 rounding of m + 8 d only.

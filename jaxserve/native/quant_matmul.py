@@ -17,16 +17,17 @@ def vnni() -> bool:
     return bool(native.load().jaxserve_quant_matmul_vnni())
 
 
-def quant_matmul_cpu(x, w: CpuPackedWeight, limbs: int):
+def quant_matmul_cpu(x, w: CpuPackedWeight, limbs: int, target: str = "jaxserve_quant_matmul"):
     """x [M, K] -> [M, N] float32 = x @ w, activations int8 per row (`limbs` 1: W4A8 / W8A8;
-    2: the 16-bit two-limb fixed point of W8A16). w carries no leading axes."""
+    2: the 16-bit two-limb fixed point of W8A16). w carries no leading axes. `target`: the
+    FFI target (tests register the portable build under another name)."""
     native.load()
     m = x.shape[0]
     n16 = w.codes.shape[0] * 16
-    call = jax.ffi.ffi_call("jaxserve_quant_matmul", jax.ShapeDtypeStruct((m, n16), jnp.float32))
-    bias = w.bias if w.bias is not None else jnp.zeros((0,), jnp.float32)
-    y = call(x.astype(jnp.float32), w.codes, w.scales, bias, bits=np.int32(w.bits),
-             zero=np.int32(w.zero), limbs=np.int32(limbs))  # [M, N16]
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((m, n16), jnp.float32))
+    offsets = w.offsets if w.offsets is not None else jnp.zeros((0,), w.scales.dtype)
+    y = call(x.astype(jnp.float32), w.codes, w.scales, offsets, bits=np.int32(w.bits),
+             zero=np.int32(w.zero), shift=np.int32(w.shift), limbs=np.int32(limbs))  # [M, N16]
     return y if n16 == w.out_features else y[:, :w.out_features]
 
 

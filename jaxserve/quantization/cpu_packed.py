@@ -1,8 +1,10 @@
 """Repacking Int4Weight / Int8Weight into the native CPU matmul's layout (CpuPackedWeight), at load.
 
 The math is unchanged, only re-expressed with unsigned codes and a static zero point:
-    Int4Weight  w = s u + b          = s (u - 8) + (b + 8 s)      (b None: -8 s, bias None)
+    Int4Weight  w = s u + b          = s (u - 8) + (b + 8 s)      (b None: -8 s, shift 0)
     Int8Weight  w = s c + b, c int8  = s ((c + 128) - 128) + b    (codes stored as c + 128)
+The kernel forms b + 8 s itself, so scales and offsets stay the stored ones: float16 where
+every value is exactly a float16 (GGUF's d and m), float32 otherwise.
 so GGUF's Q4_0 / Q4_1 / Q8_0 blocks (quantization/gguf_native.py) keep llama.cpp's
 dequantization x = d q + m exactly; the kernel applies it to int8 activations, never to a float
 copy of the weight. Layout: jaxserve/native/cpu_quant_matmul.cc. Numpy only, once per weight.
@@ -46,23 +48,26 @@ def _pack_one(w: Int4Weight | Int8Weight) -> dict:
         t = _tile(u, n_pad, 8).reshape(n_pad // TILE, TILE, k // 8, 2, 4)  # [T, j, o, h, b]
         t = t.transpose(0, 2, 1, 4, 3)  # [T, o, j, b, h]
         codes = t[..., 0] | (t[..., 1] << 4)  # [T, K/8, 16, 4]
-        bias = None if offsets is None else offsets + 8.0 * scales
-        bits, zero = 4, 8
+        bits, zero, shift = 4, 8, 0 if offsets is None else 8
     else:
         c = np.asarray(w.q8).astype(np.int16) + 128  # [N, K] in [1, 255]
         k = c.shape[1]
         t = _tile(c.astype(np.uint8), n_pad, 128).reshape(n_pad // TILE, TILE, k // 4, 4)
         codes = t.transpose(0, 2, 1, 3)  # [T, K/4, 16, 4]
-        bias = offsets
-        bits, zero = 8, 128
+        bits, zero, shift = 8, 128, 0
+    floats = [a for a in (scales, offsets) if a is not None]
+    dtype = (np.float16 if all(np.array_equal(a.astype(np.float16).astype(np.float32), a)
+                               for a in floats) else np.float32)
 
     def per_tile(a):  # [G, N] -> [T, G, 16], zero past N
-        return _tile(np.ascontiguousarray(a.T), n_pad, 0.0).transpose(0, 2, 1)
+        if a is None:
+            return None
+        t = _tile(np.ascontiguousarray(a.T), n_pad, 0.0).transpose(0, 2, 1)
+        return np.ascontiguousarray(t.astype(dtype))
 
     return dict(codes=np.ascontiguousarray(codes).reshape(n_pad // TILE, -1, 64),
-                scales=np.ascontiguousarray(per_tile(scales)),
-                bias=None if bias is None else np.ascontiguousarray(per_tile(bias)),
-                bits=bits, zero=zero, out_features=n, group_size=k // groups)
+                scales=per_tile(scales), offsets=per_tile(offsets), bits=bits, zero=zero,
+                shift=shift, out_features=n, group_size=k // groups)
 
 
 def pack_weight(w: Int4Weight | Int8Weight) -> CpuPackedWeight:
@@ -71,14 +76,15 @@ def pack_weight(w: Int4Weight | Int8Weight) -> CpuPackedWeight:
     parts = [_pack_one(jax.tree.map(lambda a, i=i: np.asarray(a)[i], w))
              for i in np.ndindex(*lead)]
     arrays = {}
-    for name in ("codes", "scales", "bias"):
+    for name in ("codes", "scales", "offsets"):
         if parts[0][name] is None:
             arrays[name] = None
         else:
             stacked = np.stack([p[name] for p in parts])
             arrays[name] = jnp.asarray(stacked.reshape(*lead, *stacked.shape[1:]))
     return CpuPackedWeight(**arrays, **{k: parts[0][k] for k in
-                                        ("bits", "zero", "out_features", "group_size")})
+                                        ("bits", "zero", "shift", "out_features",
+                                         "group_size")})
 
 
 def packable(w) -> bool:

@@ -23,7 +23,7 @@ from jaxserve.quantization.cpu_packed import pack_params
 from jaxserve.quantization.linear import ACTIVATION_BITS, quantized_linear
 from models.config import ModelConfig
 from models.llama import Parallel, dense_linear
-from models.quantized import is_quantized
+from models.quantized import CpuPackedWeight, is_quantized
 
 log = logging.getLogger("jaxserve")
 
@@ -69,15 +69,24 @@ def default_dtype(requested: str | None) -> str:
     return "bfloat16" if jax.default_backend() == "gpu" else "float32"
 
 
-def unroll_layers(layer_loop: str, tensor_parallel: bool) -> bool:
-    """EngineConfig.layer_loop resolved: unrolled on GPU by default; never with tensor
-    parallelism (the unrolled step needs each weight whole on one device)."""
+def unroll_layers(layer_loop: str, tensor_parallel: bool, params=None) -> bool:
+    """EngineConfig.layer_loop resolved: unrolled on GPU by default, and on CPU where `params`
+    hold weights for the native matmul (a scan would hand the FFI call each layer's slice of
+    the stacked weights as a fresh copy, every step); never with tensor parallelism (the
+    unrolled step needs each weight whole on one device)."""
     if tensor_parallel:
         if layer_loop == "unrolled":
             raise ValueError("layer_loop='unrolled' runs on one device; with tensor_parallel_size "
                              "> 1 use 'scan' or 'auto'")
         return False
-    return layer_loop == "unrolled" or (layer_loop == "auto" and gpu_step())
+    return layer_loop == "unrolled" or (layer_loop == "auto" and (
+        gpu_step() or (params is not None and has_packed(params))))
+
+
+def has_packed(params) -> bool:
+    """Whether `params` hold any weight repacked for the native CPU matmul."""
+    leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, CpuPackedWeight))
+    return any(isinstance(w, CpuPackedWeight) for w in leaves)
 
 
 def gpu_step() -> bool:

@@ -157,7 +157,9 @@ def draft_proposer(spec, engine) -> DraftModelProposer:
         max_num_batched_tokens=config.max_num_batched_tokens, block_size=bs,
         num_blocks=num_blocks, max_model_len=engine.max_model_len,
         attention=backends.attention_backend(kind, draft.config, bs, config.attention_backend),
-        linear=backends.linear_backend(linear_kind, activation_bits(quant)))
+        linear=backends.linear_backend(linear_kind, activation_bits(quant)),
+        # Native CPU linears read whole per-layer weights (backends.unroll_layers).
+        unroll_layers=config.layer_loop != "scan" and backends.has_packed(draft.params))
     if config.warmup:
         seconds = runner.warmup(progress=False)
         log.info("draft model: %d programs compiled in %.1fs", runner.num_compiled, seconds)
