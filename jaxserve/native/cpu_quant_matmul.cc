@@ -43,6 +43,7 @@ namespace {
 constexpr int kLimb = 254;     // second-limb scale (linear.py's LIMB)
 constexpr int kRows = 4;       // rows sharing one pass over a tile's codes
 constexpr int kTilesPerItem = 4;
+constexpr int kPrefetch = 4096;  // software prefetch distance on the code stream, bytes
 constexpr int64_t kMinSplitBytes = 96 << 10;  // below: one thread (see Impl)
 
 struct Problem {
@@ -162,7 +163,9 @@ void tile_rows(const Problem& p, int64_t t, int64_t r0) {
       for (int l = 0; l < LIMBS; ++l) iacc[r][l] = _mm512_setzero_si512();
     const int64_t k0 = grp * g;
     for (int64_t kk = k0; kk < k0 + g; kk += chunk_k) {
-      const __m512i w = _mm512_loadu_si512(codes + (kk / chunk_k) * 64);
+      const uint8_t* at = codes + (kk / chunk_k) * 64;
+      _mm_prefetch(reinterpret_cast<const char*>(at) + kPrefetch, _MM_HINT_T0);
+      const __m512i w = _mm512_loadu_si512(at);
       if constexpr (BITS == 4) {
         const __m512i lo = _mm512_and_si512(w, nib);
         const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), nib);
