@@ -23,7 +23,7 @@ from models.config import Dtype
 # Which implementation runs inside the jitted step (jaxserve/runtime/backends.py).
 Backend = Literal["auto", "xla", "cpu", "pallas", "pallas-interpret"]
 # Inference paths (jaxserve/quantization/paths.py), and other names accepted for them.
-QuantizationPath = Literal["w8a16", "w4a16", "w8a8", "gguf"]
+QuantizationPath = Literal["w8a16", "w4a16", "w8a8", "w4a8", "gguf"]
 QuantizationAlias = Literal["int4"]
 QUANTIZATION_ALIASES: Mapping[QuantizationAlias, QuantizationPath] = MappingProxyType(
     {"int4": "w4a16"})
@@ -90,11 +90,11 @@ class EngineConfig:
         "(GPU kernel on CPU, for tests); auto: pallas on GPU, cpu on CPU where it builds, "
         "else xla"))
     linear_backend: Backend = dataclasses.field(default="auto", metadata=_help(
-        "quantized linears: pallas (int4 GPU kernel), xla, pallas-interpret; auto: pallas on "
-        "GPU, else xla"))
+        "quantized linears: pallas (int4 GPU kernel), cpu (native int4/int8 CPU kernel), xla, "
+        "pallas-interpret; auto: pallas on GPU, cpu on CPU where it builds, else xla"))
     quantization: Quantization | None = dataclasses.field(default=None, metadata=_help(
-        "w8a16, w4a16 (alias int4), w8a8: int8/int4 weights by round-to-nearest, int8 x int8 "
-        "(w8a8); gguf: a .gguf file's own blocks; default: the weights as loaded (a quantized "
+        "w8a16, w4a16 (alias int4), w8a8, w4a8: int8/int4 weights by round-to-nearest, int8 "
+        "activations per token (w8a8, w4a8); gguf: a .gguf file's own blocks; default: the weights as loaded (a quantized "
         "checkpoint serves its own path)"))
     seed: int = dataclasses.field(default=0, metadata=_help(
         "engine seed: a request without a seed of its own draws one from it (bench: also the "
@@ -187,7 +187,7 @@ class EngineConfig:
             # The file's blocks are served as stored, but tensor parallelism may pad heads (and
             # Q4 groups of 32 would have to be re-laid per shard): not supported yet.
             raise ValueError("quantization='gguf' runs on one device; with "
-                             "tensor_parallel_size > 1 use w8a16, w8a8 or w4a16")
+                             "tensor_parallel_size > 1 use w8a16, w8a8, w4a16 or w4a8")
 
     def scheduler_config(self, *, num_blocks: int, max_model_len: int) -> SchedulerConfig:
         """The scheduler's limits: this config's, plus what the engine derived from the model

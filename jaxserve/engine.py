@@ -92,7 +92,12 @@ class LLMEngine:
         # Tensor parallel: a mesh, and heads padded for it (float weights: before quantization).
         tp, self.model = sharding.setup(config.tensor_parallel_size, self.model)
         self.model, self.quantization = prepare_model(self.model, config.quantization)
-        unroll = backends.unroll_layers(config.layer_loop, tensor_parallel=tp is not None)
+        linear_kind = backends.resolve(config.linear_backend)
+        if tp is not None and linear_kind == "cpu":
+            linear_kind = "xla"  # the native kernel reads whole, repacked weights
+        self.model = backends.prepare_params(linear_kind, self.model)
+        unroll = backends.unroll_layers(config.layer_loop, tensor_parallel=tp is not None,
+                                        params=self.model.params)
         if unroll:  # split before the KV plan, so that the stacked copy is freed by then
             self.model = dataclasses.replace(self.model, params=unstack_layers(
                 self.model.params, self.model.config.num_layers))
@@ -116,7 +121,6 @@ class LLMEngine:
         self.max_model_len = max_len
         tok = self.model.tokenizer
         self.eos_ids = set(tok.stop_token_ids) if tok is not None else set(mc.eos_token_ids)
-        linear_kind = backends.resolve(config.linear_backend)
         linear = backends.linear_backend(linear_kind, activation_bits(self.quantization))
         if tp is not None and linear_kind != "xla":  # the int4 kernel runs per shard
             linear = tp.linear(linear)

@@ -91,12 +91,36 @@ class Int8Weight(_Weight):
         return self.q8.shape[-1]
 
 
-WEIGHT_TYPES = (Int4Weight, Int8Weight)
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CpuPackedWeight:
+    """An Int4Weight or Int8Weight repacked at load for the native CPU matmul
+    (jaxserve/native/cpu_quant_matmul.cc has the layout; jaxserve/quantization/cpu_packed.py
+    packs it). Outputs in tiles of 16 (N padded up to a multiple of 16):
+        w[k, n] = scales[G, n] (u[k, n] - zero) + offsets[G, n] + shift scales[G, n]
+    (u unsigned codes; scales and offsets float16 where they are exactly so, e.g. GGUF's).
+    Never stored on disk and never sharded: it exists only inside a CPU engine's params."""
+
+    codes: Any                 # [..., N16/16, K/8 (4 bits) or K/4 (8 bits), 64] uint8
+    scales: Any                # [..., N16/16, K/g, 16] float32 or float16
+    offsets: Any = None        # like scales, or None (0)
+    bits: int = _static()      # 4 or 8
+    zero: int = _static()      # 8 (int4) or 128 (int8 codes stored as u = c + 128)
+    shift: int = _static()     # 8 for int4 with offsets (w = s u + o), else 0
+    out_features: int = _static()  # N (the padded outputs are cut off)
+    group_size: int = _static()
+
+    @property
+    def in_features(self) -> int:
+        return self.codes.shape[-2] * (8 if self.bits == 4 else 4)
+
+
+WEIGHT_TYPES = (Int4Weight, Int8Weight)  # the stored types (from_stored, sharding)
 QuantizedWeight = Int4Weight | Int8Weight
 
 
 def is_quantized(x) -> bool:
-    return isinstance(x, WEIGHT_TYPES)
+    return isinstance(x, (*WEIGHT_TYPES, CpuPackedWeight))
 
 
 def make_weight(cls, **arrays) -> QuantizedWeight:

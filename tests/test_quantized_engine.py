@@ -123,8 +123,10 @@ def fp32_tokens(smollm2_fp32, chat_prompts):
 # weights to g64/g128). Each bound sits below its measurement with margin, and above what the
 # same path with its decoder scales off by a few percent gives (the broken controls below:
 # w8a16 x1.05 measured 0.60, w4a16 x1.05 0.0; W8A8's loose bound needs x1.25 - x1.1 gave 0.47:
-# a uniform scale error is partly absorbed by the RMSNorms).
-BOUNDS = {"gguf": 1.0, "w8a16": 0.75, "w8a8": 0.4, "w4a16": 0.3}
+# a uniform scale error is partly absorbed by the RMSNorms). On CPU, w4a16 and gguf run the
+# native kernel (two int8 activation limbs): measured the same 0.375 and 1.0; w4a8 (int4
+# weights, int8 activations per token, int8 head) measured 0.3125.
+BOUNDS = {"gguf": 1.0, "w8a16": 0.75, "w8a8": 0.4, "w4a16": 0.3, "w4a8": 0.25}
 
 
 @pytest.mark.parametrize("path", list(BOUNDS))
@@ -134,7 +136,8 @@ def test_smollm2_greedy_agrees_with_fp32(smollm2_fp32, chat_prompts, fp32_tokens
     assert prefix_agreement(fp32_tokens, out) >= BOUNDS[path]
 
 
-@pytest.mark.parametrize("path,factor", [("w8a16", 1.05), ("w8a8", 1.25), ("w4a16", 1.05)])
+@pytest.mark.parametrize("path,factor", [("w8a16", 1.05), ("w8a8", 1.25), ("w4a16", 1.05),
+                                         ("w4a8", 1.05)])
 @pytest.mark.model
 def test_smollm2_broken_scales_fail_the_bound(smollm2_fp32, chat_prompts, fp32_tokens, path,
                                               factor):

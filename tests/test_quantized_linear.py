@@ -79,9 +79,27 @@ def test_single_row_equals_its_row_in_a_batch():
         np.testing.assert_allclose(one[0], batch[2], rtol=1e-6, atol=1e-6)
 
 
-def test_w8a8_refuses_per_group_weights_and_int4():
+def test_w8a8_refuses_per_group_weights():
     x = jnp.asarray(acts(2))
     with pytest.raises(ValueError, match="per-channel"):
         quantized_linear(x, make(8, "group", True)[0], activation_bits=8)
-    with pytest.raises(ValueError, match="W4A16"):
-        quantized_linear(x, make(4, "group", True)[0], activation_bits=8)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_w4a8_xla_matches_numpy_per_token_int8(symmetric):
+    """W4A8 (int4 weights, int8 activations per token) in XLA, the native CPU kernel's math:
+    the symmetric part s (u - 8) meets the int8 activations, offsets + 8 s the float sums."""
+    tree, w = make(4, "group", symmetric)
+    x = acts(3)
+    y = np.asarray(quantized_linear(jnp.asarray(x), tree, activation_bits=8))
+    x64 = x.astype(np.float64)
+    sx = np.abs(x64).max(axis=1, keepdims=True) / 127
+    xh = np.clip(np.round(x64 / sx), -127, 127) * sx
+    s = np.repeat(np.asarray(tree.scales, np.float64), 64, axis=0)  # [K, N]
+    ref = xh @ w
+    if not symmetric:  # w = s (u - 8) + (b + 8 s): the second part against the float sums
+        bias = np.repeat(np.asarray(tree.offsets, np.float64), 64, axis=0) + 8 * s
+        ref = xh @ (w - bias) + x64 @ bias
+    np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    exact = x64 @ w
+    assert np.abs(y - exact).max() > 1e-4 * np.abs(exact).max()  # activations really are int8

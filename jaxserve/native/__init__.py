@@ -20,11 +20,13 @@ import tempfile
 
 import jax
 
-SOURCES = (pathlib.Path(__file__).with_name("cpu_attention.cc"),)
+SOURCES = tuple(pathlib.Path(__file__).with_name(name)
+                for name in ("cpu_attention.cc", "cpu_quant_matmul.cc"))
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-std=c++17", "-fPIC", "-shared")
 # Handler symbols in the library and the FFI target names they are registered under.
 TARGETS = {"jaxserve_ragged_paged_attention": "JaxserveRaggedPagedAttention",
-           "jaxserve_ragged_paged_attention_int8": "JaxserveRaggedPagedAttentionInt8"}
+           "jaxserve_ragged_paged_attention_int8": "JaxserveRaggedPagedAttentionInt8",
+           "jaxserve_quant_matmul": "JaxserveQuantMatmul"}
 
 
 class NativeUnavailable(RuntimeError):
@@ -67,7 +69,7 @@ def build() -> pathlib.Path:
     try:
         res = subprocess.run([*cmd, "-o", str(part)], capture_output=True, text=True)
         if res.returncode:
-            raise NativeUnavailable(f"compiling {SOURCES[0].name} failed:\n{res.stderr[-2000:]}")
+            raise NativeUnavailable(f"compiling {', '.join(s.name for s in SOURCES)} failed:\n{res.stderr[-2000:]}")
         part.replace(path)
     finally:
         part.unlink(missing_ok=True)

@@ -15,6 +15,11 @@ f32 here (AMX). Measured figures: README, "Quantized inference".
   |e| <= 1/508, i.e. 16-bit fixed point per token (|x - x_hat| <= max|x[m]| / 64516), both
   limbs in one int8 dot. Elsewhere (GPU), and for per-group int8, the codes are converted to
   the activation dtype inside the step: exact, and fused there.
+- int4 (W4A16 / W4A8) on CPU: the native kernel (jaxserve/native/cpu_quant_matmul.cc) on
+  weights repacked at load (CpuPackedWeight); activations int8 per row (W4A8) or as the two
+  W8A16 limbs (W4A16). Here, the XLA reference: the dequantized float weight, and for W4A8
+      y = sx[m] (xq @ s (u - 8))[m, n] + (sum_{k in G} x[m, k]) (b + 8 s)[G, n]
+  the kernel's split: only the symmetric part meets the quantized activations.
 - A single row goes through XLA CPU's matrix-vector path, which is ~30x slower for int8 than
   its matrix-matrix one: rows are padded to at least 2.
 """
@@ -24,8 +29,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from models.quantized import Int4Weight, Int8Weight, QuantizedWeight
-from pallas_kernels.int4_matmul import int4_matmul, int4_matmul_reference
+from jaxserve.native.quant_matmul import quant_matmul_cpu
+from models.quantized import CpuPackedWeight, Int4Weight, Int8Weight, QuantizedWeight
+from pallas_kernels.int4_matmul import dequantize_int4, int4_matmul, int4_matmul_reference
 
 ACTIVATION_BITS = (16, 8)
 LIMB = 254  # second-limb scale: the residual in [-0.5, 0.5] -> [-127, 127]
@@ -93,11 +99,28 @@ def int8_linear(x, w: Int8Weight, activation_bits: int = 16, limbs: bool = True)
     return y
 
 
-def int4_linear(x, w: Int4Weight, kind: str):
+def int4_w4a8_reference(x, w: Int4Weight):
+    """W4A8 in XLA (the native kernel's math, see above): x [M, K] -> [M, N] float32."""
+    xq, sx = quantize_activations(x)
+    m, k = x.shape
+    scales = w.scales.astype(jnp.float32)
+    w_sym = dequantize_int4(w.packed, scales, None, group_size=w.group_size)  # s (u - 8)
+    y = jnp.dot(xq.astype(jnp.float32), w_sym, precision=jax.lax.Precision.HIGHEST) * sx
+    if w.offsets is not None:
+        xsum = x.astype(jnp.float32).reshape(m, -1, w.group_size).sum(-1)  # [M, G]
+        y = y + jnp.dot(xsum, w.offsets.astype(jnp.float32) + 8.0 * scales,
+                        precision=jax.lax.Precision.HIGHEST)
+    return y
+
+
+def int4_linear(x, w: Int4Weight, kind: str, activation_bits: int = 16):
     """x [M, K] @ Int4Weight(packed [K/2, N], scales [K/g, N], offsets?) -> [M, N].
 
-    The kernel and its reference take the plain arrays.
+    The kernel and its reference take the plain arrays. W4A8 (`activation_bits` 8) runs its
+    XLA reference on any backend (the Pallas kernel takes float activations).
     """
+    if activation_bits == 8:
+        return int4_w4a8_reference(x, w)
     group = w.group_size
     args = (x, w.packed, w.scales, w.offsets)
     if kind == "xla":
@@ -115,13 +138,13 @@ def quantized_linear(x, w: QuantizedWeight, kind: str = "xla", activation_bits: 
         limbs = jax.default_backend() == "cpu"
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)  # [M, K]
-    if isinstance(w, Int4Weight):
-        if activation_bits != 16:
-            raise ValueError("int4 weights run with 16/32-bit activations only (W4A16)")
-        y = int4_linear(x2, w, kind)
+    if isinstance(w, CpuPackedWeight):
+        y = quant_matmul_cpu(x2, w, limbs=1 if activation_bits == 8 else 2)
+    elif isinstance(w, Int4Weight):
+        y = int4_linear(x2, w, kind, activation_bits)
     elif isinstance(w, Int8Weight):
         y = int8_linear(x2, w, activation_bits, limbs)
     else:
-        raise TypeError(f"not a quantized weight: {type(w).__name__} (expected Int4Weight or "
-                        "Int8Weight, models/quantized.py)")
+        raise TypeError(f"not a quantized weight: {type(w).__name__} (expected Int4Weight, "
+                        "Int8Weight or CpuPackedWeight, models/quantized.py)")
     return y.reshape(*lead, y.shape[-1]).astype(jnp.float32)

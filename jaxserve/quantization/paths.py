@@ -4,10 +4,12 @@
     w4a16  int4 weights, affine per group of 128 (or 64/32 where 128 does not divide K);
            the Pallas int4 kernel on GPU, the XLA reference on CPU. "int4" is an alias.
     w8a8   w8a16's weights x int8 activations quantized per token at run time
+    w4a8   w4a16's weights x int8 activations quantized per token (the native CPU kernel's
+           fast path; elsewhere its XLA reference)
     gguf   the GGUF file's own Q4_0/Q4_1 (int4, g=32) and Q8_0 (int8, g=32) blocks, as is
 
-The LM head: w8a16 and w8a8 quantize it like the other linears (int8 per channel; it is about
-a fifth of SmolLM2's FLOPs and weight bytes, and W8A8's speed comes from its int8 dot); gguf uses
+The LM head: w8a16, w8a8 and w4a8 quantize it int8 per channel (it is about a fifth of
+SmolLM2's FLOPs and weight bytes, and batch-1 decode reads every byte of it per token); gguf uses
 the file's own head (the Q8_0 token embedding, tied); w4a16 keeps it float, as most W4A16
 deployments do. The embedding lookup always reads the float table. A mixture-of-experts model
 takes w8a16 only (its experts per expert and channel: quantization/moe.py).
@@ -36,7 +38,7 @@ def canonical(path: str | None) -> str | None:
 
 
 def activation_bits(path: str | None) -> int:
-    return 8 if canonical(path) == "w8a8" else 16
+    return 8 if canonical(path) in ("w8a8", "w4a8") else 16
 
 
 def quantize_params(model, path: str) -> dict:
@@ -50,6 +52,8 @@ def quantize_params(model, path: str) -> dict:
         return gguf_native_params(model.params, model.raw, model.config)
     if path == "w4a16":
         return quantize_kernels(model.params, INT4_G128)
+    if path == "w4a8":
+        return quantize_head(quantize_kernels(model.params, INT4_G128), INT8_CHANNEL)
     params = quantize_kernels(model.params, INT8_CHANNEL)
     if model.config.num_experts:
         params = quantize_experts(params, INT8_CHANNEL)

@@ -1,14 +1,15 @@
 """Attention and linear backends: which implementation runs inside the jitted step.
 
 `xla` is pure jax.numpy and runs everywhere (the oracle, and the CPU fallback); `cpu` is the
-native CPU attention kernel (jaxserve/native, attention only); `pallas` runs the Pallas kernels
-(GPU); `pallas-interpret` runs the same kernels through the Pallas interpreter on CPU, for
-tests. `auto` picks pallas on GPU; on CPU, cpu for attention where the native library builds
-and xla otherwise.
+native CPU kernels (jaxserve/native: the paged attention, and the int4 / int8 matmul on weights
+repacked at load); `pallas` runs the Pallas kernels (GPU); `pallas-interpret` runs the same
+kernels through the Pallas interpreter on CPU, for tests. `auto` picks pallas on GPU; on CPU,
+cpu where the native library builds (for linears: with the AVX-512 VNNI loop) and xla otherwise.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import jax
@@ -17,10 +18,12 @@ from jaxserve import native
 from jaxserve.runtime.attention_backends import (AttentionBackend, CpuAttention, PallasAttention,
                                                  XlaAttention)
 from jaxserve.config import BACKENDS
+from jaxserve.native.quant_matmul import vnni
+from jaxserve.quantization.cpu_packed import pack_params
 from jaxserve.quantization.linear import ACTIVATION_BITS, quantized_linear
 from models.config import ModelConfig
 from models.llama import Parallel, dense_linear
-from models.quantized import Int8Weight, is_quantized
+from models.quantized import CpuPackedWeight, is_quantized
 
 log = logging.getLogger("jaxserve")
 
@@ -30,19 +33,33 @@ def resolve(kind: str, attention: bool = False) -> str:
     whether the native CPU library is available)."""
     if kind not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {kind!r}")
-    if kind == "cpu" and not attention:
-        raise ValueError("'cpu' is an attention backend (the native CPU kernel); "
-                         "linear_backend takes auto, xla, pallas or pallas-interpret")
+    what = "attention" if attention else "quantized matmul"
+    if kind == "cpu":
+        why = native.unavailable_reason()
+        if why is not None:
+            raise ValueError(f"the native CPU {what} is unavailable here ({why}); use 'xla'")
     if kind == "auto":
         if jax.default_backend() == "gpu":
             return "pallas"
-        if attention and jax.default_backend() == "cpu":
+        if jax.default_backend() == "cpu":
             why = native.unavailable_reason()
+            if why is None and not attention and not vnni():
+                # The portable loop is correct but slower than XLA's dots.
+                why = "built without AVX-512 VNNI"
             if why is None:
                 return "cpu"
-            log.warning("native CPU attention unavailable (%s): using XLA attention", why)
+            log.warning("native CPU %s unavailable (%s): using XLA", what, why)
         return "xla"
     return kind
+
+
+def prepare_params(kind: str, model, tensor_parallel: bool = False):
+    """The model with its quantized linear weights in the layout the `kind` linear backend
+    reads: repacked once, at load, for the native CPU kernel (never per step); as is
+    otherwise. Tensor parallelism shards the stored types, so it keeps them (XLA path)."""
+    if kind != "cpu" or tensor_parallel:
+        return model
+    return dataclasses.replace(model, params=pack_params(model.params))
 
 
 def default_dtype(requested: str | None) -> str:
@@ -52,15 +69,24 @@ def default_dtype(requested: str | None) -> str:
     return "bfloat16" if jax.default_backend() == "gpu" else "float32"
 
 
-def unroll_layers(layer_loop: str, tensor_parallel: bool) -> bool:
-    """EngineConfig.layer_loop resolved: unrolled on GPU by default; never with tensor
-    parallelism (the unrolled step needs each weight whole on one device)."""
+def unroll_layers(layer_loop: str, tensor_parallel: bool, params=None) -> bool:
+    """EngineConfig.layer_loop resolved: unrolled on GPU by default, and on CPU where `params`
+    hold weights for the native matmul (a scan would hand the FFI call each layer's slice of
+    the stacked weights as a fresh copy, every step); never with tensor parallelism (the
+    unrolled step needs each weight whole on one device)."""
     if tensor_parallel:
         if layer_loop == "unrolled":
             raise ValueError("layer_loop='unrolled' runs on one device; with tensor_parallel_size "
                              "> 1 use 'scan' or 'auto'")
         return False
-    return layer_loop == "unrolled" or (layer_loop == "auto" and gpu_step())
+    return layer_loop == "unrolled" or (layer_loop == "auto" and (
+        gpu_step() or (params is not None and has_packed(params))))
+
+
+def has_packed(params) -> bool:
+    """Whether `params` hold any weight repacked for the native CPU matmul."""
+    leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, CpuPackedWeight))
+    return any(isinstance(w, CpuPackedWeight) for w in leaves)
 
 
 def gpu_step() -> bool:
@@ -91,8 +117,9 @@ def linear_backend(kind: str, activation_bits: int = 16):
     """`linear(x, w, parallel)`: x @ w, w a float kernel or a quantized one (models/quantized.py).
 
     Int4Weight runs the Pallas kernel (pallas*) or the XLA reference; Int8Weight runs integer
-    dots in XLA, with int8 activations when `activation_bits` is 8 (W8A8). `parallel`, the
-    layer's declared role, is for the tensor-parallel wrapper (TensorParallel.linear).
+    dots in XLA, with int8 activations when `activation_bits` is 8 (W8A8); CpuPackedWeight
+    (`prepare_params` for `cpu`) runs the native kernel. `parallel`, the layer's declared
+    role, is for the tensor-parallel wrapper (TensorParallel.linear).
     """
     if activation_bits not in ACTIVATION_BITS:
         raise ValueError(f"activation_bits must be one of {ACTIVATION_BITS}, got "
@@ -101,8 +128,7 @@ def linear_backend(kind: str, activation_bits: int = 16):
     def linear(x, w, parallel: Parallel = None):
         if not is_quantized(w):
             return dense_linear(x, w, parallel)
-        # W8A8 applies to int8 weights; int4 ones (none in a W8A8 model) keep float activations.
-        bits = activation_bits if isinstance(w, Int8Weight) else 16
-        return quantized_linear(x, w, kind, bits)
+        # The XLA and Pallas linears see kind "xla" for what the native kernel does not take.
+        return quantized_linear(x, w, "xla" if kind == "cpu" else kind, activation_bits)
 
     return linear

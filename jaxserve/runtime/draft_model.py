@@ -149,14 +149,17 @@ def draft_proposer(spec, engine) -> DraftModelProposer:
                          f"differs from the target's ({target.config.vocab_size}); "
                          "speculative decoding needs the same tokenizer")
     bs, num_blocks = config.block_size, engine.scheduler.config.num_blocks
+    linear_kind = backends.resolve(config.linear_backend)
+    draft = backends.prepare_params(linear_kind, draft)
     kind = backends.resolve(config.attention_backend, attention=True)
     runner = ModelRunner(
         draft, max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens, block_size=bs,
         num_blocks=num_blocks, max_model_len=engine.max_model_len,
         attention=backends.attention_backend(kind, draft.config, bs, config.attention_backend),
-        linear=backends.linear_backend(backends.resolve(config.linear_backend),
-                                       activation_bits(quant)))
+        linear=backends.linear_backend(linear_kind, activation_bits(quant)),
+        # Native CPU linears read whole per-layer weights (backends.unroll_layers).
+        unroll_layers=config.layer_loop != "scan" and backends.has_packed(draft.params))
     if config.warmup:
         seconds = runner.warmup(progress=False)
         log.info("draft model: %d programs compiled in %.1fs", runner.num_compiled, seconds)

@@ -1,0 +1,383 @@
+// Quantized-weight matmul for the CPU (int4 / int8 codes with per-group scales), called from JAX
+// through the XLA FFI.
+//
+// Why native: XLA:CPU has no int4 x int8 dot; the pure-XLA paths unpack or dequantize the codes
+// into a new array every step (docs/performance.md, "CPU int4 weights"), so an int4 weight costs
+// the time of a float one. This loop reads each code byte once per call, unpacks nibbles in
+// registers and multiplies them with int8 activations (AVX-512 VNNI vpdpbusd, as llama.cpp).
+//
+//   w[k, n] = s[G, n] (u[k, n] - z) + b[G, n]   (u unsigned codes, z a static zero point,
+//   b = o + c s from the stored offsets o and a static shift c, in float32 here)
+//   y[m, n] = sx[m] sum_G s[G, n] (sum_{k in G} u[k, n] xq[m, k] - z sum_{k in G} xq[m, k])
+//             + sum_G b[G, n] sum_{k in G} x[m, k]
+// Activations are quantized per row here: x ~ sx (x1 + x2 / 254) with x1, x2 int8 ("limbs":
+// 1 = W4A8, x1 only; 2 = 16-bit fixed point per row, the W8A16 limb scheme of
+// jaxserve/quantization/linear.py). Both limbs go through the same unpacked codes.
+//
+// Layout (jaxserve/quantization/cpu_packed.py packs it): outputs in tiles of 16 (one register
+// of int32 lanes); codes [N/16, K/8, 64] uint8 for 4 bits, byte 4 j + b of octet o holding
+// u[16 t + j, 8 o + b] | u[16 t + j, 8 o + 4 + b] << 4; [N/16, K/4, 64] for 8 bits, byte 4 j + b
+// of quad o holding u[16 t + j, 4 o + b]. scales, offsets [N/16, K/g, 16] float32 or float16
+// (GGUF's d and m are float16: stored as in the file, a quarter of the bytes of the codes).
+// Work items are ranges of output tiles, shared by the calling thread and XLA's intra-op pool.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include <immintrin.h>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kLimb = 254;     // second-limb scale (linear.py's LIMB)
+constexpr int kRows = 4;       // rows sharing one pass over a tile's codes
+constexpr int kTilesPerItem = 4;
+constexpr int kPrefetch = 4096;  // software prefetch distance on the code stream, bytes
+constexpr int64_t kMinSplitBytes = 96 << 10;  // below: one thread (see Impl)
+
+struct Problem {
+  const float* x;          // [M, K]
+  const uint8_t* codes;    // see the layout above
+  const void* scales;      // [N/16, G, 16] float32 or float16 (ST)
+  const void* offsets;     // like scales, or null
+  float* out;              // [M, N16 * 16]
+  int64_t m, k, tiles, groups, group;
+  int bits, zero, shift, limbs;
+  // Per row: quantized limbs [M, limbs, K] int8, sx [M], per-group zero-point correction
+  // z (sum x1 + sum x2 / 254) [M, G] and float sums [M, G].
+  std::vector<int8_t> xq;
+  std::vector<float> sx, corr, xsum;
+};
+
+// Per-row activation quantization, bit-exact to the numpy/XLA reference: IEEE single ops in
+// this order (x / sx, round half to even, clamp; the residual (u - q) * 254 likewise), never
+// contracted into fused multiply-adds. Vectorized where AVX-512 is present.
+#pragma GCC push_options
+#pragma GCC optimize("no-fast-math", "fp-contract=off")
+inline float clamp127(float v) { return v < -127.0f ? -127.0f : (v > 127.0f ? 127.0f : v); }
+
+void quantize_rows(Problem& p) {
+  const int64_t m = p.m, k = p.k, g = p.group;
+  p.xq.resize(size_t(m * p.limbs * k));
+  p.sx.resize(size_t(m));
+  p.corr.resize(size_t(m * p.groups));
+  p.xsum.resize(size_t(m * p.groups));
+  for (int64_t r = 0; r < m; ++r) {
+    const float* x = p.x + r * k;
+    int8_t* x1 = p.xq.data() + r * p.limbs * k;
+    int8_t* x2 = x1 + k;
+    int64_t i = 0;
+    float amax = 0.0f;
+#if defined(__AVX512F__)
+    __m512 vmax = _mm512_setzero_ps();
+    for (; i + 16 <= k; i += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
+    amax = _mm512_reduce_max_ps(vmax);
+#endif
+    for (; i < k; ++i) amax = std::fabs(x[i]) > amax ? std::fabs(x[i]) : amax;
+    float sx = amax / 127.0f;
+    if (sx == 0.0f) sx = 1.0f;
+    p.sx[r] = sx;
+    i = 0;
+#if defined(__AVX512F__)
+    const __m512 vsx = _mm512_set1_ps(sx), lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+    const __m512 limb = _mm512_set1_ps(float(kLimb));
+    constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    for (; i + 16 <= k; i += 16) {
+      const __m512 u = _mm512_div_ps(_mm512_loadu_ps(x + i), vsx);
+      const __m512 q = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_roundscale_ps(u, kNearest)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(x1 + i),
+                       _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(q)));
+      if (p.limbs == 2) {
+        const __m512 res = _mm512_mul_ps(_mm512_sub_ps(u, q), limb);
+        const __m512 q2 = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_roundscale_ps(res, kNearest)));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(x2 + i),
+                         _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(q2)));
+      }
+    }
+#endif
+    for (; i < k; ++i) {
+      const float u = x[i] / sx;
+      const float q = clamp127(std::nearbyint(u));
+      x1[i] = int8_t(q);
+      if (p.limbs == 2) x2[i] = int8_t(clamp127(std::nearbyint((u - q) * float(kLimb))));
+    }
+    for (int64_t grp = 0; grp < p.groups; ++grp) {
+      int32_t s1 = 0, s2 = 0;
+      float xs = 0.0f;
+      for (int64_t j = grp * g; j < (grp + 1) * g; ++j) {
+        s1 += x1[j];
+        if (p.limbs == 2) s2 += x2[j];
+        xs += x[j];
+      }
+      p.corr[r * p.groups + grp] = float(p.zero) * (float(s1) + float(s2) / float(kLimb));
+      p.xsum[r * p.groups + grp] = xs;
+    }
+  }
+}
+#pragma GCC pop_options
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr bool kVnni = true;
+
+inline __m512i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+inline __m512 load_scales(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load_scales(const uint16_t* p) {  // float16
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// Rows [r0, r0 + R) against output tile t; LIMBS, BITS, the scale type ST compile-time.
+template <int R, int LIMBS, int BITS, typename ST>
+void tile_rows(const Problem& p, int64_t t, int64_t r0) {
+  const int64_t k = p.k, g = p.group;
+  const int64_t chunk_k = BITS == 4 ? 8 : 4;  // inputs per 64-byte chunk
+  const uint8_t* codes = p.codes + t * (k / chunk_k) * 64;
+  const ST* sc = static_cast<const ST*>(p.scales) + t * p.groups * 16;
+  const ST* bs = p.offsets ? static_cast<const ST*>(p.offsets) + t * p.groups * 16 : nullptr;
+  const __m512 shift = _mm512_set1_ps(float(p.shift));
+  const int8_t* xr[R][LIMBS];
+  for (int r = 0; r < R; ++r)
+    for (int l = 0; l < LIMBS; ++l) xr[r][l] = p.xq.data() + ((r0 + r) * LIMBS + l) * k;
+  __m512 facc[R];
+  for (int r = 0; r < R; ++r) facc[r] = _mm512_setzero_ps();
+  const __m512i nib = _mm512_set1_epi8(0x0F);
+  const __m512 inv_limb = _mm512_set1_ps(1.0f / float(kLimb));
+  for (int64_t grp = 0; grp < p.groups; ++grp) {
+    __m512i iacc[R][LIMBS];
+    for (int r = 0; r < R; ++r)
+      for (int l = 0; l < LIMBS; ++l) iacc[r][l] = _mm512_setzero_si512();
+    const int64_t k0 = grp * g;
+    for (int64_t kk = k0; kk < k0 + g; kk += chunk_k) {
+      const uint8_t* at = codes + (kk / chunk_k) * 64;
+      _mm_prefetch(reinterpret_cast<const char*>(at) + kPrefetch, _MM_HINT_T0);
+      const __m512i w = _mm512_loadu_si512(at);
+      if constexpr (BITS == 4) {
+        const __m512i lo = _mm512_and_si512(w, nib);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), nib);
+        for (int r = 0; r < R; ++r)
+          for (int l = 0; l < LIMBS; ++l) {
+            iacc[r][l] = _mm512_dpbusd_epi32(iacc[r][l], lo, bcast4(xr[r][l] + kk));
+            iacc[r][l] = _mm512_dpbusd_epi32(iacc[r][l], hi, bcast4(xr[r][l] + kk + 4));
+          }
+      } else {
+        for (int r = 0; r < R; ++r)
+          for (int l = 0; l < LIMBS; ++l)
+            iacc[r][l] = _mm512_dpbusd_epi32(iacc[r][l], w, bcast4(xr[r][l] + kk));
+      }
+    }
+    const __m512 s = load_scales(sc + grp * 16);
+    const __m512 b = bs ? _mm512_fmadd_ps(s, shift, load_scales(bs + grp * 16))
+                        : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+      __m512 d = _mm512_cvtepi32_ps(iacc[r][0]);
+      if constexpr (LIMBS == 2)
+        d = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[r][1]), inv_limb, d);
+      const float c = p.corr[(r0 + r) * p.groups + grp];
+      d = _mm512_sub_ps(d, _mm512_set1_ps(c));
+      facc[r] = _mm512_fmadd_ps(s, _mm512_mul_ps(d, _mm512_set1_ps(p.sx[r0 + r])), facc[r]);
+      if (bs) facc[r] = _mm512_fmadd_ps(b, _mm512_set1_ps(p.xsum[(r0 + r) * p.groups + grp]),
+                                        facc[r]);
+    }
+  }
+  const int64_t n16 = p.tiles * 16;
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(p.out + (r0 + r) * n16 + t * 16, facc[r]);
+}
+
+template <int LIMBS, int BITS, typename ST>
+void run_tiles(const Problem& p, int64_t t0, int64_t t1) {
+  for (int64_t t = t0; t < t1; ++t) {
+    int64_t r = 0;
+    for (; r + kRows <= p.m; r += kRows) tile_rows<kRows, LIMBS, BITS, ST>(p, t, r);
+    switch (p.m - r) {
+      case 3: tile_rows<3, LIMBS, BITS, ST>(p, t, r); break;
+      case 2: tile_rows<2, LIMBS, BITS, ST>(p, t, r); break;
+      case 1: tile_rows<1, LIMBS, BITS, ST>(p, t, r); break;
+      default: break;
+    }
+  }
+}
+#else
+constexpr bool kVnni = false;
+
+inline float scale_at(const float* p, int64_t i) { return p[i]; }
+inline float scale_at(const uint16_t* p, int64_t i) {  // float16 -> float32
+  const uint32_t h = p[i], sign = (h & 0x8000u) << 16, e = (h >> 10) & 0x1F, f = h & 0x3FF;
+  float v;
+  if (e == 0) {
+    v = std::ldexp(float(f), -24);
+  } else if (e == 31) {
+    v = f ? NAN : INFINITY;
+  } else {
+    const uint32_t bits = ((e + 112) << 23) | (f << 13);
+    std::memcpy(&v, &bits, 4);
+  }
+  return sign ? -v : v;
+}
+
+// Portable loop (machines without AVX-512 VNNI): the same sums, one lane at a time.
+template <int LIMBS, int BITS, typename ST>
+void run_tiles(const Problem& p, int64_t t0, int64_t t1) {
+  const ST* scales = static_cast<const ST*>(p.scales);
+  const ST* offsets = static_cast<const ST*>(p.offsets);
+  const int64_t k = p.k, g = p.group, chunk_k = BITS == 4 ? 8 : 4, n16 = p.tiles * 16;
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint8_t* codes = p.codes + t * (k / chunk_k) * 64;
+    for (int64_t r = 0; r < p.m; ++r) {
+      for (int j = 0; j < 16; ++j) {
+        float acc = 0.0f;
+        for (int64_t grp = 0; grp < p.groups; ++grp) {
+          float d = 0.0f;
+          for (int l = 0; l < LIMBS; ++l) {
+            const int8_t* xq = p.xq.data() + (r * LIMBS + l) * k;
+            int32_t dot = 0;
+            for (int64_t kk = grp * g; kk < (grp + 1) * g; ++kk) {
+              const int64_t o = kk / chunk_k, b = kk % chunk_k;
+              int32_t u;
+              if (BITS == 4) {
+                const uint8_t byte = codes[o * 64 + 4 * j + (b & 3)];
+                u = b < 4 ? byte & 0xF : byte >> 4;
+              } else {
+                u = codes[o * 64 + 4 * j + b];
+              }
+              dot += u * xq[kk];
+            }
+            d += l == 0 ? float(dot) : float(dot) / float(kLimb);
+          }
+          d -= p.corr[r * p.groups + grp];
+          const int64_t at = (t * p.groups + grp) * 16 + j;
+          const float s = scale_at(scales, at);
+          acc += s * (d * p.sx[r]);
+          if (offsets)
+            acc += (scale_at(offsets, at) + float(p.shift) * s) * p.xsum[r * p.groups + grp];
+        }
+        p.out[r * n16 + t * 16 + j] = acc;
+      }
+    }
+  }
+}
+#endif
+
+using TileFn = void (*)(const Problem&, int64_t, int64_t);
+
+template <typename ST>
+TileFn pick(int limbs, int bits) {
+  if (limbs == 1 && bits == 4) return run_tiles<1, 4, ST>;
+  if (limbs == 2 && bits == 4) return run_tiles<2, 4, ST>;
+  if (limbs == 1 && bits == 8) return run_tiles<1, 8, ST>;
+  if (limbs == 2 && bits == 8) return run_tiles<2, 8, ST>;
+  return nullptr;
+}
+
+// Items shared by the caller and pool tasks (as cpu_attention.cc): a task that starts after the
+// work ran out does nothing; the caller waits only for items already claimed.
+struct Shared {
+  Problem problem;
+  TileFn fn;
+  int64_t items;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  std::mutex mu;
+  std::condition_variable cv;
+
+  void drain() {
+    int64_t ran = 0;
+    for (int64_t i; (i = next.fetch_add(1)) < items;) {
+      const int64_t t0 = i * kTilesPerItem;
+      fn(problem, t0, std::min(problem.tiles, t0 + kTilesPerItem));
+      ++ran;
+    }
+    if (ran && done.fetch_add(ran) + ran == items) {
+      std::lock_guard<std::mutex> lock(mu);
+      cv.notify_all();
+    }
+  }
+};
+
+ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> codes,
+                ffi::AnyBuffer scales, ffi::AnyBuffer offsets, ffi::ResultBuffer<ffi::F32> out,
+                int32_t bits, int32_t zero, int32_t shift, int32_t limbs) {
+  auto xd = x.dimensions(), cd = codes.dimensions(), sd = scales.dimensions();
+  if (xd.size() != 2 || cd.size() != 3 || sd.size() != 3 || cd[2] != 64 || sd[2] != 16 ||
+      cd[0] != sd[0])
+    return ffi::Error::InvalidArgument(
+        "expected x [M, K], codes [N/16, K/c, 64], scales [N/16, G, 16]");
+  const ffi::DataType st = scales.element_type();
+  if (st != ffi::DataType::F32 && st != ffi::DataType::F16)
+    return ffi::Error::InvalidArgument("scales must be float32 or float16");
+  TileFn fn = st == ffi::DataType::F32 ? pick<float>(limbs, bits) : pick<uint16_t>(limbs, bits);
+  if (!fn) return ffi::Error::InvalidArgument("bits must be 4 or 8 and limbs 1 or 2");
+  const int64_t m = xd[0], k = xd[1], chunk_k = bits == 4 ? 8 : 4;
+  if (cd[1] * chunk_k != k || sd[1] == 0 || k % sd[1] != 0 || (k / sd[1]) % chunk_k != 0)
+    return ffi::Error::InvalidArgument("codes or scales do not match K = " + std::to_string(k));
+  const bool has_offsets = offsets.element_count() != 0;
+  if (has_offsets && (offsets.element_count() != scales.element_count() ||
+                      offsets.element_type() != st))
+    return ffi::Error::InvalidArgument("offsets must be empty or shaped and typed like scales");
+  auto shared = std::make_shared<Shared>();
+  Problem& p = shared->problem;
+  p.x = x.typed_data();
+  p.codes = codes.typed_data();
+  p.scales = scales.untyped_data();
+  p.offsets = has_offsets ? offsets.untyped_data() : nullptr;
+  p.out = out->typed_data();
+  p.m = m;
+  p.k = k;
+  p.tiles = cd[0];
+  p.groups = sd[1];
+  p.group = k / sd[1];
+  p.bits = bits;
+  p.zero = zero;
+  p.shift = shift;
+  p.limbs = limbs;
+  if (m == 0 || p.tiles == 0) return ffi::Error::Success();
+  quantize_rows(p);
+  shared->fn = fn;
+  shared->items = (p.tiles + kTilesPerItem - 1) / kTilesPerItem;
+  // Waking a pool thread costs microseconds: small products run on the calling thread. The
+  // calling thread is usually one of the pool's own, so it counts as one of its workers.
+  const int64_t bytes = codes.element_count() * std::max<int64_t>(1, m / kRows);
+  const int64_t helpers = bytes < kMinSplitBytes ? 0 : std::min<int64_t>(
+      std::max<int64_t>(1, pool.num_threads() - 1), shared->items - 1);
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared] { shared->drain(); });
+  shared->drain();
+  // Items a helper claimed finish within microseconds: spin briefly before sleeping.
+  for (int spin = 0; spin < 4096 && shared->done.load() != shared->items; ++spin) _mm_pause();
+  if (shared->done.load() != shared->items) {
+    std::unique_lock<std::mutex> lock(shared->mu);
+    shared->cv.wait(lock, [&] { return shared->done.load() == shared->items; });
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+// 1 where the library was built with the VNNI loop, 0 for the portable one (ctypes query).
+extern "C" int jaxserve_quant_matmul_vnni() { return kVnni ? 1 : 0; }
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQuantMatmul, Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // codes [N/16, K/c, 64]
+                                  .Arg<ffi::AnyBuffer>()  // scales [N/16, G, 16] f32 / f16
+                                  .Arg<ffi::AnyBuffer>()  // offsets: like scales, or [0]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out [M, N/16 * 16]
+                                  .Attr<int32_t>("bits")
+                                  .Attr<int32_t>("zero")
+                                  .Attr<int32_t>("shift")
+                                  .Attr<int32_t>("limbs"));
