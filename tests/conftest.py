@@ -113,3 +113,41 @@ def smollm2_fp32(smollm2_path):
     """The real default model in float32, loaded once for every module that needs it."""
     from models import load_model
     return load_model(smollm2_path, dtype="float32")
+
+
+def _proc_status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def release_module_memory(request):
+    """After each test module: drop its compiled programs and garbage.
+
+    A worker runs dozens of modules in one process; their jit caches (executables, and the
+    constants some of them close over) and cyclic garbage (engines, models) otherwise pile up
+    until the two workers together exceed the machine's 24 GiB and the kernel's OOM killer takes
+    one ("node down: Not properly terminated"), which also wedges pytest-xdist's loadfile
+    scheduler. With $JAXSERVE_TEST_RSS_LOG set, each module's peak and remaining RSS are
+    appended to that file (Linux: the peak is reset through /proc/self/clear_refs)."""
+    log = os.environ.get("JAXSERVE_TEST_RSS_LOG")
+    if log and os.path.exists("/proc/self/clear_refs"):
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM, the peak resident set
+    yield
+    import gc
+    import jax
+    jax.clear_caches()
+    gc.collect()
+    try:  # hand freed heap back to the system, so the other worker can use it
+        import ctypes
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    if log and os.path.exists("/proc/self/status"):
+        with open(log, "a") as f:
+            f.write(f"{request.module.__name__} peak_mib={_proc_status_kib('VmHWM') // 1024} "
+                    f"after_mib={_proc_status_kib('VmRSS') // 1024} pid={os.getpid()}\n")
