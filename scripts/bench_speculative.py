@@ -68,7 +68,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--ways", default="none,ngram,draft_model")
+    ap.add_argument("--ways", default="none,ngram,draft_model",
+                    help="comma-separated: none, ngram, ngram-kN (k = N), draft_model")
     ap.add_argument("--prompts", type=int, default=3, help="prompts per workload (<= 3)")
     ap.add_argument("--ngram", type=json.loads, default=None, metavar="JSON",
                     help="fields replacing the n-gram way's config, e.g. "
@@ -145,6 +146,9 @@ def main(argv=None) -> dict:
         print(f"n-gram drafter, {n} sequences: {c['median_s'] * 1e6:.0f} us/step", flush=True)
     if args.ngram:
         WAYS["ngram"] = {**WAYS["ngram"], **args.ngram}
+    for w in args.ways.split(","):  # "ngram-k8": the n-gram way drafting 8 tokens
+        if w.startswith("ngram-k") and w not in WAYS:
+            WAYS[w] = {**WAYS["ngram"], "num_speculative_tokens": int(w[len("ngram-k"):])}
     model = load_model(args.model, dtype="float32")
     workloads = {"grounded": GROUNDED[:args.prompts], "free": FREE[:args.prompts]}
     ways = args.ways.split(",")

@@ -9,6 +9,8 @@ the MoE model's linears.
 - `xla`: the tiled XLA path (`grouped_matmul_tiled`), its tile picked per shape by
   `cpu_tile_rows` (a cost model fitted on XLA:CPU only, docs/moe.md). ragged_dot was never
   measurably faster there, so it is not chosen.
+- `cpu` (the native CPU linears, jaxserve/native): the tiled XLA path as for `xla`; the native
+  kernel has no grouped form, and the experts' int8 codes are not repacked for it.
 - `ragged`: always `jax.lax.ragged_dot` (models/moe.py's default; the oracle in tests).
 Under tensor parallelism the kernel runs per shard (`TensorParallel.grouped_matmul`); the XLA
 paths are partitioned by XLA from the weights' shardings.
@@ -25,7 +27,7 @@ from pallas_kernels.grouped_matmul import (grouped_matmul, grouped_matmul_tiled,
 
 log = logging.getLogger("jaxserve")
 
-KINDS = ("xla", "pallas", "pallas-interpret", "ragged")
+KINDS = ("xla", "cpu", "pallas", "pallas-interpret", "ragged")
 
 
 def _arrays(w):
