@@ -53,11 +53,11 @@ def resolve(kind: str, attention: bool = False) -> str:
     return kind
 
 
-def prepare_params(kind: str, model, tensor_parallel: bool = False):
+def prepare_params(kind: str, model):
     """The model with its quantized linear weights in the layout the `kind` linear backend
     reads: repacked once, at load, for the native CPU kernel (never per step); as is
-    otherwise. Tensor parallelism shards the stored types, so it keeps them (XLA path)."""
-    if kind != "cpu" or tensor_parallel:
+    otherwise. (Tensor parallelism shards the stored types: the engine gives it kind xla.)"""
+    if kind != "cpu":
         return model
     return dataclasses.replace(model, params=pack_params(model.params))
 
