@@ -1118,9 +1118,11 @@ def section_step_dump(ctx: Ctx) -> dict:
 
 # ---- the kernel test suite, compiled -----------------------------------------------------------
 
-# test_kv_int8.py: both attention kernels reading an int8 KV cache (codes + scales).
+# test_kv_int8.py: both attention kernels reading an int8 KV cache (codes + scales);
+# test_grouped_matmul.py: the MoE experts' grouped matmul kernel.
 KERNEL_TESTS = ("tests/test_paged_attention.py", "tests/test_ragged_paged_attention.py",
-                "tests/test_int4_matmul.py", "tests/test_kv_int8.py")
+                "tests/test_int4_matmul.py", "tests/test_kv_int8.py",
+                "tests/test_grouped_matmul.py")
 
 
 def section_kernel_tests(ctx: Ctx) -> dict:
