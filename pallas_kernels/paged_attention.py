@@ -32,14 +32,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-# Finite, so a fully masked row never computes inf - inf.
-_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
-_MIN_DOT_ROWS = 16       # query rows per program: Triton's tensor-core dot wants M >= 16
-_NUM_SMS = 132           # H200
-_TARGET_PROGRAMS = 264   # 2 x 132 SMs
-_MAX_SPLITS = 16         # at most this many programs share one row's pages (as JAX's GPU kernel)
-_STEP_KEYS = {"bfloat16": 128}  # keys per loop step by default (other dtypes: a page)
-NO_WINDOW = 1 << 30      # a sliding window that never cuts (global layers)
+from pallas_kernels.gpu_tiling import (MASK_VALUE, MIN_DOT_ROWS, NO_WINDOW, default_pages_per_split,
+                                      default_pages_per_step, dot, next_pow2)
 
 
 def check_scales(q, k_cache, v_cache, k_scale, v_scale) -> tuple:
@@ -64,12 +58,6 @@ def check_scales(q, k_cache, v_cache, k_scale, v_scale) -> tuple:
 def dequantize_cache(codes, scale):
     """An int8 cache's values `[..., Dh]` float32: codes * scale `[...]`."""
     return codes.astype(jnp.float32) * scale.astype(jnp.float32)[..., None]
-
-
-def _dot(a, b, b_contract: int, precision):
-    # Explicit f32 accumulation; HIGHEST keeps f32 inputs at IEEE precision (DEFAULT is TF32).
-    return lax.dot_general(a, b, (((1,), (b_contract,)), ((), ())), precision=precision,
-                           preferred_element_type=jnp.float32)
 
 
 def _paged_attention_kernel(layer_ref, window_ref, lens_ref, pt_ref, q_ref, k_ref, v_ref,
@@ -111,7 +99,7 @@ def _paged_attention_kernel(layer_ref, window_ref, lens_ref, pt_ref, q_ref, k_re
         valid = (key_pos < length) & (key_pos >= lo) & in_split  # [BS, 1]
         if quantized:  # codes convert exactly (|code| <= 127)
             k = k.astype(q.dtype)
-        logits = _dot(q, k, 1, precision) * sm_scale  # [Gp, BS] f32
+        logits = dot(q, k, 1, precision) * sm_scale  # [Gp, BS] f32
         vs = None
         if quantized:  # the scales of unseen slots may be NaN: masked below, zeroed for PV
             at = (layer, block, pl.ds(0, block_size), h)
@@ -125,7 +113,7 @@ def _paged_attention_kernel(layer_ref, window_ref, lens_ref, pt_ref, q_ref, k_re
             v = jnp.where(valid, v, jnp.zeros_like(v))
         if softcap is not None:  # before the mask, as transformers' Gemma 2
             logits = softcap * jnp.tanh(logits / softcap)
-        return jnp.where(valid.reshape(1, block_size), logits, _MASK_VALUE), v, vs
+        return jnp.where(valid.reshape(1, block_size), logits, MASK_VALUE), v, vs
 
     def body(i, carry):
         acc, m_prev, l_prev = carry  # [Gp, Dh], [Gp], [Gp] float32
@@ -140,12 +128,12 @@ def _paged_attention_kernel(layer_ref, window_ref, lens_ref, pt_ref, q_ref, k_re
             p = jnp.exp(logits - m_next[:, None])
             l_next = l_next + p.sum(axis=-1)
             pw = p if vs is None else p * vs  # int8: p @ (codes * scales) as (p * scales) @ codes
-            acc = acc + _dot(pw.astype(v.dtype), v, 0, precision)  # [Gp, Dh] f32
+            acc = acc + dot(pw.astype(v.dtype), v, 0, precision)  # [Gp, Dh] f32
         return acc, m_next, l_next
 
     gp = q.shape[0]
     init = (jnp.zeros((gp, head_dim), jnp.float32),
-            jnp.full((gp,), _MASK_VALUE, jnp.float32),
+            jnp.full((gp,), MASK_VALUE, jnp.float32),
             jnp.zeros((gp,), jnp.float32))
     acc, m, l = lax.fori_loop(first_step, pl.cdiv(n_pages, pages_per_step), body, init)
     o_ref[...] = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
@@ -195,30 +183,6 @@ def _paged_attention_call(layer, window, context_lens, page_table, q, k_cache, v
     return tuple(outs) if num_splits > 1 else (outs[0], None, None)
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
-def _default_pages_per_step(block_size: int, dtype, num_pages: int) -> int:
-    # bf16: pages for 128 keys per loop step (at most the table's width); f32 (IEEE dots, many
-    # registers): one page.
-    keys = _STEP_KEYS.get(jnp.dtype(dtype).name, block_size)
-    return min(max(1, keys // block_size), num_pages)
-
-
-def _default_pages_per_split(batch: int, num_kv_heads: int, num_pages: int,
-                             pages_per_step: int) -> int:
-    # A batch whose (batch, kv_head) programs give every SM of an H200 one needs no split (and
-    # skips the combine); otherwise about two programs per SM, at most _MAX_SPLITS splits, each
-    # a whole number of steps.
-    programs = batch * num_kv_heads
-    if programs >= _NUM_SMS:
-        return num_pages
-    steps = pl.cdiv(num_pages, pages_per_step)
-    splits = min(_MAX_SPLITS, steps, pl.cdiv(_TARGET_PROGRAMS, programs))
-    return pl.cdiv(steps, splits) * pages_per_step
-
-
 @functools.partial(jax.jit, static_argnames=("pages_per_split", "pages_per_step", "sm_scale",
                                              "softcap", "num_warps", "num_stages",
                                              "interpret"))
@@ -260,13 +224,13 @@ def paged_attention(q, k_cache, v_cache, layer, page_table, context_lens, *, k_s
         raise ValueError(f"incompatible shapes q {q.shape}, k {k_cache.shape}, v {v_cache.shape}")
     scales = check_scales(q, k_cache, v_cache, k_scale, v_scale)
     group = num_heads // num_kv_heads
-    gp = max(_MIN_DOT_ROWS, _next_pow2(group))
+    gp = max(MIN_DOT_ROWS, next_pow2(group))
     num_pages = page_table.shape[1]
-    step = pages_per_step or min(_default_pages_per_step(block_size, q.dtype, num_pages),
+    step = pages_per_step or min(default_pages_per_step(block_size, q.dtype, num_pages),
                                  pages_per_split or num_pages)
     if step < 1:
         raise ValueError(f"pages_per_step must be >= 1, got {pages_per_step}")
-    pps = pages_per_split or _default_pages_per_split(batch, num_kv_heads, num_pages, step)
+    pps = pages_per_split or default_pages_per_split(batch * num_kv_heads, num_pages, step)
     num_splits = pl.cdiv(num_pages, pps)
     qg = q.reshape(batch, num_kv_heads, group, head_dim)
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - group), (0, 0)))  # [B, K, Gp, Dh]

@@ -39,24 +39,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.gpu_tiling import (MASK_VALUE, MIN_DOT_ROWS, NO_WINDOW, default_pages_per_split,
+                                      default_pages_per_step, dot, next_pow2)
 from pallas_kernels.paged_attention import check_scales, dequantize_cache
 
-# Finite, so a fully masked row never computes inf - inf.
-_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
-_MIN_DOT_ROWS = 16       # tile rows: Triton's tensor-core dot wants M >= 16
 _PREFILL_DOT_ROWS = 64   # tile rows when the step is mostly prefill: fewer re-reads of the pages
 _MAX_PREFILL_TILE_BLOCK = 64  # largest block size that takes the taller prefill tile
-_NUM_SMS = 132           # H200
-_TARGET_PROGRAMS = 264   # 2 x 132 SMs
-_MAX_SPLITS = 16         # at most this many programs share one row's pages (as JAX's GPU kernel)
-_STEP_KEYS = {"bfloat16": 128}  # keys per loop step by default (other dtypes: a page)
-NO_WINDOW = 1 << 30      # a sliding window that never cuts (global layers)
-
-
-def _dot(a, b, b_contract: int, precision):
-    # Explicit f32 accumulation; HIGHEST keeps f32 inputs at IEEE precision (DEFAULT is TF32).
-    return lax.dot_general(a, b, (((1,), (b_contract,)), ((), ())), precision=precision,
-                           preferred_element_type=jnp.float32)
 
 
 def _find_row(qs_ref, tile, *, num_rows: int, block_q: int):
@@ -144,12 +132,12 @@ def _ragged_kernel(layer_ref, window_ref, qs_ref, lens_ref, pt_ref, q_ref, k_ref
         # slots past the context (from all but the tile rows past the row's queries, which
         # are discarded).
         visible = (key_pos <= q_pos) & (key_pos > q_pos - window) & in_split  # [M, BS]
-        logits = _dot(q, k, 1, precision) * sm_scale  # [M, BS] f32
+        logits = dot(q, k, 1, precision) * sm_scale  # [M, BS] f32
         if quantized:
             logits = logits * ks.reshape(1, block_size)
         if softcap is not None:  # before the mask, as transformers' Gemma 2
             logits = softcap * jnp.tanh(logits / softcap)
-        return jnp.where(visible, logits, _MASK_VALUE), v, vs
+        return jnp.where(visible, logits, MASK_VALUE), v, vs
 
     def body(i, carry):
         acc, m_prev, l_prev = carry  # [M, Dh], [M], [M] float32
@@ -163,15 +151,15 @@ def _ragged_kernel(layer_ref, window_ref, qs_ref, lens_ref, pt_ref, q_ref, k_ref
         acc, l_next = acc * correction[:, None], l_prev * correction
         for logits, v, vs in pages:
             # A row that sees nothing in a split gets garbage (p = 1) there, but its mass l
-            # meets exp(_MASK_VALUE - max) = 0 in the combine; every real query sees key 0.
+            # meets exp(MASK_VALUE - max) = 0 in the combine; every real query sees key 0.
             p = jnp.exp(logits - m_next[:, None])
             l_next = l_next + p.sum(axis=-1)
             pw = p if vs is None else p * vs  # int8: p @ (codes * scales) as (p * scales) @ codes
-            acc = acc + _dot(pw.astype(v.dtype), v, 0, precision)  # [M, Dh] f32
+            acc = acc + dot(pw.astype(v.dtype), v, 0, precision)  # [M, Dh] f32
         return acc, m_next, l_next
 
     init = (jnp.zeros((rows, head_dim), jnp.float32),
-            jnp.full((rows,), _MASK_VALUE, jnp.float32),
+            jnp.full((rows,), MASK_VALUE, jnp.float32),
             jnp.zeros((rows,), jnp.float32))
     acc, m, l = lax.fori_loop(first_step, pl.cdiv(n_pages, pages_per_step), body, init)
     o_ref[...] = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
@@ -224,10 +212,6 @@ def _ragged_call(layer, window, query_start, context_lens, page_table, qp, k_cac
     return tuple(outs) if num_splits > 1 else (outs[0], None, None)
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
 def _default_queries_per_tile(num_tokens: int, num_rows: int, gp: int,
                               block_size: int) -> int:
     # Decode-shaped steps (about one token per row) take the smallest tile; steps with more
@@ -235,37 +219,17 @@ def _default_queries_per_tile(num_tokens: int, num_rows: int, gp: int,
     # Pages of 128+ slots keep the small tile: a tall one overflows an H200's shared memory
     # in f32.
     prefill = num_tokens > 2 * num_rows and block_size <= _MAX_PREFILL_TILE_BLOCK
-    return max(1, (_PREFILL_DOT_ROWS if prefill else _MIN_DOT_ROWS) // gp)
-
-
-def _default_pages_per_step(block_size: int, dtype, num_pages: int) -> int:
-    # bf16: enough pages per loop step for 128 keys, but no more than the table holds. f32 (IEEE
-    # dots, many registers) keeps one page: two already spill in the tall prefill tile.
-    keys = _STEP_KEYS.get(jnp.dtype(dtype).name, block_size)
-    return min(max(1, keys // block_size), num_pages)
-
-
-def _default_pages_per_split(num_tiles: int, num_kv_heads: int, num_pages: int,
-                             pages_per_step: int) -> int:
-    # A step whose tiles give every SM of an H200 a program needs no split (and skips the
-    # combine's partial results). Otherwise about two programs per SM, a whole number of steps
-    # each, at most _MAX_SPLITS splits.
-    programs = num_tiles * num_kv_heads
-    if programs >= _NUM_SMS:
-        return num_pages
-    steps = pl.cdiv(num_pages, pages_per_step)
-    splits = min(_MAX_SPLITS, steps, pl.cdiv(_TARGET_PROGRAMS, programs))
-    return pl.cdiv(steps, splits) * pages_per_step
+    return max(1, (_PREFILL_DOT_ROWS if prefill else MIN_DOT_ROWS) // gp)
 
 
 def _schedule(num_tiles: int, num_kv_heads: int, num_pages: int, block_size: int, dtype,
               rows: int, pages_per_step, pages_per_split, num_warps) -> tuple[int, int, int]:
     """(pages per step, pages per split, warps): the given values, else the defaults."""
-    step = pages_per_step or min(_default_pages_per_step(block_size, dtype, num_pages),
+    step = pages_per_step or min(default_pages_per_step(block_size, dtype, num_pages),
                                  pages_per_split or num_pages)
     if step < 1:
         raise ValueError(f"pages_per_step must be >= 1, got {pages_per_step}")
-    pps = pages_per_split or _default_pages_per_split(num_tiles, num_kv_heads, num_pages, step)
+    pps = pages_per_split or default_pages_per_split(num_tiles * num_kv_heads, num_pages, step)
     # 8 warps only for the tall prefill tile: the 16-row tile spills with 8 (sm_90a ptxas).
     tall = rows >= _PREFILL_DOT_ROWS
     return step, pps, num_warps or (8 if tall and step * block_size >= 128 else 4)
@@ -352,14 +316,14 @@ def ragged_paged_attention(q, k_cache, v_cache, layer, page_table, query_start, 
                          f"v {v_cache.shape}, page_table {page_table.shape}, "
                          f"query_start {query_start.shape}, context_lens {context_lens.shape}")
     group = num_heads // num_kv_heads
-    gp = _next_pow2(group)
+    gp = next_pow2(group)
     bq = queries_per_tile or _default_queries_per_tile(num_tokens, num_rows, gp, block_size)
     if bq & (bq - 1):
         raise ValueError(f"queries_per_tile must be a power of 2, got {queries_per_tile}")
-    if not interpret and bq * gp < _MIN_DOT_ROWS:
+    if not interpret and bq * gp < MIN_DOT_ROWS:
         raise ValueError(f"queries_per_tile {bq} x {gp} padded heads is under the "
-                         f"{_MIN_DOT_ROWS} rows Triton's dot needs: use at least "
-                         f"{_MIN_DOT_ROWS // gp}")
+                         f"{MIN_DOT_ROWS} rows Triton's dot needs: use at least "
+                         f"{MIN_DOT_ROWS // gp}")
     num_tiles = num_tokens // bq + num_rows
     step, pps, warps = _schedule(num_tiles, num_kv_heads, num_pages, block_size, q.dtype,
                                  bq * gp, pages_per_step, pages_per_split, num_warps)

@@ -1,0 +1,47 @@
+"""What the two paged-attention kernels (paged_attention.py, ragged_paged_attention.py) share:
+the H200 figures their default schedules are sized for, the f32-accumulating dot, and the
+default pages per loop step and per split."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+# Finite, so a fully masked row never computes inf - inf.
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+MIN_DOT_ROWS = 16       # query rows per program: Triton's tensor-core dot wants M >= 16
+NUM_SMS = 132           # H200
+TARGET_PROGRAMS = 264   # 2 x 132 SMs
+MAX_SPLITS = 16         # at most this many programs share one row's pages (as JAX's GPU kernel)
+STEP_KEYS = {"bfloat16": 128}  # keys per loop step by default (other dtypes: a page)
+NO_WINDOW = 1 << 30     # a sliding window that never cuts (global layers)
+
+
+def dot(a, b, b_contract: int, precision):
+    """a @ b contracting a's axis 1 with b's `b_contract`, accumulated in float32; HIGHEST keeps
+    f32 inputs at IEEE precision (DEFAULT is TF32)."""
+    return lax.dot_general(a, b, (((1,), (b_contract,)), ((), ())), precision=precision,
+                           preferred_element_type=jnp.float32)
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def default_pages_per_step(block_size: int, dtype, num_pages: int) -> int:
+    """bf16: enough pages per loop step for 128 keys, but no more than the table holds. f32 (IEEE
+    dots, many registers) keeps one page: two already spill in the ragged kernel's tall tile."""
+    keys = STEP_KEYS.get(jnp.dtype(dtype).name, block_size)
+    return min(max(1, keys // block_size), num_pages)
+
+
+def default_pages_per_split(programs: int, num_pages: int, pages_per_step: int) -> int:
+    """Pages per split for a grid of `programs` (without splits). Enough programs to give every
+    SM of an H200 one need no split (and skip the combine of partial results); otherwise about
+    two programs per SM, a whole number of steps each, at most MAX_SPLITS splits."""
+    if programs >= NUM_SMS:
+        return num_pages
+    steps = pl.cdiv(num_pages, pages_per_step)
+    splits = min(MAX_SPLITS, steps, pl.cdiv(TARGET_PROGRAMS, programs))
+    return pl.cdiv(steps, splits) * pages_per_step
