@@ -105,18 +105,11 @@ struct Item {
 // them, and their accumulators stay in registers (4 vectors x 16 lanes per head-dim chunk).
 constexpr int kVecs = 4;
 
-// Scores, online-softmax update and PV of query vectors [v0, v0 + kVecs) against one tile of
-// keys: kt `[Dh, kKeyTile]` (transposed), vt `[kKeyTile, Dh]`. visible[u]: keys of the tile
-// vector u sees (<= 0: none).
-inline void tile_update(int64_t dh, int64_t v0, const int32_t* visible, const float* qv,
-                        const float* kt, const float* vt, float* acc, float* m, float* l) {
-  V16 sc[kVecs] = {};
-  const float* qr[kVecs];
-  for (int u = 0; u < kVecs; ++u) qr[u] = qv + (v0 + u) * dh;
-  for (int64_t d = 0; d < dh; ++d) {
-    const V16 kd = load16(kt + d * kKeyTile);
-    for (int u = 0; u < kVecs; ++u) sc[u] += qr[u][d] * kd;
-  }
+// Online-softmax update and PV of query vectors [v0, v0 + kVecs) for one key tile, given their
+// scores sc[u] (lanes over the tile's keys); vrows[s]: the tile's value rows (Dh floats each).
+// visible[u]: keys of the tile vector u sees (<= 0: none).
+inline void softmax_pv(int64_t dh, int64_t v0, const int32_t* visible, const V16* sc,
+                       const float* const* vrows, float* acc, float* m, float* l) {
   V16 pr[kVecs];
   float corr[kVecs];
   int32_t span = 0;
@@ -135,13 +128,74 @@ inline void tile_update(int64_t dh, int64_t v0, const int32_t* visible, const fl
     V16 a[kVecs];
     for (int u = 0; u < kVecs; ++u) a[u] = load16(acc + (v0 + u) * dh + c) * corr[u];
     for (int32_t s = 0; s < span; ++s) {
-      const V16 vv = load16(vt + s * dh + c);
+      const V16 vv = load16(vrows[s] + c);
       for (int u = 0; u < kVecs; ++u) a[u] += pr[u][s] * vv;
     }
     for (int u = 0; u < kVecs; ++u) {
       std::memcpy(acc + (v0 + u) * dh + c, &a[u], sizeof a[u]);
     }
   }
+}
+
+// Scores of query vectors [v0, v0 + kVecs) against one tile of keys kt `[Dh, kKeyTile]`
+// (transposed: one broadcast query element times a register of 16 keys per step).
+inline void scores_transposed(int64_t dh, int64_t v0, const float* qv, const float* kt, V16* sc) {
+  const float* qr[kVecs];
+  for (int u = 0; u < kVecs; ++u) qr[u] = qv + (v0 + u) * dh, sc[u] = V16{};
+  for (int64_t d = 0; d < dh; ++d) {
+    const V16 kd = load16(kt + d * kKeyTile);
+    for (int u = 0; u < kVecs; ++u) sc[u] += qr[u][d] * kd;
+  }
+}
+
+// Adds pairs of vectors a, b holding partial sums of keys in runs of 2w lanes (a's keys, then
+// b's) into one vector holding them in runs of w lanes: lanes [0, w) of each run of 2w plus
+// lanes [w, 2w), interleaving a's runs and b's.
+#define JS_PAIR_ADD(a, b, ...) (__builtin_shufflevector(a, b, __VA_ARGS__))
+inline V16 fold8(V16 a, V16 b) {
+  return JS_PAIR_ADD(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+         JS_PAIR_ADD(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+}
+inline V16 fold4(V16 a, V16 b) {
+  return JS_PAIR_ADD(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+         JS_PAIR_ADD(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+}
+inline V16 fold2(V16 a, V16 b) {
+  return JS_PAIR_ADD(a, b, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+         JS_PAIR_ADD(a, b, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+}
+inline V16 fold1(V16 a, V16 b) {
+  return JS_PAIR_ADD(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         JS_PAIR_ADD(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+#undef JS_PAIR_ADD
+
+// Scores of query vector q against one tile of key rows (Dh floats each, not transposed): per
+// key a register of lane-wise partial products, then a tree of shuffles and adds turns the 16
+// registers into one whose lane j is key j's score. For few query vectors (decode) this beats
+// transposing the tile, which costs a scalar move per key element whatever the query count.
+inline V16 scores_rows(int64_t dh, const float* q, const float* const* krows) {
+  V16 p[kKeyTile];
+  for (int j = 0; j < kKeyTile; ++j) {
+    V16 s = load16(q) * load16(krows[j]);
+    for (int64_t c = 16; c < dh; c += 16) s += load16(q + c) * load16(krows[j] + c);
+    p[j] = s;
+  }
+  V16 h[8], w[4], t[2];
+  for (int i = 0; i < 8; ++i) h[i] = fold8(p[2 * i], p[2 * i + 1]);
+  for (int i = 0; i < 4; ++i) w[i] = fold4(h[2 * i], h[2 * i + 1]);
+  for (int i = 0; i < 2; ++i) t[i] = fold2(w[2 * i], w[2 * i + 1]);
+  return fold1(t[0], t[1]);
+}
+
+// Query vectors up to which an item scores key rows in place (scores_rows) instead of
+// transposing each key tile first: decode items have G (the query heads per KV head) vectors.
+constexpr int64_t kRowsMaxVecs = 8;
+
+template <typename T>
+inline void prefetch_row(const T* p, int64_t dh) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t b = 0; b < int64_t(dh * sizeof(T)); b += 64) __builtin_prefetch(c + b);
 }
 
 // One work item: queries [first_query, first_query + n) of `row` (n <= kQueryBlock), the G query
@@ -157,13 +211,14 @@ void attend_item(const Problem& p, const Item& it, std::vector<float>& scratch) 
   const int32_t base = ctx - q_len + it.first_query;  // position of the item's first query
   const int64_t nv = int64_t(n) * g;
   const int64_t nvp = (nv + kVecs - 1) / kVecs * kVecs;
-  scratch.assign(size_t(nvp * dh * 2 + nvp * 2 + dh * kKeyTile * 2), 0.0f);
+  scratch.assign(size_t(nvp * dh * 2 + nvp * 2 + dh * kKeyTile * 3), 0.0f);
   float* qv = scratch.data();   // [nvp, Dh], scaled
   float* acc = qv + nvp * dh;   // [nvp, Dh]
   float* m = acc + nvp * dh;    // [nvp]
   float* l = m + nvp;           // [nvp]
   float* kt = l + nvp;          // [Dh, kKeyTile]: keys transposed, lanes over keys
-  float* vt = kt + dh * kKeyTile;  // [kKeyTile, Dh]
+  float* vt = kt + dh * kKeyTile;  // [kKeyTile, Dh]: values as float32 (non-float caches)
+  float* kr = vt + dh * kKeyTile;  // [kKeyTile, Dh]: keys as float32 (non-float caches)
   const QT* q = static_cast<const QT*>(p.q);
   for (int64_t vi = 0; vi < nv; ++vi) {
     const int64_t i = vi / g, j = vi % g;
@@ -175,30 +230,60 @@ void attend_item(const Problem& p, const Item& it, std::vector<float>& scratch) 
   const KT* vc = static_cast<const KT*>(p.v);
   const int32_t* table = p.page_table + int64_t(it.row) * p.max_blocks;
   const int32_t key_end = base + n;  // keys [0, key_end) are seen by some query of the item
+  const bool in_rows = nvp <= kRowsMaxVecs;
+  auto row_at = [&](int32_t pos) {  // element offset of key `pos`'s row (this head, layer)
+    const int64_t blk = table[pos / p.block_size], off = pos % p.block_size;
+    return (((p.layer * p.num_blocks + blk) * p.block_size + off) * p.kv_heads + it.kv_head) * dh;
+  };
   for (int32_t s0 = 0; s0 < key_end; s0 += kKeyTile) {
     const int32_t ns = std::min<int32_t>(kKeyTile, key_end - s0);
+    // The next tile's rows are in pages the hardware prefetcher cannot guess.
+    for (int32_t pos = s0 + kKeyTile; pos < std::min(s0 + 2 * kKeyTile, key_end); ++pos) {
+      const int64_t at = row_at(pos);
+      prefetch_row(kc + at, dh);
+      prefetch_row(vc + at, dh);
+    }
     const KT* krows[kKeyTile];
+    const float* vrows[kKeyTile];
     float kscale[kKeyTile];
     for (int32_t j = 0; j < kKeyTile; ++j) {  // lanes past the context repeat the last key
-      const int32_t pos = s0 + std::min(j, ns - 1);
-      const int64_t blk = table[pos / p.block_size], off = pos % p.block_size;
-      const int64_t at = (((p.layer * p.num_blocks + blk) * p.block_size + off) * p.kv_heads +
-                          it.kv_head) * dh;
+      const int64_t at = row_at(s0 + std::min(j, ns - 1));
       krows[j] = kc + at;
       if constexpr (std::is_same_v<KT, int8_t>) {  // dequantized: codes * (token, head) scale
         kscale[j] = p.k_scale[at / dh];
         const float vs = p.v_scale[at / dh];
         for (int64_t d = 0; d < dh; ++d) vt[j * dh + d] = to_f32(vc[at + d]) * vs;
+        vrows[j] = vt + j * dh;
+      } else if constexpr (std::is_same_v<KT, float>) {
+        vrows[j] = vc + at;  // read in place
       } else {
         for (int64_t d = 0; d < dh; ++d) vt[j * dh + d] = to_f32(vc[at + d]);
+        vrows[j] = vt + j * dh;
       }
     }
-    for (int64_t d = 0; d < dh; ++d) {  // transposed: written in order, read from 16 rows
-      if constexpr (std::is_same_v<KT, int8_t>) {
-        for (int32_t j = 0; j < kKeyTile; ++j)
-          kt[d * kKeyTile + j] = to_f32(krows[j][d]) * kscale[j];
-      } else {
-        for (int32_t j = 0; j < kKeyTile; ++j) kt[d * kKeyTile + j] = to_f32(krows[j][d]);
+    const float* kf[kKeyTile];  // key rows as float32 (the rows path)
+    if (in_rows) {
+      for (int32_t j = 0; j < kKeyTile; ++j) {
+        if constexpr (std::is_same_v<KT, float>) {
+          kf[j] = krows[j];
+        } else {
+          float* dst = kr + j * dh;
+          if constexpr (std::is_same_v<KT, int8_t>) {
+            for (int64_t d = 0; d < dh; ++d) dst[d] = to_f32(krows[j][d]) * kscale[j];
+          } else {
+            for (int64_t d = 0; d < dh; ++d) dst[d] = to_f32(krows[j][d]);
+          }
+          kf[j] = dst;
+        }
+      }
+    } else {
+      for (int64_t d = 0; d < dh; ++d) {  // transposed: written in order, read from 16 rows
+        if constexpr (std::is_same_v<KT, int8_t>) {
+          for (int32_t j = 0; j < kKeyTile; ++j)
+            kt[d * kKeyTile + j] = to_f32(krows[j][d]) * kscale[j];
+        } else {
+          for (int32_t j = 0; j < kKeyTile; ++j) kt[d * kKeyTile + j] = to_f32(krows[j][d]);
+        }
       }
     }
     for (int64_t v0 = 0; v0 < nvp; v0 += kVecs) {
@@ -209,7 +294,15 @@ void attend_item(const Problem& p, const Item& it, std::vector<float>& scratch) 
         visible[u] = vi < nv ? std::min<int32_t>(ns, base + int32_t(vi / g) - s0 + 1) : 0;
         any = std::max(any, visible[u]);
       }
-      if (any > 0) tile_update(dh, v0, visible, qv, kt, vt, acc, m, l);
+      if (any <= 0) continue;
+      V16 sc[kVecs];
+      if (in_rows) {
+        for (int u = 0; u < kVecs; ++u)
+          sc[u] = visible[u] > 0 ? scores_rows(dh, qv + (v0 + u) * dh, kf) : V16{};
+      } else {
+        scores_transposed(dh, v0, qv, kt, sc);
+      }
+      softmax_pv(dh, v0, visible, sc, vrows, acc, m, l);
     }
   }
   for (int64_t vi = 0; vi < nv; ++vi) {
