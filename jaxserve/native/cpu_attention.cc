@@ -10,9 +10,13 @@
 // Flat tokens of no row get zeros. Work items are (row, KV head, block of kQueryBlock queries),
 // taken from a shared counter by the calling thread and by tasks on XLA's intra-op pool.
 //
+// Key and value rows are read in place, widened to float32 in registers. Items of few query
+// vectors (decode) score each key row directly (scores_rows); longer ones transpose each key tile
+// once for all their queries (scores_transposed).
+//
 // int8 cache (a second target, jaxserve/runtime/kv_quant.py): int8 codes plus float32 scales
-// [L, N, BS, K], one per (token, KV head); each key tile is dequantized into the float32
-// scratch the float caches are converted into, so the scoring loop is the same.
+// [L, N, BS, K], one per (token, KV head): a key's scale multiplies its scores, a value's its
+// softmax weights (the transposed key tile is dequantized as it is written).
 
 #include <algorithm>
 #include <atomic>
@@ -28,6 +32,10 @@
 
 #include "xla/ffi/api/ffi.h"
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace ffi = xla::ffi;
 
 namespace {
@@ -42,7 +50,25 @@ typedef float V16u __attribute__((vector_size(64), aligned(4)));  // unaligned l
 typedef int32_t I16 __attribute__((vector_size(64)));
 const V16 kLanes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
+typedef uint16_t U16x16 __attribute__((vector_size(32), aligned(2)));
+typedef uint32_t U32x16 __attribute__((vector_size(64)));
+typedef int8_t S8x16 __attribute__((vector_size(16), aligned(1)));
+
+// 16 consecutive elements as float32 lanes: float32, bfloat16 (bits, widened exactly), int8.
 inline V16 load16(const float* p) { return *reinterpret_cast<const V16u*>(p); }
+inline V16 load16(const uint16_t* p) {
+  const U32x16 w = __builtin_convertvector(*reinterpret_cast<const U16x16*>(p), U32x16) << 16;
+  V16 f;
+  std::memcpy(&f, &w, sizeof f);
+  return f;
+}
+inline V16 load16(const int8_t* p) {
+#if defined(__AVX512F__)  // GCC 12 scalarizes the portable form (a move per lane)
+  return (V16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+#else
+  return __builtin_convertvector(*reinterpret_cast<const S8x16*>(p), V16);
+#endif
+}
 inline float hmax(V16 x) {
   float r = x[0];
   for (int i = 1; i < 16; ++i) r = std::max(r, x[i]);
@@ -106,10 +132,13 @@ struct Item {
 constexpr int kVecs = 4;
 
 // Online-softmax update and PV of query vectors [v0, v0 + kVecs) for one key tile, given their
-// scores sc[u] (lanes over the tile's keys); vrows[s]: the tile's value rows (Dh floats each).
+// scores sc[u] (lanes over the tile's keys); vrows[s]: the tile's value rows (Dh elements each,
+// read in place), times vscale[s] where not null (an int8 cache: folded into the weights).
 // visible[u]: keys of the tile vector u sees (<= 0: none).
+template <typename VT>
 inline void softmax_pv(int64_t dh, int64_t v0, const int32_t* visible, const V16* sc,
-                       const float* const* vrows, float* acc, float* m, float* l) {
+                       const VT* const* vrows, const float* vscale, float* acc, float* m,
+                       float* l) {
   V16 pr[kVecs];
   float corr[kVecs];
   int32_t span = 0;
@@ -124,6 +153,8 @@ inline void softmax_pv(int64_t dh, int64_t v0, const int32_t* visible, const V16
     m[vi] = m_new;
     span = std::max(span, visible[u]);
   }
+  if (vscale)
+    for (int u = 0; u < kVecs; ++u) pr[u] *= load16(vscale);
   for (int64_t c = 0; c < dh; c += 16) {
     V16 a[kVecs];
     for (int u = 0; u < kVecs; ++u) a[u] = load16(acc + (v0 + u) * dh + c) * corr[u];
@@ -174,7 +205,8 @@ inline V16 fold1(V16 a, V16 b) {
 // key a register of lane-wise partial products, then a tree of shuffles and adds turns the 16
 // registers into one whose lane j is key j's score. For few query vectors (decode) this beats
 // transposing the tile, which costs a scalar move per key element whatever the query count.
-inline V16 scores_rows(int64_t dh, const float* q, const float* const* krows) {
+template <typename KT>
+inline V16 scores_rows(int64_t dh, const float* q, const KT* const* krows) {
   V16 p[kKeyTile];
   for (int j = 0; j < kKeyTile; ++j) {
     V16 s = load16(q) * load16(krows[j]);
@@ -211,14 +243,12 @@ void attend_item(const Problem& p, const Item& it, std::vector<float>& scratch) 
   const int32_t base = ctx - q_len + it.first_query;  // position of the item's first query
   const int64_t nv = int64_t(n) * g;
   const int64_t nvp = (nv + kVecs - 1) / kVecs * kVecs;
-  scratch.assign(size_t(nvp * dh * 2 + nvp * 2 + dh * kKeyTile * 3), 0.0f);
+  scratch.assign(size_t(nvp * dh * 2 + nvp * 2 + dh * kKeyTile), 0.0f);
   float* qv = scratch.data();   // [nvp, Dh], scaled
   float* acc = qv + nvp * dh;   // [nvp, Dh]
   float* m = acc + nvp * dh;    // [nvp]
   float* l = m + nvp;           // [nvp]
   float* kt = l + nvp;          // [Dh, kKeyTile]: keys transposed, lanes over keys
-  float* vt = kt + dh * kKeyTile;  // [kKeyTile, Dh]: values as float32 (non-float caches)
-  float* kr = vt + dh * kKeyTile;  // [kKeyTile, Dh]: keys as float32 (non-float caches)
   const QT* q = static_cast<const QT*>(p.q);
   for (int64_t vi = 0; vi < nv; ++vi) {
     const int64_t i = vi / g, j = vi % g;
@@ -231,6 +261,7 @@ void attend_item(const Problem& p, const Item& it, std::vector<float>& scratch) 
   const int32_t* table = p.page_table + int64_t(it.row) * p.max_blocks;
   const int32_t key_end = base + n;  // keys [0, key_end) are seen by some query of the item
   const bool in_rows = nvp <= kRowsMaxVecs;
+  constexpr bool kInt8 = std::is_same_v<KT, int8_t>;
   auto row_at = [&](int32_t pos) {  // element offset of key `pos`'s row (this head, layer)
     const int64_t blk = table[pos / p.block_size], off = pos % p.block_size;
     return (((p.layer * p.num_blocks + blk) * p.block_size + off) * p.kv_heads + it.kv_head) * dh;
@@ -244,41 +275,17 @@ void attend_item(const Problem& p, const Item& it, std::vector<float>& scratch) 
       prefetch_row(vc + at, dh);
     }
     const KT* krows[kKeyTile];
-    const float* vrows[kKeyTile];
-    float kscale[kKeyTile];
+    const KT* vrows[kKeyTile];  // read in place, whatever the cache dtype
+    alignas(64) float kscale[kKeyTile], vscale[kKeyTile];  // int8: per (token, head)
     for (int32_t j = 0; j < kKeyTile; ++j) {  // lanes past the context repeat the last key
       const int64_t at = row_at(s0 + std::min(j, ns - 1));
       krows[j] = kc + at;
-      if constexpr (std::is_same_v<KT, int8_t>) {  // dequantized: codes * (token, head) scale
-        kscale[j] = p.k_scale[at / dh];
-        const float vs = p.v_scale[at / dh];
-        for (int64_t d = 0; d < dh; ++d) vt[j * dh + d] = to_f32(vc[at + d]) * vs;
-        vrows[j] = vt + j * dh;
-      } else if constexpr (std::is_same_v<KT, float>) {
-        vrows[j] = vc + at;  // read in place
-      } else {
-        for (int64_t d = 0; d < dh; ++d) vt[j * dh + d] = to_f32(vc[at + d]);
-        vrows[j] = vt + j * dh;
-      }
+      vrows[j] = vc + at;
+      if constexpr (kInt8) kscale[j] = p.k_scale[at / dh], vscale[j] = p.v_scale[at / dh];
     }
-    const float* kf[kKeyTile];  // key rows as float32 (the rows path)
-    if (in_rows) {
-      for (int32_t j = 0; j < kKeyTile; ++j) {
-        if constexpr (std::is_same_v<KT, float>) {
-          kf[j] = krows[j];
-        } else {
-          float* dst = kr + j * dh;
-          if constexpr (std::is_same_v<KT, int8_t>) {
-            for (int64_t d = 0; d < dh; ++d) dst[d] = to_f32(krows[j][d]) * kscale[j];
-          } else {
-            for (int64_t d = 0; d < dh; ++d) dst[d] = to_f32(krows[j][d]);
-          }
-          kf[j] = dst;
-        }
-      }
-    } else {
+    if (!in_rows) {
       for (int64_t d = 0; d < dh; ++d) {  // transposed: written in order, read from 16 rows
-        if constexpr (std::is_same_v<KT, int8_t>) {
+        if constexpr (kInt8) {  // dequantized: codes * (token, head) scale
           for (int32_t j = 0; j < kKeyTile; ++j)
             kt[d * kKeyTile + j] = to_f32(krows[j][d]) * kscale[j];
         } else {
@@ -297,12 +304,14 @@ void attend_item(const Problem& p, const Item& it, std::vector<float>& scratch) 
       if (any <= 0) continue;
       V16 sc[kVecs];
       if (in_rows) {
-        for (int u = 0; u < kVecs; ++u)
-          sc[u] = visible[u] > 0 ? scores_rows(dh, qv + (v0 + u) * dh, kf) : V16{};
+        for (int u = 0; u < kVecs; ++u) {
+          sc[u] = visible[u] > 0 ? scores_rows(dh, qv + (v0 + u) * dh, krows) : V16{};
+          if constexpr (kInt8) sc[u] *= load16(kscale);
+        }
       } else {
         scores_transposed(dh, v0, qv, kt, sc);
       }
-      softmax_pv(dh, v0, visible, sc, vrows, acc, m, l);
+      softmax_pv(dh, v0, visible, sc, vrows, kInt8 ? vscale : nullptr, acc, m, l);
     }
   }
   for (int64_t vi = 0; vi < nv; ++vi) {
