@@ -69,16 +69,24 @@ inline V16 load16(const int8_t* p) {
   return __builtin_convertvector(*reinterpret_cast<const S8x16*>(p), V16);
 #endif
 }
+// Horizontal max and sum in four shuffle steps (halves, quarters, pairs, neighbours).
+#define JS_SWAP(x, ...) __builtin_shufflevector(x, x, __VA_ARGS__)
+inline V16 vmax(V16 a, V16 b) { return a > b ? a : b; }
 inline float hmax(V16 x) {
-  float r = x[0];
-  for (int i = 1; i < 16; ++i) r = std::max(r, x[i]);
-  return r;
+  x = vmax(x, JS_SWAP(x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+  x = vmax(x, JS_SWAP(x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+  x = vmax(x, JS_SWAP(x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+  x = vmax(x, JS_SWAP(x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+  return x[0];
 }
 inline float hsum(V16 x) {
-  float r = 0.0f;
-  for (int i = 0; i < 16; ++i) r += x[i];
-  return r;
+  x += JS_SWAP(x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  x += JS_SWAP(x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  x += JS_SWAP(x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  x += JS_SWAP(x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  return x[0];
 }
+#undef JS_SWAP
 // exp(x) for x <= 0 (scores minus their running max): 2^n * 2^f, n = round(x log2 e),
 // |f| <= 1/2, 2^f by its degree-6 Taylor series (relative error ~1e-7). Inputs below -87
 // (where float32 exp underflows) give ~1e-38, which the softmax sums treat as 0.
@@ -135,14 +143,15 @@ constexpr int kVecs = 4;
 // scores sc[u] (lanes over the tile's keys); vrows[s]: the tile's value rows (Dh elements each,
 // read in place), times vscale[s] where not null (an int8 cache: folded into the weights).
 // visible[u]: keys of the tile vector u sees (<= 0: none).
-template <typename VT>
-inline void softmax_pv(int64_t dh, int64_t v0, const int32_t* visible, const V16* sc,
-                       const VT* const* vrows, const float* vscale, float* acc, float* m,
-                       float* l) {
-  V16 pr[kVecs];
-  float corr[kVecs];
+// NU: the group's vectors that are not padding (u >= NU: skipped, never read back).
+template <int NU, typename VT>
+inline void softmax_pv_n(int64_t dh, int64_t v0, const int32_t* visible, const V16* sc,
+                         const VT* const* vrows, const float* vscale, float* acc, float* m,
+                         float* l) {
+  V16 pr[NU];
+  float corr[NU];
   int32_t span = 0;
-  for (int u = 0; u < kVecs; ++u) {
+  for (int u = 0; u < NU; ++u) {
     const int64_t vi = v0 + u;
     const I16 live = kLanes < float(visible[u]);  // lanes of keys vector u sees
     const V16 s = live ? sc[u] : V16{} + kMask;
@@ -154,17 +163,30 @@ inline void softmax_pv(int64_t dh, int64_t v0, const int32_t* visible, const V16
     span = std::max(span, visible[u]);
   }
   if (vscale)
-    for (int u = 0; u < kVecs; ++u) pr[u] *= load16(vscale);
+    for (int u = 0; u < NU; ++u) pr[u] *= load16(vscale);
   for (int64_t c = 0; c < dh; c += 16) {
-    V16 a[kVecs];
-    for (int u = 0; u < kVecs; ++u) a[u] = load16(acc + (v0 + u) * dh + c) * corr[u];
+    V16 a[NU];
+    for (int u = 0; u < NU; ++u) a[u] = load16(acc + (v0 + u) * dh + c) * corr[u];
     for (int32_t s = 0; s < span; ++s) {
       const V16 vv = load16(vrows[s] + c);
-      for (int u = 0; u < kVecs; ++u) a[u] += pr[u][s] * vv;
+      for (int u = 0; u < NU; ++u) a[u] += pr[u][s] * vv;
     }
-    for (int u = 0; u < kVecs; ++u) {
+    for (int u = 0; u < NU; ++u) {
       std::memcpy(acc + (v0 + u) * dh + c, &a[u], sizeof a[u]);
     }
+  }
+}
+
+template <typename VT>
+inline void softmax_pv(int64_t nu, int64_t dh, int64_t v0, const int32_t* visible, const V16* sc,
+                       const VT* const* vrows, const float* vscale, float* acc, float* m,
+                       float* l) {
+  static_assert(kVecs == 4, "one case per live vector count");
+  switch (nu) {
+    case 1: return softmax_pv_n<1>(dh, v0, visible, sc, vrows, vscale, acc, m, l);
+    case 2: return softmax_pv_n<2>(dh, v0, visible, sc, vrows, vscale, acc, m, l);
+    case 3: return softmax_pv_n<3>(dh, v0, visible, sc, vrows, vscale, acc, m, l);
+    default: return softmax_pv_n<4>(dh, v0, visible, sc, vrows, vscale, acc, m, l);
   }
 }
 
@@ -311,7 +333,8 @@ void attend_item(const Problem& p, const Item& it, std::vector<float>& scratch) 
       } else {
         scores_transposed(dh, v0, qv, kt, sc);
       }
-      softmax_pv(dh, v0, visible, sc, vrows, kInt8 ? vscale : nullptr, acc, m, l);
+      softmax_pv(std::min<int64_t>(kVecs, nv - v0), dh, v0, visible, sc, vrows,
+                 kInt8 ? vscale : nullptr, acc, m, l);
     }
   }
   for (int64_t vi = 0; vi < nv; ++vi) {
