@@ -140,6 +140,7 @@ class LLMEngine:
             # Unrolled layers need the weights whole on one device: tensor parallel keeps the loop.
             unroll_layers=unroll,
             branch_free_sampling=backends.gpu_step(),
+            fine_decode_buckets=backends.fine_decode_buckets(),
             poison_rows=self.faults is not None and self.faults.config.poisons_logits,
             num_speculative_tokens=spec_decode_tokens(config), grouped_matmul=gmm)
         self.model = self.runner.model  # with TP, the placed shards: no unsharded copy is kept

@@ -5,6 +5,7 @@ import pytest
 
 from compile_guard import count_compiles
 from jaxserve import EngineConfig, LLMEngine, SamplingParams
+from jaxserve.runtime import backends
 from jaxserve.quantization import pick_group_size, quantize_params_int4
 from models.config import ModelConfig
 from models.random_init import random_model
@@ -88,3 +89,32 @@ def test_kernel_path_compiles_nothing_after_warmup(model, prompts):
         while engine.has_unfinished_requests():
             engine.step()
     assert events == [] and engine.stats()["num_compiles_after_warmup"] == 0
+
+
+def test_fine_decode_buckets_run_48_rows_at_48_with_the_same_tokens(model, monkeypatch):
+    """On CPU 40 decode rows run in the 3/4 bucket (48 flat tokens, not 64); the tokens are
+    those of the power-of-two ladder's run (padding rows change nothing)."""
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(1, 256, int(n)).tolist() for n in rng.integers(2, 12, 40)]
+
+    def run():
+        engine = LLMEngine(EngineConfig(model="tiny", block_size=16, max_num_seqs=64,
+                                        max_model_len=128, max_num_batched_tokens=512,
+                                        warmup=False), model=model)
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, params)
+        done = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs[0].token_ids
+        shapes = {key[1][0] for key in engine.runner._executables if key[0] == "StepCall"}
+        return [done[str(i)] for i in range(len(prompts))], shapes
+
+    fine, fine_shapes = run()
+    monkeypatch.setattr(backends, "fine_decode_buckets", lambda: False)
+    plain, plain_shapes = run()
+    assert 48 in fine_shapes and 64 not in fine_shapes
+    assert 64 in plain_shapes and 48 not in plain_shapes
+    assert fine == plain

@@ -11,12 +11,13 @@ from jaxserve.runtime import buckets, step_layout
 from jaxserve.runtime.step_layout import QUERY_CHUNK, Row
 
 
+@pytest.mark.parametrize("fine", [False, True])
 @pytest.mark.parametrize("aligned", [True, False])
 @pytest.mark.parametrize("budget,seqs", [(512, 64), (32, 4), (16, 16), (2048, 256)])
-def test_every_schedulable_step_fits_a_bucket(budget, seqs, aligned):
+def test_every_schedulable_step_fits_a_bucket(budget, seqs, aligned, fine):
     """Any rows a scheduler can emit (<= seqs rows, <= budget tokens) fit the largest bucket,
     and the worst case (every multi-query row leaving a gap) is exactly the bound."""
-    ladder = step_layout.token_buckets(budget, seqs, aligned)
+    ladder = step_layout.token_buckets(budget, seqs, aligned, fine)
     assert ladder == sorted(set(ladder)) and ladder[0] == 1
     multi_rows = min(seqs, budget // 2)
     worst = ([2] * multi_rows + [1] * min(seqs - multi_rows, budget - 2 * multi_rows)
@@ -29,6 +30,25 @@ def test_every_schedulable_step_fits_a_bucket(budget, seqs, aligned):
         n_rows = int(rng.integers(1, seqs + 1))
         lens = rng.multinomial(budget - n_rows, np.ones(n_rows) / n_rows) + 1
         buckets.pick(ladder, step_layout.flat_tokens_needed(lens.tolist(), aligned))  # fits
+
+
+@pytest.mark.parametrize("budget,seqs,extra", [
+    (512, 64, [24, 48]),        # the throughput benchmark's engine
+    (2048, 256, [24, 48, 96, 192]),
+    (64, 256, [24, 48]),        # rows are capped by the token budget too
+    (512, 16, []),              # no decode step above 16 rows
+])
+def test_fine_decode_buckets_add_three_quarter_points(budget, seqs, extra):
+    """fine_decode adds 3/4 of each power of two in (16, min(seqs, budget)], nothing else, and a
+    decode step of n > 16 rows then pads to under 1.5 n, not up to 2 n (48 rows run at 48)."""
+    for aligned in (True, False):
+        plain = step_layout.token_buckets(budget, seqs, aligned)
+        fine = step_layout.token_buckets(budget, seqs, aligned, fine_decode=True)
+        assert sorted(set(fine) - set(plain)) == extra and set(plain) <= set(fine)
+        for rows in range(17, min(seqs, budget) + 1):
+            assert buckets.pick(fine, rows) < 1.5 * rows
+    if extra:
+        assert buckets.pick(step_layout.token_buckets(budget, seqs, True, True), 48) == 48
 
 
 def test_a_step_just_over_the_budget_is_not_run_at_the_worst_case():

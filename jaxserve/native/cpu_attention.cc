@@ -10,9 +10,13 @@
 // Flat tokens of no row get zeros. Work items are (row, KV head, block of kQueryBlock queries),
 // taken from a shared counter by the calling thread and by tasks on XLA's intra-op pool.
 //
+// Key and value rows are read in place, widened to float32 in registers. Items of few query
+// vectors (decode) score each key row directly (scores_rows); longer ones transpose each key tile
+// once for all their queries (scores_transposed).
+//
 // int8 cache (a second target, jaxserve/runtime/kv_quant.py): int8 codes plus float32 scales
-// [L, N, BS, K], one per (token, KV head); each key tile is dequantized into the float32
-// scratch the float caches are converted into, so the scoring loop is the same.
+// [L, N, BS, K], one per (token, KV head): a key's scale multiplies its scores, a value's its
+// softmax weights (the transposed key tile is dequantized as it is written).
 
 #include <algorithm>
 #include <atomic>
@@ -28,6 +32,10 @@
 
 #include "xla/ffi/api/ffi.h"
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace ffi = xla::ffi;
 
 namespace {
@@ -42,17 +50,43 @@ typedef float V16u __attribute__((vector_size(64), aligned(4)));  // unaligned l
 typedef int32_t I16 __attribute__((vector_size(64)));
 const V16 kLanes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
+typedef uint16_t U16x16 __attribute__((vector_size(32), aligned(2)));
+typedef uint32_t U32x16 __attribute__((vector_size(64)));
+typedef int8_t S8x16 __attribute__((vector_size(16), aligned(1)));
+
+// 16 consecutive elements as float32 lanes: float32, bfloat16 (bits, widened exactly), int8.
 inline V16 load16(const float* p) { return *reinterpret_cast<const V16u*>(p); }
+inline V16 load16(const uint16_t* p) {
+  const U32x16 w = __builtin_convertvector(*reinterpret_cast<const U16x16*>(p), U32x16) << 16;
+  V16 f;
+  std::memcpy(&f, &w, sizeof f);
+  return f;
+}
+inline V16 load16(const int8_t* p) {
+#if defined(__AVX512F__)  // GCC 12 scalarizes the portable form (a move per lane)
+  return (V16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+#else
+  return __builtin_convertvector(*reinterpret_cast<const S8x16*>(p), V16);
+#endif
+}
+// Horizontal max and sum in four shuffle steps (halves, quarters, pairs, neighbours).
+#define JS_SWAP(x, ...) __builtin_shufflevector(x, x, __VA_ARGS__)
+inline V16 vmax(V16 a, V16 b) { return a > b ? a : b; }
 inline float hmax(V16 x) {
-  float r = x[0];
-  for (int i = 1; i < 16; ++i) r = std::max(r, x[i]);
-  return r;
+  x = vmax(x, JS_SWAP(x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+  x = vmax(x, JS_SWAP(x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+  x = vmax(x, JS_SWAP(x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+  x = vmax(x, JS_SWAP(x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+  return x[0];
 }
 inline float hsum(V16 x) {
-  float r = 0.0f;
-  for (int i = 0; i < 16; ++i) r += x[i];
-  return r;
+  x += JS_SWAP(x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  x += JS_SWAP(x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  x += JS_SWAP(x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  x += JS_SWAP(x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  return x[0];
 }
+#undef JS_SWAP
 // exp(x) for x <= 0 (scores minus their running max): 2^n * 2^f, n = round(x log2 e),
 // |f| <= 1/2, 2^f by its degree-6 Taylor series (relative error ~1e-7). Inputs below -87
 // (where float32 exp underflows) give ~1e-38, which the softmax sums treat as 0.
@@ -105,22 +139,19 @@ struct Item {
 // them, and their accumulators stay in registers (4 vectors x 16 lanes per head-dim chunk).
 constexpr int kVecs = 4;
 
-// Scores, online-softmax update and PV of query vectors [v0, v0 + kVecs) against one tile of
-// keys: kt `[Dh, kKeyTile]` (transposed), vt `[kKeyTile, Dh]`. visible[u]: keys of the tile
-// vector u sees (<= 0: none).
-inline void tile_update(int64_t dh, int64_t v0, const int32_t* visible, const float* qv,
-                        const float* kt, const float* vt, float* acc, float* m, float* l) {
-  V16 sc[kVecs] = {};
-  const float* qr[kVecs];
-  for (int u = 0; u < kVecs; ++u) qr[u] = qv + (v0 + u) * dh;
-  for (int64_t d = 0; d < dh; ++d) {
-    const V16 kd = load16(kt + d * kKeyTile);
-    for (int u = 0; u < kVecs; ++u) sc[u] += qr[u][d] * kd;
-  }
-  V16 pr[kVecs];
-  float corr[kVecs];
+// Online-softmax update and PV of query vectors [v0, v0 + kVecs) for one key tile, given their
+// scores sc[u] (lanes over the tile's keys); vrows[s]: the tile's value rows (Dh elements each,
+// read in place), times vscale[s] where not null (an int8 cache: folded into the weights).
+// visible[u]: keys of the tile vector u sees (<= 0: none).
+// NU: the group's vectors that are not padding (u >= NU: skipped, never read back).
+template <int NU, typename VT>
+inline void softmax_pv_n(int64_t dh, int64_t v0, const int32_t* visible, const V16* sc,
+                         const VT* const* vrows, const float* vscale, float* acc, float* m,
+                         float* l) {
+  V16 pr[NU];
+  float corr[NU];
   int32_t span = 0;
-  for (int u = 0; u < kVecs; ++u) {
+  for (int u = 0; u < NU; ++u) {
     const int64_t vi = v0 + u;
     const I16 live = kLanes < float(visible[u]);  // lanes of keys vector u sees
     const V16 s = live ? sc[u] : V16{} + kMask;
@@ -131,17 +162,94 @@ inline void tile_update(int64_t dh, int64_t v0, const int32_t* visible, const fl
     m[vi] = m_new;
     span = std::max(span, visible[u]);
   }
+  if (vscale)
+    for (int u = 0; u < NU; ++u) pr[u] *= load16(vscale);
   for (int64_t c = 0; c < dh; c += 16) {
-    V16 a[kVecs];
-    for (int u = 0; u < kVecs; ++u) a[u] = load16(acc + (v0 + u) * dh + c) * corr[u];
+    V16 a[NU];
+    for (int u = 0; u < NU; ++u) a[u] = load16(acc + (v0 + u) * dh + c) * corr[u];
     for (int32_t s = 0; s < span; ++s) {
-      const V16 vv = load16(vt + s * dh + c);
-      for (int u = 0; u < kVecs; ++u) a[u] += pr[u][s] * vv;
+      const V16 vv = load16(vrows[s] + c);
+      for (int u = 0; u < NU; ++u) a[u] += pr[u][s] * vv;
     }
-    for (int u = 0; u < kVecs; ++u) {
+    for (int u = 0; u < NU; ++u) {
       std::memcpy(acc + (v0 + u) * dh + c, &a[u], sizeof a[u]);
     }
   }
+}
+
+template <typename VT>
+inline void softmax_pv(int64_t nu, int64_t dh, int64_t v0, const int32_t* visible, const V16* sc,
+                       const VT* const* vrows, const float* vscale, float* acc, float* m,
+                       float* l) {
+  static_assert(kVecs == 4, "one case per live vector count");
+  switch (nu) {
+    case 1: return softmax_pv_n<1>(dh, v0, visible, sc, vrows, vscale, acc, m, l);
+    case 2: return softmax_pv_n<2>(dh, v0, visible, sc, vrows, vscale, acc, m, l);
+    case 3: return softmax_pv_n<3>(dh, v0, visible, sc, vrows, vscale, acc, m, l);
+    default: return softmax_pv_n<4>(dh, v0, visible, sc, vrows, vscale, acc, m, l);
+  }
+}
+
+// Scores of query vectors [v0, v0 + kVecs) against one tile of keys kt `[Dh, kKeyTile]`
+// (transposed: one broadcast query element times a register of 16 keys per step).
+inline void scores_transposed(int64_t dh, int64_t v0, const float* qv, const float* kt, V16* sc) {
+  const float* qr[kVecs];
+  for (int u = 0; u < kVecs; ++u) qr[u] = qv + (v0 + u) * dh, sc[u] = V16{};
+  for (int64_t d = 0; d < dh; ++d) {
+    const V16 kd = load16(kt + d * kKeyTile);
+    for (int u = 0; u < kVecs; ++u) sc[u] += qr[u][d] * kd;
+  }
+}
+
+// Adds pairs of vectors a, b holding partial sums of keys in runs of 2w lanes (a's keys, then
+// b's) into one vector holding them in runs of w lanes: lanes [0, w) of each run of 2w plus
+// lanes [w, 2w), interleaving a's runs and b's.
+#define JS_PAIR_ADD(a, b, ...) (__builtin_shufflevector(a, b, __VA_ARGS__))
+inline V16 fold8(V16 a, V16 b) {
+  return JS_PAIR_ADD(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+         JS_PAIR_ADD(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+}
+inline V16 fold4(V16 a, V16 b) {
+  return JS_PAIR_ADD(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+         JS_PAIR_ADD(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+}
+inline V16 fold2(V16 a, V16 b) {
+  return JS_PAIR_ADD(a, b, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+         JS_PAIR_ADD(a, b, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+}
+inline V16 fold1(V16 a, V16 b) {
+  return JS_PAIR_ADD(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         JS_PAIR_ADD(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+#undef JS_PAIR_ADD
+
+// Scores of query vector q against one tile of key rows (Dh floats each, not transposed): per
+// key a register of lane-wise partial products, then a tree of shuffles and adds turns the 16
+// registers into one whose lane j is key j's score. For few query vectors (decode) this beats
+// transposing the tile, which costs a scalar move per key element whatever the query count.
+template <typename KT>
+inline V16 scores_rows(int64_t dh, const float* q, const KT* const* krows) {
+  V16 p[kKeyTile];
+  for (int j = 0; j < kKeyTile; ++j) {
+    V16 s = load16(q) * load16(krows[j]);
+    for (int64_t c = 16; c < dh; c += 16) s += load16(q + c) * load16(krows[j] + c);
+    p[j] = s;
+  }
+  V16 h[8], w[4], t[2];
+  for (int i = 0; i < 8; ++i) h[i] = fold8(p[2 * i], p[2 * i + 1]);
+  for (int i = 0; i < 4; ++i) w[i] = fold4(h[2 * i], h[2 * i + 1]);
+  for (int i = 0; i < 2; ++i) t[i] = fold2(w[2 * i], w[2 * i + 1]);
+  return fold1(t[0], t[1]);
+}
+
+// Query vectors up to which an item scores key rows in place (scores_rows) instead of
+// transposing each key tile first: decode items have G (the query heads per KV head) vectors.
+constexpr int64_t kRowsMaxVecs = 8;
+
+template <typename T>
+inline void prefetch_row(const T* p, int64_t dh) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t b = 0; b < int64_t(dh * sizeof(T)); b += 64) __builtin_prefetch(c + b);
 }
 
 // One work item: queries [first_query, first_query + n) of `row` (n <= kQueryBlock), the G query
@@ -157,13 +265,12 @@ void attend_item(const Problem& p, const Item& it, std::vector<float>& scratch) 
   const int32_t base = ctx - q_len + it.first_query;  // position of the item's first query
   const int64_t nv = int64_t(n) * g;
   const int64_t nvp = (nv + kVecs - 1) / kVecs * kVecs;
-  scratch.assign(size_t(nvp * dh * 2 + nvp * 2 + dh * kKeyTile * 2), 0.0f);
+  scratch.assign(size_t(nvp * dh * 2 + nvp * 2 + dh * kKeyTile), 0.0f);
   float* qv = scratch.data();   // [nvp, Dh], scaled
   float* acc = qv + nvp * dh;   // [nvp, Dh]
   float* m = acc + nvp * dh;    // [nvp]
   float* l = m + nvp;           // [nvp]
   float* kt = l + nvp;          // [Dh, kKeyTile]: keys transposed, lanes over keys
-  float* vt = kt + dh * kKeyTile;  // [kKeyTile, Dh]
   const QT* q = static_cast<const QT*>(p.q);
   for (int64_t vi = 0; vi < nv; ++vi) {
     const int64_t i = vi / g, j = vi % g;
@@ -175,30 +282,37 @@ void attend_item(const Problem& p, const Item& it, std::vector<float>& scratch) 
   const KT* vc = static_cast<const KT*>(p.v);
   const int32_t* table = p.page_table + int64_t(it.row) * p.max_blocks;
   const int32_t key_end = base + n;  // keys [0, key_end) are seen by some query of the item
+  const bool in_rows = nvp <= kRowsMaxVecs;
+  constexpr bool kInt8 = std::is_same_v<KT, int8_t>;
+  auto row_at = [&](int32_t pos) {  // element offset of key `pos`'s row (this head, layer)
+    const int64_t blk = table[pos / p.block_size], off = pos % p.block_size;
+    return (((p.layer * p.num_blocks + blk) * p.block_size + off) * p.kv_heads + it.kv_head) * dh;
+  };
   for (int32_t s0 = 0; s0 < key_end; s0 += kKeyTile) {
     const int32_t ns = std::min<int32_t>(kKeyTile, key_end - s0);
-    const KT* krows[kKeyTile];
-    float kscale[kKeyTile];
-    for (int32_t j = 0; j < kKeyTile; ++j) {  // lanes past the context repeat the last key
-      const int32_t pos = s0 + std::min(j, ns - 1);
-      const int64_t blk = table[pos / p.block_size], off = pos % p.block_size;
-      const int64_t at = (((p.layer * p.num_blocks + blk) * p.block_size + off) * p.kv_heads +
-                          it.kv_head) * dh;
-      krows[j] = kc + at;
-      if constexpr (std::is_same_v<KT, int8_t>) {  // dequantized: codes * (token, head) scale
-        kscale[j] = p.k_scale[at / dh];
-        const float vs = p.v_scale[at / dh];
-        for (int64_t d = 0; d < dh; ++d) vt[j * dh + d] = to_f32(vc[at + d]) * vs;
-      } else {
-        for (int64_t d = 0; d < dh; ++d) vt[j * dh + d] = to_f32(vc[at + d]);
-      }
+    // The next tile's rows are in pages the hardware prefetcher cannot guess.
+    for (int32_t pos = s0 + kKeyTile; pos < std::min(s0 + 2 * kKeyTile, key_end); ++pos) {
+      const int64_t at = row_at(pos);
+      prefetch_row(kc + at, dh);
+      prefetch_row(vc + at, dh);
     }
-    for (int64_t d = 0; d < dh; ++d) {  // transposed: written in order, read from 16 rows
-      if constexpr (std::is_same_v<KT, int8_t>) {
-        for (int32_t j = 0; j < kKeyTile; ++j)
-          kt[d * kKeyTile + j] = to_f32(krows[j][d]) * kscale[j];
-      } else {
-        for (int32_t j = 0; j < kKeyTile; ++j) kt[d * kKeyTile + j] = to_f32(krows[j][d]);
+    const KT* krows[kKeyTile];
+    const KT* vrows[kKeyTile];  // read in place, whatever the cache dtype
+    alignas(64) float kscale[kKeyTile], vscale[kKeyTile];  // int8: per (token, head)
+    for (int32_t j = 0; j < kKeyTile; ++j) {  // lanes past the context repeat the last key
+      const int64_t at = row_at(s0 + std::min(j, ns - 1));
+      krows[j] = kc + at;
+      vrows[j] = vc + at;
+      if constexpr (kInt8) kscale[j] = p.k_scale[at / dh], vscale[j] = p.v_scale[at / dh];
+    }
+    if (!in_rows) {
+      for (int64_t d = 0; d < dh; ++d) {  // transposed: written in order, read from 16 rows
+        if constexpr (kInt8) {  // dequantized: codes * (token, head) scale
+          for (int32_t j = 0; j < kKeyTile; ++j)
+            kt[d * kKeyTile + j] = to_f32(krows[j][d]) * kscale[j];
+        } else {
+          for (int32_t j = 0; j < kKeyTile; ++j) kt[d * kKeyTile + j] = to_f32(krows[j][d]);
+        }
       }
     }
     for (int64_t v0 = 0; v0 < nvp; v0 += kVecs) {
@@ -209,7 +323,18 @@ void attend_item(const Problem& p, const Item& it, std::vector<float>& scratch) 
         visible[u] = vi < nv ? std::min<int32_t>(ns, base + int32_t(vi / g) - s0 + 1) : 0;
         any = std::max(any, visible[u]);
       }
-      if (any > 0) tile_update(dh, v0, visible, qv, kt, vt, acc, m, l);
+      if (any <= 0) continue;
+      V16 sc[kVecs];
+      if (in_rows) {
+        for (int u = 0; u < kVecs; ++u) {
+          sc[u] = visible[u] > 0 ? scores_rows(dh, qv + (v0 + u) * dh, krows) : V16{};
+          if constexpr (kInt8) sc[u] *= load16(kscale);
+        }
+      } else {
+        scores_transposed(dh, v0, qv, kt, sc);
+      }
+      softmax_pv(std::min<int64_t>(kVecs, nv - v0), dh, v0, visible, sc, vrows,
+                 kInt8 ? vscale : nullptr, acc, m, l);
     }
   }
   for (int64_t vi = 0; vi < nv; ++vi) {

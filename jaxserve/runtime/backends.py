@@ -95,6 +95,13 @@ def gpu_step() -> bool:
     return jax.default_backend() == "gpu"
 
 
+def fine_decode_buckets() -> bool:
+    """Whether decode steps get 3/4 token buckets too (step_layout.token_buckets): on CPU a
+    step's linears, LM head and sampler cost grows with its padded rows (48 rows ran at 64);
+    on GPU a decode step's cost is nearly flat in its rows, so extra programs buy nothing."""
+    return jax.default_backend() == "cpu"
+
+
 def attention_backend(kind: str, config: ModelConfig, block_size: int,
                       requested: str) -> AttentionBackend:
     """The attention backend for `kind` (resolved); falls back to XLA where the kernel cannot run."""

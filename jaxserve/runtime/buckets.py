@@ -19,6 +19,13 @@ def powers_of_two_up_to(limit: int, start: int = 1) -> list[int]:
     return out + [limit]
 
 
+def three_quarter_points(ladder: list[int], above: int, up_to: int) -> list[int]:
+    """`ladder` (powers of two) with 3/4 of each power of two in (above, up_to] added: a step
+    whose cost grows with its rows then pads to under 1.5x its size there, not up to 2x."""
+    extra = {3 * n // 4 for n in ladder if n % 4 == 0 and above < 3 * n // 4 <= up_to}
+    return sorted(set(ladder) | extra)
+
+
 def pick(buckets: list[int], n: int) -> int:
     """Smallest bucket >= n."""
     for b in buckets:

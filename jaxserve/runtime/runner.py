@@ -172,13 +172,16 @@ class ModelRunner:
                  tp: TensorParallel | None = None, kv_cache_dtype=None,
                  structured_outputs: bool = False, unroll_layers: bool = False,
                  branch_free_sampling: bool = False, poison_rows: bool = False,
-                 num_speculative_tokens: int = 0, grouped_matmul=None):
+                 num_speculative_tokens: int = 0, grouped_matmul=None,
+                 fine_decode_buckets: bool = False):
         """grouped_matmul: the MoE experts' backend (jaxserve/runtime/grouped_matmul.py;
         None: models/moe.py's ragged_dot), already wrapped for tp where it needs to be.
         poison_rows: every step takes StepInputs.poison (fault injection only).
         unroll_layers, branch_free_sampling: the GPU program's shape (backends.gpu_step):
         layers unrolled so no weight slice is copied, and a sampler without conditionals, each
         of which would make the host wait for the device mid-step.
+        fine_decode_buckets: also the 3/4 decode token buckets (step_layout.token_buckets;
+        backends.fine_decode_buckets).
         num_speculative_tokens: k > 0 compiles a verification variant of every step program
         (rows of up to k drafts sampled at each of their last k + 1 queries)."""
         c = model.config
@@ -221,7 +224,7 @@ class ModelRunner:
         self.free_slots = list(range(self.num_slots - 1, -1, -1))
         self.ragged = attention.layout == "ragged"
         self.token_buckets = step_layout.token_buckets(max_num_batched_tokens, max_num_seqs,
-                                                       self.ragged)
+                                                       self.ragged, fine_decode_buckets)
         self.slot_buckets = buckets.slot_write_buckets(max_num_seqs)
         if tp is not None:
             attention = tp.attention(attention)
