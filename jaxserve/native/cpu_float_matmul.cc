@@ -30,6 +30,10 @@ namespace {
 
 constexpr int64_t kMinSplitBytes = 96 << 10;  // below: one thread (see Impl)
 
+// Loops over registers unrolled before GCC decides where arrays of them live: otherwise the
+// accumulators are stored to the stack on every step.
+#define JAXSERVE_UNROLL _Pragma("GCC unroll 16")
+
 struct Problem {
   const float* x;  // [M, K]
   const void* w;   // [K, N] or [N, K], float32 or bfloat16 (uint16 bits)
@@ -59,92 +63,120 @@ inline __mmask16 lanes(int64_t left) {
   return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
 }
 
-// w [K, N]: output tiles of kCols columns; rows [r0, r0 + R) against tile [n0, n0 + kCols).
-constexpr int kVecs = 2;               // zmm registers per tile row
-constexpr int kCols = 16 * kVecs;
-constexpr int kMaxRows = 8;            // R kVecs accumulators <= 16 registers
+// w [K, N]: rows [r0, r0 + R) against the V * 16 columns from n0, all R rows in one pass over
+// the weight (R V accumulators <= 16 registers): up to 8 rows take 32 columns a pass, up to 16
+// rows 16 columns. Each weight line is then read from memory once per call: a second pass
+// over a tile would miss, as rows N apart map to few cache sets.
+constexpr int kCols = 32;              // columns per work-item tile
 constexpr int kPrefetchRows = 8;       // software prefetch distance, in weight rows
 
-template <int R, typename WT>
+template <int R, int V, typename WT>
 void kn_rows(const Problem& p, int64_t n0, int64_t r0) {
   const WT* w = static_cast<const WT*>(p.w);
   const int64_t n = p.n, k = p.k;
-  __mmask16 mask[kVecs];
-  for (int v = 0; v < kVecs; ++v) mask[v] = lanes(std::max<int64_t>(0, n - n0 - 16 * v));
-  __m512 acc[R][kVecs];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < kVecs; ++v) acc[r][v] = _mm512_setzero_ps();
+  __mmask16 mask[V];
+  for (int v = 0; v < V; ++v) mask[v] = lanes(std::max<int64_t>(0, n - n0 - 16 * v));
+  __m512 acc[R][V];
+  JAXSERVE_UNROLL for (int r = 0; r < R; ++r)
+    JAXSERVE_UNROLL for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_ps();
   const float* x = p.x + r0 * k;
   for (int64_t kk = 0; kk < k; ++kk) {
     const WT* row = w + kk * n + n0;
     // Rows of the weight are N apart: past the hardware prefetcher's reach within a page.
     if (kk + kPrefetchRows < k)
-      for (int b = 0; b < int(sizeof(WT)) * kCols; b += 64)
+      for (int b = 0; b < int(sizeof(WT)) * 16 * V; b += 64)
         _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchRows * n) + b, _MM_HINT_T0);
-    __m512 wv[kVecs];
-    for (int v = 0; v < kVecs; ++v) wv[v] = load16(row + 16 * v, mask[v]);
-    for (int r = 0; r < R; ++r) {
+    __m512 wv[V];
+    JAXSERVE_UNROLL for (int v = 0; v < V; ++v) wv[v] = load16(row + 16 * v, mask[v]);
+    JAXSERVE_UNROLL for (int r = 0; r < R; ++r) {
       const __m512 xv = _mm512_set1_ps(x[r * k + kk]);
-      for (int v = 0; v < kVecs; ++v) acc[r][v] = _mm512_fmadd_ps(xv, wv[v], acc[r][v]);
+      JAXSERVE_UNROLL for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(xv, wv[v], acc[r][v]);
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < kVecs; ++v)
-      _mm512_mask_storeu_ps(p.out + (r0 + r) * n + n0 + 16 * v, mask[v], acc[r][v]);
+  float* out = p.out + r0 * n + n0;
+  JAXSERVE_UNROLL for (int r = 0; r < R; ++r)
+    JAXSERVE_UNROLL for (int v = 0; v < V; ++v)
+      _mm512_mask_storeu_ps(out + r * n + 16 * v, mask[v], acc[r][v]);
 }
 
-// w [N, K]: blocks of kOuts outputs (weight rows), dot products along K, reduced at the end.
-constexpr int kOuts = 4;
-constexpr int kMaxRowsT = 4;           // R kOuts accumulators <= 16 registers
-
 template <int R, typename WT>
+void kn_tile(const Problem& p, int64_t n0, int64_t r0) {
+  if constexpr (R <= 8) {
+    kn_rows<R, 2, WT>(p, n0, r0);
+  } else {
+    kn_rows<R, 1, WT>(p, n0, r0);
+    if (n0 + 16 < p.n) kn_rows<R, 1, WT>(p, n0 + 16, r0);
+  }
+}
+
+template <typename WT>
+void kn_all_rows(const Problem& p, int64_t n0) {
+  for (int64_t r0 = 0; r0 < p.m; r0 += 16) {
+    switch (std::min<int64_t>(16, p.m - r0)) {
+#define JAXSERVE_ROWS(R) case R: kn_tile<R, WT>(p, n0, r0); break;
+      JAXSERVE_ROWS(1) JAXSERVE_ROWS(2) JAXSERVE_ROWS(3) JAXSERVE_ROWS(4)
+      JAXSERVE_ROWS(5) JAXSERVE_ROWS(6) JAXSERVE_ROWS(7) JAXSERVE_ROWS(8)
+      JAXSERVE_ROWS(9) JAXSERVE_ROWS(10) JAXSERVE_ROWS(11) JAXSERVE_ROWS(12)
+      JAXSERVE_ROWS(13) JAXSERVE_ROWS(14) JAXSERVE_ROWS(15) JAXSERVE_ROWS(16)
+#undef JAXSERVE_ROWS
+      default: break;
+    }
+  }
+}
+
+// w [N, K]: blocks of OUTS outputs (weight rows), dot products along K, reduced at the end.
+constexpr int kOuts = 4;
+constexpr int kMaxRowsT = 4;           // R OUTS accumulators <= 16 registers
+
+template <int R, int OUTS, typename WT>
 void nk_rows(const Problem& p, int64_t n0, int64_t r0) {
   const WT* w = static_cast<const WT*>(p.w) + n0 * p.k;
-  const int64_t k = p.k;
-  const int outs = int(std::min<int64_t>(kOuts, p.n - n0));
-  __m512 acc[R][kOuts];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < kOuts; ++j) acc[r][j] = _mm512_setzero_ps();
+  const int64_t k = p.k, n = p.n;
   const float* x = p.x + r0 * k;
+  __m512 acc[R][OUTS];
+  JAXSERVE_UNROLL for (int r = 0; r < R; ++r)
+    JAXSERVE_UNROLL for (int j = 0; j < OUTS; ++j) acc[r][j] = _mm512_setzero_ps();
   for (int64_t kk = 0; kk < k; kk += 16) {
     const __mmask16 mask = lanes(k - kk);
     __m512 xv[R];
-    for (int r = 0; r < R; ++r) xv[r] = _mm512_maskz_loadu_ps(mask, x + r * k + kk);
-    for (int j = 0; j < kOuts; ++j) {
-      if (j >= outs) break;
+    JAXSERVE_UNROLL for (int r = 0; r < R; ++r) xv[r] = _mm512_maskz_loadu_ps(mask, x + r * k + kk);
+    JAXSERVE_UNROLL for (int j = 0; j < OUTS; ++j) {
       const __m512 wv = load16(w + j * k + kk, mask);
-      for (int r = 0; r < R; ++r) acc[r][j] = _mm512_fmadd_ps(xv[r], wv, acc[r][j]);
+      JAXSERVE_UNROLL for (int r = 0; r < R; ++r) acc[r][j] = _mm512_fmadd_ps(xv[r], wv, acc[r][j]);
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < outs; ++j) p.out[(r0 + r) * p.n + n0 + j] = _mm512_reduce_add_ps(acc[r][j]);
+  float* out = p.out + r0 * n + n0;
+  JAXSERVE_UNROLL for (int r = 0; r < R; ++r)
+    JAXSERVE_UNROLL for (int j = 0; j < OUTS; ++j) out[r * n + j] = _mm512_reduce_add_ps(acc[r][j]);
 }
 
-// Rows in balanced blocks of at most MAX (9 rows: 5 + 4, not 8 + 1).
-template <int MAX, template <int, typename> class Rows, typename WT>
-void all_rows(const Problem& p, int64_t n0) {
-  const int64_t blocks = (p.m + MAX - 1) / MAX;
+template <int R, typename WT>
+void nk_block(const Problem& p, int64_t n0, int64_t r0) {
+  switch (std::min<int64_t>(kOuts, p.n - n0)) {
+    case 4: nk_rows<R, 4, WT>(p, n0, r0); break;
+    case 3: nk_rows<R, 3, WT>(p, n0, r0); break;
+    case 2: nk_rows<R, 2, WT>(p, n0, r0); break;
+    case 1: nk_rows<R, 1, WT>(p, n0, r0); break;
+    default: break;
+  }
+}
+
+// Rows in balanced blocks of at most kMaxRowsT (9 rows: 3 + 3 + 3, not 4 + 4 + 1).
+template <typename WT>
+void nk_all_rows(const Problem& p, int64_t n0) {
+  const int64_t blocks = (p.m + kMaxRowsT - 1) / kMaxRowsT;
   for (int64_t b = 0, r0 = 0; b < blocks; ++b) {
     const int64_t r = (p.m - r0 + (blocks - b) - 1) / (blocks - b);
     switch (r) {
-      case 1: Rows<1, WT>::run(p, n0, r0); break;
-      case 2: Rows<2, WT>::run(p, n0, r0); break;
-      case 3: Rows<3, WT>::run(p, n0, r0); break;
-      case 4: Rows<4, WT>::run(p, n0, r0); break;
-      case 5: if constexpr (MAX >= 5) Rows<5, WT>::run(p, n0, r0); break;
-      case 6: if constexpr (MAX >= 6) Rows<6, WT>::run(p, n0, r0); break;
-      case 7: if constexpr (MAX >= 7) Rows<7, WT>::run(p, n0, r0); break;
-      case 8: if constexpr (MAX >= 8) Rows<8, WT>::run(p, n0, r0); break;
+      case 1: nk_block<1, WT>(p, n0, r0); break;
+      case 2: nk_block<2, WT>(p, n0, r0); break;
+      case 3: nk_block<3, WT>(p, n0, r0); break;
+      case 4: nk_block<4, WT>(p, n0, r0); break;
       default: break;
     }
     r0 += r;
   }
 }
-
-template <int R, typename WT>
-struct KnRows { static void run(const Problem& p, int64_t n0, int64_t r0) { kn_rows<R, WT>(p, n0, r0); } };
-template <int R, typename WT>
-struct NkRows { static void run(const Problem& p, int64_t n0, int64_t r0) { nk_rows<R, WT>(p, n0, r0); } };
 
 // Outputs per work item: one tile for w [K, N] (a 576-wide layer splits into 18 items);
 // 64 weight rows (16 blocks) for w [N, K].
@@ -154,9 +186,9 @@ constexpr int64_t kItemNk = 64;
 template <typename WT, bool T>
 void run_outputs(const Problem& p, int64_t n0, int64_t n1) {
   if constexpr (T) {
-    for (int64_t j = n0; j < n1; j += kOuts) all_rows<kMaxRowsT, NkRows, WT>(p, j);
+    for (int64_t j = n0; j < n1; j += kOuts) nk_all_rows<WT>(p, j);
   } else {
-    for (int64_t j = n0; j < n1; j += kCols) all_rows<kMaxRows, KnRows, WT>(p, j);
+    for (int64_t j = n0; j < n1; j += kCols) kn_all_rows<WT>(p, j);
   }
 }
 #else
