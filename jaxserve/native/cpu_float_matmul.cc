@@ -63,29 +63,34 @@ inline __mmask16 lanes(int64_t left) {
   return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
 }
 
-// w [K, N]: rows [r0, r0 + R) against the V * 16 columns from n0, all R rows in one pass over
-// the weight (R V accumulators <= 16 registers): up to 8 rows take 32 columns a pass, up to 16
-// rows 16 columns. Each weight line is then read from memory once per call: a second pass
-// over a tile would miss, as rows N apart map to few cache sets.
-constexpr int kCols = 32;              // columns per work-item tile
-constexpr int kPrefetchRows = 8;       // software prefetch distance, in weight rows
+// w [K, N]: rows [r0, r0 + R) against the V * 16 columns from n0 over weight rows [k0, k1),
+// all R rows in one pass (R V accumulators <= 16 registers): up to 8 rows take 32 columns a
+// pass, up to 16 rows 16 columns. An item of kItemKn columns walks the weight in blocks of
+// kBlockK rows, left to right across its tiles within each: each weight line is read from
+// memory once per call, in runs the hardware prefetcher follows, and the software prefetch
+// fetches the next block (rows N apart would otherwise wait on memory one by one).
+constexpr int kCols = 32;              // columns per tile
+constexpr int64_t kBlockK = 32;        // weight rows per block (and the prefetch distance)
 
 template <int R, int V, typename WT>
-void kn_rows(const Problem& p, int64_t n0, int64_t r0) {
+void kn_rows(const Problem& p, int64_t n0, int64_t r0, int64_t k0, int64_t k1) {
   const WT* w = static_cast<const WT*>(p.w);
   const int64_t n = p.n, k = p.k;
   __mmask16 mask[V];
   for (int v = 0; v < V; ++v) mask[v] = lanes(std::max<int64_t>(0, n - n0 - 16 * v));
+  float* out = p.out + r0 * n + n0;
   __m512 acc[R][V];
   JAXSERVE_UNROLL for (int r = 0; r < R; ++r)
-    JAXSERVE_UNROLL for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_ps();
+    JAXSERVE_UNROLL for (int v = 0; v < V; ++v)
+      acc[r][v] = k0 == 0 ? _mm512_setzero_ps()
+                          : _mm512_maskz_loadu_ps(mask[v], out + r * n + 16 * v);
   const float* x = p.x + r0 * k;
-  for (int64_t kk = 0; kk < k; ++kk) {
+  const bool prefetch = k1 + kBlockK <= k;
+  for (int64_t kk = k0; kk < k1; ++kk) {
     const WT* row = w + kk * n + n0;
-    // Rows of the weight are N apart: past the hardware prefetcher's reach within a page.
-    if (kk + kPrefetchRows < k)
+    if (prefetch)
       for (int b = 0; b < int(sizeof(WT)) * 16 * V; b += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchRows * n) + b, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(row + kBlockK * n) + b, _MM_HINT_T0);
     __m512 wv[V];
     JAXSERVE_UNROLL for (int v = 0; v < V; ++v) wv[v] = load16(row + 16 * v, mask[v]);
     JAXSERVE_UNROLL for (int r = 0; r < R; ++r) {
@@ -93,27 +98,31 @@ void kn_rows(const Problem& p, int64_t n0, int64_t r0) {
       JAXSERVE_UNROLL for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(xv, wv[v], acc[r][v]);
     }
   }
-  float* out = p.out + r0 * n + n0;
   JAXSERVE_UNROLL for (int r = 0; r < R; ++r)
     JAXSERVE_UNROLL for (int v = 0; v < V; ++v)
       _mm512_mask_storeu_ps(out + r * n + 16 * v, mask[v], acc[r][v]);
 }
 
 template <int R, typename WT>
-void kn_tile(const Problem& p, int64_t n0, int64_t r0) {
-  if constexpr (R <= 8) {
-    kn_rows<R, 2, WT>(p, n0, r0);
-  } else {
-    kn_rows<R, 1, WT>(p, n0, r0);
-    if (n0 + 16 < p.n) kn_rows<R, 1, WT>(p, n0 + 16, r0);
+void kn_item(const Problem& p, int64_t n0, int64_t n1, int64_t r0) {
+  for (int64_t k0 = 0; k0 < p.k; k0 += kBlockK) {
+    const int64_t k1 = std::min(p.k, k0 + kBlockK);
+    for (int64_t j = n0; j < n1; j += kCols) {
+      if constexpr (R <= 8) {
+        kn_rows<R, 2, WT>(p, j, r0, k0, k1);
+      } else {
+        kn_rows<R, 1, WT>(p, j, r0, k0, k1);
+        if (j + 16 < p.n) kn_rows<R, 1, WT>(p, j + 16, r0, k0, k1);
+      }
+    }
   }
 }
 
 template <typename WT>
-void kn_all_rows(const Problem& p, int64_t n0) {
+void kn_all_rows(const Problem& p, int64_t n0, int64_t n1) {
   for (int64_t r0 = 0; r0 < p.m; r0 += 16) {
     switch (std::min<int64_t>(16, p.m - r0)) {
-#define JAXSERVE_ROWS(R) case R: kn_tile<R, WT>(p, n0, r0); break;
+#define JAXSERVE_ROWS(R) case R: kn_item<R, WT>(p, n0, n1, r0); break;
       JAXSERVE_ROWS(1) JAXSERVE_ROWS(2) JAXSERVE_ROWS(3) JAXSERVE_ROWS(4)
       JAXSERVE_ROWS(5) JAXSERVE_ROWS(6) JAXSERVE_ROWS(7) JAXSERVE_ROWS(8)
       JAXSERVE_ROWS(9) JAXSERVE_ROWS(10) JAXSERVE_ROWS(11) JAXSERVE_ROWS(12)
@@ -178,9 +187,9 @@ void nk_all_rows(const Problem& p, int64_t n0) {
   }
 }
 
-// Outputs per work item: one tile for w [K, N] (a 576-wide layer splits into 18 items);
-// 64 weight rows (16 blocks) for w [N, K].
-constexpr int64_t kItemKn = kCols;
+// Outputs per work item: 4 tiles for w [K, N] (a 576-wide layer splits into 5 items, a
+// 1536-wide one into 12); 64 weight rows (16 blocks) for w [N, K].
+constexpr int64_t kItemKn = 4 * kCols;
 constexpr int64_t kItemNk = 64;
 
 template <typename WT, bool T>
@@ -188,7 +197,7 @@ void run_outputs(const Problem& p, int64_t n0, int64_t n1) {
   if constexpr (T) {
     for (int64_t j = n0; j < n1; j += kOuts) nk_all_rows<WT>(p, j);
   } else {
-    for (int64_t j = n0; j < n1; j += kCols) kn_all_rows<WT>(p, j);
+    kn_all_rows<WT>(p, n0, n1);
   }
 }
 #else
