@@ -19,7 +19,6 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, native
-from jaxserve.native import float_matmul
 from jaxserve.native.float_matmul import error_bound, float_matmul_cpu, float_matmul_reference
 from jaxserve.runtime import backends
 from models.random_init import random_model
