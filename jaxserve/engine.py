@@ -97,7 +97,7 @@ class LLMEngine:
             linear_kind = "xla"  # the native kernel reads whole, repacked weights
         self.model = backends.prepare_params(linear_kind, self.model)
         unroll = backends.unroll_layers(config.layer_loop, tensor_parallel=tp is not None,
-                                        params=self.model.params)
+                                        params=self.model.params, linear_kind=linear_kind)
         if unroll:  # split before the KV plan, so that the stacked copy is freed by then
             self.model = dataclasses.replace(self.model, params=unstack_layers(
                 self.model.params, self.model.config.num_layers))
@@ -142,7 +142,8 @@ class LLMEngine:
             branch_free_sampling=backends.gpu_step(),
             fine_decode_buckets=backends.fine_decode_buckets(),
             poison_rows=self.faults is not None and self.faults.config.poisons_logits,
-            num_speculative_tokens=spec_decode_tokens(config), grouped_matmul=gmm)
+            num_speculative_tokens=spec_decode_tokens(config), grouped_matmul=gmm,
+            head=backends.head_backend(linear_kind))
         self.model = self.runner.model  # with TP, the placed shards: no unsharded copy is kept
         # Multi-host: process 0 schedules and broadcasts every step; the others follow().
         self.channel = multihost.attach(self.runner)

@@ -44,6 +44,7 @@ LINEAR_ROLES: dict[str, Parallel] = {
 
 AttentionFn = Callable[..., tuple[jnp.ndarray, Any]]
 LinearFn = Callable[[jnp.ndarray, Any, Parallel], jnp.ndarray]
+HeadFn = Callable[[jnp.ndarray, jnp.ndarray], jnp.ndarray]  # (x [..., D], embedding [V, D])
 
 
 def dense_linear(x, w, parallel: Parallel = None):
@@ -60,6 +61,12 @@ def dense_linear(x, w, parallel: Parallel = None):
         y = jnp.einsum("ri,io->ro", two, w, preferred_element_type=jnp.float32)
         return y[:1].reshape(*x.shape[:-1], w.shape[-1])
     return jnp.einsum("...i,io->...o", x, w, preferred_element_type=jnp.float32)
+
+
+def tied_head(x, embedding):
+    """Logits of a tied head, `x [..., D] @ embedding [V, D]^T` in float32: the default head
+    backend (the native CPU one reads the embedding in its stored [V, D] layout too)."""
+    return jnp.einsum("...D,VD->...V", x, embedding, preferred_element_type=jnp.float32)
 
 
 def soft_cap(scores, softcap: float | None):
@@ -288,6 +295,8 @@ class Llama(nn.Module):
     # fresh buffers (a kernel operand must be a whole buffer): docs/gpu_step_report.md. The
     # loop keeps compile time flat in depth, so CPU and tests keep it.
     unroll_layers: bool = False
+    # The tied LM head, x @ embedding^T (tied_head; jaxserve/runtime/backends.py head_backend).
+    head: HeadFn = None
 
     @nn.compact
     def __call__(self, tokens, positions, kv_cache=None, meta=None, logits_index=None):
@@ -319,7 +328,7 @@ class Llama(nn.Module):
         x = norm_class(c)(c.rms_norm_eps, self.dtype, name="final_norm")(x)
         # A quantized model may carry its own (quantized) copy of a tied head under lm_head.
         if c.tie_word_embeddings and not self.has_variable("params", "lm_head"):
-            logits = jnp.einsum("...D,VD->...V", x, embedding, preferred_element_type=jnp.float32)
+            logits = (self.head or tied_head)(x, embedding)
         else:
             logits = linear_layer("lm_head", c.vocab_size, self.dtype, self.linear,
                                   out_dtype=jnp.float32)(x)

@@ -2,7 +2,7 @@
 
     .venv/bin/python scripts/bench_batch1.py --quantization gguf,w4a8,w4a16,w8a8,none
 
-Each path: one LLM (float32, bench_throughput.py's engine settings), bench_throughput.py's
+Each path: one LLM (`--dtype`, float32 by default; bench_throughput.py's engine settings), bench_throughput.py's
 seeded 32-token prompt -> `--new-tokens` greedy tokens, EOS ignored, best of `--repeats`.
 Prints wall tok/s and tokens per second of process CPU time (steadier than wall time on a
 shared machine: compare both), the load average, and compiles after warm-up. See
@@ -32,6 +32,7 @@ def main(argv=None):
                     help="comma-separated paths; 'none' is the float model")
     ap.add_argument("--linear-backend", default="auto")
     ap.add_argument("--layer-loop", default="auto", choices=("auto", "scan", "unrolled"))
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
@@ -42,7 +43,7 @@ def main(argv=None):
     print(f"load average at start {os.getloadavg()}")
     for path in args.quantization.split(","):
         t0 = time.perf_counter()
-        llm = LLM(args.model, dtype="float32", block_size=16, max_num_seqs=64,
+        llm = LLM(args.model, dtype=args.dtype, block_size=16, max_num_seqs=64,
                   max_num_batched_tokens=512, max_model_len=1024, kv_cache_memory=1 << 30,
                   quantization=None if path == "none" else path,
                   linear_backend=args.linear_backend, layer_loop=args.layer_loop)

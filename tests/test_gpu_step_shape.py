@@ -38,8 +38,9 @@ def test_unstack_layers_keeps_abstract_params_abstract(model):
 
 def generate(model, gpu_shape: bool, monkeypatch):
     monkeypatch.setattr(backends, "gpu_step", lambda: gpu_shape)
-    llm = LLM(model, attention_backend="xla", max_num_seqs=4, max_num_batched_tokens=32,
-              max_model_len=64, warmup=False)
+    # linear xla: the native float linears (kind cpu) unroll the CPU step too.
+    llm = LLM(model, attention_backend="xla", linear_backend="xla", max_num_seqs=4,
+              max_num_batched_tokens=32, max_model_len=64, warmup=False)
     assert llm.engine.runner.unroll_layers == gpu_shape
     assert llm.engine.runner.branch_free_sampling == gpu_shape
     prompts = [[5, 9, 13, 2, 7], [100, 3], [42] * 20, [7, 7, 8]]
@@ -68,14 +69,17 @@ def test_layer_loop_knob_picks_the_loop(model, monkeypatch):
     monkeypatch.setattr(backends, "gpu_step", lambda: False)
     runs = {}
     for loop in ("auto", "scan", "unrolled"):
-        llm = LLM(model, attention_backend="xla", max_num_seqs=2, max_model_len=64,
-                  warmup=False, layer_loop=loop)
+        llm = LLM(model, attention_backend="xla", linear_backend="xla", max_num_seqs=2,
+                  max_model_len=64, warmup=False, layer_loop=loop)
         assert llm.engine.runner.unroll_layers == (loop == "unrolled")
         runs[loop] = [o.outputs[0].token_ids for o in llm.generate(
             [[5, 9, 13, 2, 7], [100, 3]], SamplingParams(max_tokens=6, temperature=0.0),
             use_tqdm=False)]
     assert runs["unrolled"] == runs["scan"] == runs["auto"]
     assert backends.unroll_layers("auto", tensor_parallel=True) is False
+    # The native float linears read whole per-layer weights: auto unrolls for them.
+    assert backends.unroll_layers("auto", False, linear_kind="cpu") is backends.native_float("cpu")
+    assert backends.unroll_layers("auto", True, linear_kind="cpu") is False
     with pytest.raises(ValueError, match="layer_loop='unrolled' runs on one device"):
         backends.unroll_layers("unrolled", tensor_parallel=True)
     with pytest.raises(ValueError, match="layer_loop"):

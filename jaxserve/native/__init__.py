@@ -21,12 +21,15 @@ import tempfile
 import jax
 
 SOURCES = tuple(pathlib.Path(__file__).with_name(name)
-                for name in ("cpu_attention.cc", "cpu_quant_matmul.cc"))
+                for name in ("cpu_attention.cc", "cpu_quant_matmul.cc", "cpu_float_matmul.cc"))
+# Included by the sources: part of the cache key too.
+HEADERS = tuple(pathlib.Path(__file__).with_name(name) for name in ("cpu_work.h",))
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-std=c++17", "-fPIC", "-shared")
 # Handler symbols in the library and the FFI target names they are registered under.
 TARGETS = {"jaxserve_ragged_paged_attention": "JaxserveRaggedPagedAttention",
            "jaxserve_ragged_paged_attention_int8": "JaxserveRaggedPagedAttentionInt8",
-           "jaxserve_quant_matmul": "JaxserveQuantMatmul"}
+           "jaxserve_quant_matmul": "JaxserveQuantMatmul",
+           "jaxserve_float_matmul": "JaxserveFloatMatmul"}
 
 
 class NativeUnavailable(RuntimeError):
@@ -48,7 +51,7 @@ def _compiler() -> str:
 
 def library_path() -> pathlib.Path:
     h = hashlib.sha256()
-    for src in SOURCES:
+    for src in (*SOURCES, *HEADERS):
         h.update(src.read_bytes())
     h.update(" ".join(FLAGS).encode())
     h.update(jax.ffi.include_dir().encode())

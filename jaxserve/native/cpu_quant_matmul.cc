@@ -19,21 +19,19 @@
 // u[16 t + j, 8 o + b] | u[16 t + j, 8 o + 4 + b] << 4; [N/16, K/4, 64] for 8 bits, byte 4 j + b
 // of quad o holding u[16 t + j, 4 o + b]. scales, offsets [N/16, K/g, 16] float32 or float16
 // (GGUF's d and m are float16: stored as in the file, a quarter of the bytes of the codes).
-// Work items are ranges of output tiles, shared by the calling thread and XLA's intra-op pool.
+// Work items are ranges of output tiles, shared by the calling thread and XLA's intra-op pool
+// (cpu_work.h).
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
 #include <immintrin.h>
 
+#include "cpu_work.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -283,31 +281,6 @@ TileFn pick(int limbs, int bits) {
   return nullptr;
 }
 
-// Items shared by the caller and pool tasks (as cpu_attention.cc): a task that starts after the
-// work ran out does nothing; the caller waits only for items already claimed.
-struct Shared {
-  Problem problem;
-  TileFn fn;
-  int64_t items;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-  std::mutex mu;
-  std::condition_variable cv;
-
-  void drain() {
-    int64_t ran = 0;
-    for (int64_t i; (i = next.fetch_add(1)) < items;) {
-      const int64_t t0 = i * kTilesPerItem;
-      fn(problem, t0, std::min(problem.tiles, t0 + kTilesPerItem));
-      ++ran;
-    }
-    if (ran && done.fetch_add(ran) + ran == items) {
-      std::lock_guard<std::mutex> lock(mu);
-      cv.notify_all();
-    }
-  }
-};
-
 ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> codes,
                 ffi::AnyBuffer scales, ffi::AnyBuffer offsets, ffi::ResultBuffer<ffi::F32> out,
                 int32_t bits, int32_t zero, int32_t shift, int32_t limbs) {
@@ -328,8 +301,7 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::
   if (has_offsets && (offsets.element_count() != scales.element_count() ||
                       offsets.element_type() != st))
     return ffi::Error::InvalidArgument("offsets must be empty or shaped and typed like scales");
-  auto shared = std::make_shared<Shared>();
-  Problem& p = shared->problem;
+  Problem p;
   p.x = x.typed_data();
   p.codes = codes.typed_data();
   p.scales = scales.untyped_data();
@@ -346,21 +318,13 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::
   p.limbs = limbs;
   if (m == 0 || p.tiles == 0) return ffi::Error::Success();
   quantize_rows(p);
-  shared->fn = fn;
-  shared->items = (p.tiles + kTilesPerItem - 1) / kTilesPerItem;
-  // Waking a pool thread costs microseconds: small products run on the calling thread. The
-  // calling thread is usually one of the pool's own, so it counts as one of its workers.
+  const int64_t items = (p.tiles + kTilesPerItem - 1) / kTilesPerItem;
+  // Waking a pool thread costs microseconds: small products run on the calling thread.
   const int64_t bytes = codes.element_count() * std::max<int64_t>(1, m / kRows);
-  const int64_t helpers = bytes < kMinSplitBytes ? 0 : std::min<int64_t>(
-      std::max<int64_t>(1, pool.num_threads() - 1), shared->items - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared] { shared->drain(); });
-  shared->drain();
-  // Items a helper claimed finish within microseconds: spin briefly before sleeping.
-  for (int spin = 0; spin < 4096 && shared->done.load() != shared->items; ++spin) _mm_pause();
-  if (shared->done.load() != shared->items) {
-    std::unique_lock<std::mutex> lock(shared->mu);
-    shared->cv.wait(lock, [&] { return shared->done.load() == shared->items; });
-  }
+  jaxserve::run_items(pool, items, bytes >= kMinSplitBytes, [&p, fn](int64_t i) {
+    const int64_t t0 = i * kTilesPerItem;
+    fn(p, t0, std::min(p.tiles, t0 + kTilesPerItem));
+  });
   return ffi::Error::Success();
 }
 

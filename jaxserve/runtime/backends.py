@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 
 import jax
 
@@ -18,14 +19,21 @@ from jaxserve import native
 from jaxserve.runtime.attention_backends import (AttentionBackend, CpuAttention, PallasAttention,
                                                  XlaAttention)
 from jaxserve.config import BACKENDS
+from jaxserve.native import float_matmul
 from jaxserve.native.quant_matmul import vnni
 from jaxserve.quantization.cpu_packed import pack_params
 from jaxserve.quantization.linear import ACTIVATION_BITS, quantized_linear
 from models.config import ModelConfig
-from models.llama import Parallel, dense_linear
+from models.llama import Parallel, dense_linear, tied_head
 from models.quantized import CpuPackedWeight, is_quantized
 
 log = logging.getLogger("jaxserve")
+
+# Rows (tokens in a step) up to which a float weight runs the native matmul on kind "cpu",
+# per weight dtype; XLA's dot above (measured: docs/performance.md, "Native float matmul").
+# XLA's float32 GEMM repacks the weight every call; its bfloat16 dot from two rows is an AMX
+# product that beats a float32 FMA loop, so bfloat16 hands over early.
+NATIVE_FLOAT_ROWS = {"float32": 16, "bfloat16": 4}
 
 
 def resolve(kind: str, attention: bool = False) -> str:
@@ -69,18 +77,34 @@ def default_dtype(requested: str | None) -> str:
     return "bfloat16" if jax.default_backend() == "gpu" else "float32"
 
 
-def unroll_layers(layer_loop: str, tensor_parallel: bool, params=None) -> bool:
-    """EngineConfig.layer_loop resolved: unrolled on GPU by default, and on CPU where `params`
-    hold weights for the native matmul (a scan would hand the FFI call each layer's slice of
-    the stacked weights as a fresh copy, every step); never with tensor parallelism (the
-    unrolled step needs each weight whole on one device)."""
+def unroll_layers(layer_loop: str, tensor_parallel: bool, params=None,
+                  linear_kind: str = "xla") -> bool:
+    """EngineConfig.layer_loop resolved: unrolled on GPU by default, and on CPU where the
+    native matmul reads the weights (`params` hold weights repacked for it, or `linear_kind`
+    "cpu" runs float weights natively at few rows): a scan would hand the FFI call each
+    layer's slice of the stacked weights as a fresh copy, every step. Never with tensor
+    parallelism (the unrolled step needs each weight whole on one device)."""
     if tensor_parallel:
         if layer_loop == "unrolled":
             raise ValueError("layer_loop='unrolled' runs on one device; with tensor_parallel_size "
                              "> 1 use 'scan' or 'auto'")
         return False
     return layer_loop == "unrolled" or (layer_loop == "auto" and (
-        gpu_step() or (params is not None and has_packed(params))))
+        gpu_step() or native_float(linear_kind) or (params is not None and has_packed(params))))
+
+
+def native_float(kind: str) -> bool:
+    """Whether the `kind` linear backend runs float weights on the native matmul at few rows
+    (NATIVE_FLOAT_ROWS): kind "cpu" where the library has its AVX-512 loops (the portable
+    one is slower than XLA's dot)."""
+    return kind == "cpu" and native.unavailable_reason() is None and float_matmul.avx512()
+
+
+def _native_rows(x, w) -> bool:
+    """Whether x @ w (w a float kernel) takes the native float matmul: few rows, a 2-D weight
+    of a dtype it reads."""
+    rows = NATIVE_FLOAT_ROWS.get(jax.numpy.dtype(w.dtype).name)
+    return rows is not None and w.ndim == 2 and math.prod(x.shape[:-1]) <= rows
 
 
 def has_packed(params) -> bool:
@@ -125,17 +149,38 @@ def linear_backend(kind: str, activation_bits: int = 16):
 
     Int4Weight runs the Pallas kernel (pallas*) or the XLA reference; Int8Weight runs integer
     dots in XLA, with int8 activations when `activation_bits` is 8 (W8A8); CpuPackedWeight
-    (`prepare_params` for `cpu`) runs the native kernel. `parallel`, the layer's declared
+    (`prepare_params` for `cpu`) runs the native kernel; a float32 / bfloat16 kernel runs the
+    native float matmul at up to NATIVE_FLOAT_ROWS rows on `cpu` (the step's static row
+    count), XLA's dot otherwise. `parallel`, the layer's declared
     role, is for the tensor-parallel wrapper (TensorParallel.linear).
     """
     if activation_bits not in ACTIVATION_BITS:
         raise ValueError(f"activation_bits must be one of {ACTIVATION_BITS}, got "
                          f"{activation_bits!r}")
 
+    native_rows = native_float(kind)
+
     def linear(x, w, parallel: Parallel = None):
         if not is_quantized(w):
+            if native_rows and _native_rows(x, w):
+                return float_matmul.float_matmul_cpu(x, w)
             return dense_linear(x, w, parallel)
         # The XLA and Pallas linears see kind "xla" for what the native kernel does not take.
         return quantized_linear(x, w, "xla" if kind == "cpu" else kind, activation_bits)
 
     return linear
+
+
+def head_backend(kind: str):
+    """The tied LM head `head(x [..., D], embedding [V, D]) -> [..., V]` float32 logits: the
+    native float matmul reading the embedding as stored at few rows on `cpu` (as
+    linear_backend), models/llama.py's einsum otherwise."""
+    if not native_float(kind):
+        return tied_head
+
+    def head(x, embedding):
+        if _native_rows(x, embedding):
+            return float_matmul.float_matmul_cpu(x, embedding, transposed=True)
+        return tied_head(x, embedding)
+
+    return head

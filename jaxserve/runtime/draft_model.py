@@ -158,8 +158,10 @@ def draft_proposer(spec, engine) -> DraftModelProposer:
         num_blocks=num_blocks, max_model_len=engine.max_model_len,
         attention=backends.attention_backend(kind, draft.config, bs, config.attention_backend),
         linear=backends.linear_backend(linear_kind, activation_bits(quant)),
+        head=backends.head_backend(linear_kind),
         # Native CPU linears read whole per-layer weights (backends.unroll_layers).
-        unroll_layers=config.layer_loop != "scan" and backends.has_packed(draft.params))
+        unroll_layers=config.layer_loop != "scan" and (
+            backends.has_packed(draft.params) or backends.native_float(linear_kind)))
     if config.warmup:
         seconds = runner.warmup(progress=False)
         log.info("draft model: %d programs compiled in %.1fs", runner.num_compiled, seconds)

@@ -172,10 +172,11 @@ class ModelRunner:
                  tp: TensorParallel | None = None, kv_cache_dtype=None,
                  structured_outputs: bool = False, unroll_layers: bool = False,
                  branch_free_sampling: bool = False, poison_rows: bool = False,
-                 num_speculative_tokens: int = 0, grouped_matmul=None,
+                 num_speculative_tokens: int = 0, grouped_matmul=None, head=None,
                  fine_decode_buckets: bool = False):
         """grouped_matmul: the MoE experts' backend (jaxserve/runtime/grouped_matmul.py;
         None: models/moe.py's ragged_dot), already wrapped for tp where it needs to be.
+        head: the tied LM head's backend (backends.head_backend; None: the model's einsum).
         poison_rows: every step takes StepInputs.poison (fault injection only).
         unroll_layers, branch_free_sampling: the GPU program's shape (backends.gpu_step):
         layers unrolled so no weight slice is copied, and a sampler without conditionals, each
@@ -230,7 +231,7 @@ class ModelRunner:
             attention = tp.attention(attention)
         self.attention = attention
         self.branch_free_sampling, self.unroll_layers = branch_free_sampling, unroll_layers
-        self._module = step_module(model, attention, linear, unroll_layers, grouped_matmul)
+        self._module = step_module(model, attention, linear, unroll_layers, grouped_matmul, head)
         self._step = jax.jit(self._step_impl, donate_argnums=(1, 2), **jit_kwargs)
         self._write_slots = jax.jit(slot_state.write_slots, donate_argnums=(0,))
         # Copy-on-write copies run in fixed batches of (src, dst) pairs, padded with (0, 0)
@@ -581,11 +582,14 @@ def _checked(attention, config, block_size: int) -> AttentionBackend:
 
 
 def step_module(model: Model, attention: AttentionBackend, linear=None,
-                unroll_layers: bool = False, grouped_matmul=None):
-    """The model with the backend's attention (and linear, MoE grouped matmul) entry points."""
+                unroll_layers: bool = False, grouped_matmul=None, head=None):
+    """The model with the backend's attention (and linear, MoE grouped matmul, tied head)
+    entry points."""
     kw = {"linear": linear} if linear else {}
     if grouped_matmul:
         kw["grouped_matmul"] = grouped_matmul
+    if head:
+        kw["head"] = head
     if unroll_layers:
         kw["unroll_layers"] = True
     return model.module(attention=attention.attend, **kw)
