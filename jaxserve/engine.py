@@ -97,7 +97,7 @@ class LLMEngine:
             linear_kind = "xla"  # the native kernel reads whole, repacked weights
         self.model = backends.prepare_params(linear_kind, self.model)
         unroll = backends.unroll_layers(config.layer_loop, tensor_parallel=tp is not None,
-                                        params=self.model.params, linear_kind=linear_kind)
+                                        params=self.model.params)
         if unroll:  # split before the KV plan, so that the stacked copy is freed by then
             self.model = dataclasses.replace(self.model, params=unstack_layers(
                 self.model.params, self.model.config.num_layers))

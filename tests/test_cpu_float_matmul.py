@@ -128,8 +128,8 @@ def test_engine_on_native_float_path_equals_dense_oracle():
     model = random_model(TINY, seed=5)
     assert model.config.tie_word_embeddings  # the head goes native too
     llm = LLM(model, linear_backend="cpu", **ENGINE)
-    assert llm.engine.runner.unroll_layers  # no per-step copy of each layer's weight slices
+    assert not llm.engine.runner.unroll_layers  # float weights keep the scan (start-up time)
     want = [dense_greedy(model, model.params, backends.linear_backend("xla"), p) for p in PROMPTS]
     got = engine_greedy(model, PROMPTS, None, linear_backend="cpu")
     assert got == want
-    assert engine_greedy(model, PROMPTS, None, linear_backend="cpu", layer_loop="scan") == want
+    assert engine_greedy(model, PROMPTS, None, linear_backend="cpu", layer_loop="unrolled") == want

@@ -77,9 +77,9 @@ def test_layer_loop_knob_picks_the_loop(model, monkeypatch):
             use_tqdm=False)]
     assert runs["unrolled"] == runs["scan"] == runs["auto"]
     assert backends.unroll_layers("auto", tensor_parallel=True) is False
-    # The native float linears read whole per-layer weights: auto unrolls for them.
-    assert backends.unroll_layers("auto", False, linear_kind="cpu") is backends.native_float("cpu")
-    assert backends.unroll_layers("auto", True, linear_kind="cpu") is False
+    # Float weights keep the scan on CPU (start-up time); weights packed for the native
+    # quantized matmul unroll.
+    assert backends.unroll_layers("auto", False, params=model.params) is False
     with pytest.raises(ValueError, match="layer_loop='unrolled' runs on one device"):
         backends.unroll_layers("unrolled", tensor_parallel=True)
     with pytest.raises(ValueError, match="layer_loop"):

@@ -77,20 +77,20 @@ def default_dtype(requested: str | None) -> str:
     return "bfloat16" if jax.default_backend() == "gpu" else "float32"
 
 
-def unroll_layers(layer_loop: str, tensor_parallel: bool, params=None,
-                  linear_kind: str = "xla") -> bool:
-    """EngineConfig.layer_loop resolved: unrolled on GPU by default, and on CPU where the
-    native matmul reads the weights (`params` hold weights repacked for it, or `linear_kind`
-    "cpu" runs float weights natively at few rows): a scan would hand the FFI call each
-    layer's slice of the stacked weights as a fresh copy, every step. Never with tensor
-    parallelism (the unrolled step needs each weight whole on one device)."""
+def unroll_layers(layer_loop: str, tensor_parallel: bool, params=None) -> bool:
+    """EngineConfig.layer_loop resolved: unrolled on GPU by default, and on CPU where `params`
+    hold weights repacked for the native quantized matmul (a scan would hand the FFI call each
+    layer's slice of the stacked weights as a fresh copy, every step). Float weights keep the
+    scan on CPU: unrolled, a float32 SmolLM2 decodes ~1.5x faster at batch 1 but its warm start
+    doubles (docs/performance.md), so that is `layer_loop="unrolled"`'s choice to make. Never
+    with tensor parallelism (the unrolled step needs each weight whole on one device)."""
     if tensor_parallel:
         if layer_loop == "unrolled":
             raise ValueError("layer_loop='unrolled' runs on one device; with tensor_parallel_size "
                              "> 1 use 'scan' or 'auto'")
         return False
     return layer_loop == "unrolled" or (layer_loop == "auto" and (
-        gpu_step() or native_float(linear_kind) or (params is not None and has_packed(params))))
+        gpu_step() or (params is not None and has_packed(params))))
 
 
 def native_float(kind: str) -> bool:

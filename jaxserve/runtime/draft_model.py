@@ -159,9 +159,8 @@ def draft_proposer(spec, engine) -> DraftModelProposer:
         attention=backends.attention_backend(kind, draft.config, bs, config.attention_backend),
         linear=backends.linear_backend(linear_kind, activation_bits(quant)),
         head=backends.head_backend(linear_kind),
-        # Native CPU linears read whole per-layer weights (backends.unroll_layers).
-        unroll_layers=config.layer_loop != "scan" and (
-            backends.has_packed(draft.params) or backends.native_float(linear_kind)))
+        unroll_layers=backends.unroll_layers(config.layer_loop, tensor_parallel=False,
+                                             params=draft.params))
     if config.warmup:
         seconds = runner.warmup(progress=False)
         log.info("draft model: %d programs compiled in %.1fs", runner.num_compiled, seconds)
