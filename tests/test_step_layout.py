@@ -51,6 +51,20 @@ def test_fine_decode_buckets_add_three_quarter_points(budget, seqs, extra):
         assert buckets.pick(step_layout.token_buckets(budget, seqs, True, True), 48) == 48
 
 
+def test_a_batch1_verify_row_gets_its_own_bucket_on_the_packed_cpu_layout():
+    """One speculating sequence's verify row (k + 1 tokens) runs unpadded where the step's cost
+    grows with its rows (fine_decode) and rows are packed; nothing changes elsewhere."""
+    for k in (2, 4, 8, 12):
+        packed = step_layout.token_buckets(256, 1, False, fine_decode=True, drafted_row=k + 1)
+        assert buckets.pick(packed, k + 1) == k + 1
+        assert set(packed) - {k + 1} == set(step_layout.token_buckets(256, 1, False, True))
+        for aligned, fine in ((True, True), (False, False)):  # the XLA layout; GPU
+            assert step_layout.token_buckets(256, 1, aligned, fine, drafted_row=k + 1) == \
+                step_layout.token_buckets(256, 1, aligned, fine)
+    assert step_layout.token_buckets(8, 1, False, True, drafted_row=9) == \
+        step_layout.token_buckets(8, 1, False, True)  # past the budget: never scheduled whole
+
+
 def test_a_step_just_over_the_budget_is_not_run_at_the_worst_case():
     # 63 decodes and a 449-token chunk: 527 aligned tokens.
     need = step_layout.flat_tokens_needed([1] * 63 + [449])

@@ -224,8 +224,9 @@ class ModelRunner:
         self.slot_of: dict[str, int] = {}
         self.free_slots = list(range(self.num_slots - 1, -1, -1))
         self.ragged = attention.layout == "ragged"
-        self.token_buckets = step_layout.token_buckets(max_num_batched_tokens, max_num_seqs,
-                                                       self.ragged, fine_decode_buckets)
+        self.token_buckets = step_layout.token_buckets(
+            max_num_batched_tokens, max_num_seqs, self.ragged, fine_decode_buckets,
+            drafted_row=num_speculative_tokens + 1 if num_speculative_tokens else 0)
         self.slot_buckets = buckets.slot_write_buckets(max_num_seqs)
         if tp is not None:
             attention = tp.attention(attention)

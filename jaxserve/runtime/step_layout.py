@@ -71,15 +71,20 @@ FINE_DECODE_ABOVE = 16
 
 
 def token_buckets(max_num_batched_tokens: int, max_num_seqs: int,
-                  aligned: bool = True, fine_decode: bool = False) -> list[int]:
+                  aligned: bool = True, fine_decode: bool = False,
+                  drafted_row: int = 0) -> list[int]:
     """Flat-axis sizes a step can have: powers of two up to the budget, then (aligned) a bucket
     for a few rows' alignment gaps and the worst-case bound. fine_decode: also 3/4 of each power
     of two between FINE_DECODE_ABOVE and max_num_seqs rows (24, 48, ...), for a backend whose
-    step cost grows with its rows (the CPU: linears, LM head and sampler run per row)."""
+    step cost grows with its rows (the CPU: linears, LM head and sampler run per row), and,
+    packed (not aligned), the `drafted_row` tokens of one speculating sequence's verify row
+    (k + 1): batch-1 speculation, its main use, then verifies without padding rows."""
     ladder = buckets.powers_of_two_up_to(max_num_batched_tokens)
     if fine_decode:
         ladder = buckets.three_quarter_points(ladder, FINE_DECODE_ABOVE,
                                               min(max_num_seqs, max_num_batched_tokens))
+        if not aligned and 1 < drafted_row < max_num_batched_tokens:
+            ladder = sorted(set(ladder) | {drafted_row})
     if not aligned:
         return ladder
     top = max_flat_tokens(max_num_batched_tokens, max_num_seqs)
