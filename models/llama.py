@@ -295,8 +295,8 @@ class Llama(nn.Module):
     # fresh buffers (a kernel operand must be a whole buffer): docs/gpu_step_report.md. The
     # loop keeps compile time flat in depth, so CPU and tests keep it.
     unroll_layers: bool = False
-    # The tied LM head, x @ embedding^T (tied_head; jaxserve/runtime/backends.py head_backend).
-    head: HeadFn = None
+    # The tied LM head, x @ embedding^T (jaxserve/runtime/backends.py head_backend).
+    head: HeadFn = tied_head
 
     @nn.compact
     def __call__(self, tokens, positions, kv_cache=None, meta=None, logits_index=None):
@@ -328,7 +328,7 @@ class Llama(nn.Module):
         x = norm_class(c)(c.rms_norm_eps, self.dtype, name="final_norm")(x)
         # A quantized model may carry its own (quantized) copy of a tied head under lm_head.
         if c.tie_word_embeddings and not self.has_variable("params", "lm_head"):
-            logits = (self.head or tied_head)(x, embedding)
+            logits = self.head(x, embedding)
         else:
             logits = linear_layer("lm_head", c.vocab_size, self.dtype, self.linear,
                                   out_dtype=jnp.float32)(x)

@@ -5,7 +5,8 @@
   accumulation bound (float_matmul.error_bound);
 - the cpu linear and head backends: the native call at up to NATIVE_FLOAT_ROWS rows, XLA's dot
   above, never for the xla kind;
-- the engine on the native path (layers unrolled) against a dense greedy loop on XLA's dots.
+- the engine on the native path (layers in a scan, the default, and unrolled) against a dense
+  greedy loop on XLA's dots.
 """
 
 from __future__ import annotations
