@@ -32,14 +32,31 @@ def test_config_forms_and_errors():
 
 
 def brute_force(tokens, min_n, max_n, k):
-    """The proposal by definition: the longest suffix n-gram's latest earlier occurrence."""
+    """The proposal by definition: what followed the longest suffix n-gram's latest earlier
+    occurrence, copied token by token from the sequence extended by the copy (LZ77)."""
     last = len(tokens) - 1
     for n in range(min(max_n, last), min_n - 1, -1):
         suffix = tokens[last - n + 1:]
         for end in range(last - 1, n - 2, -1):  # latest occurrence ending before the last
             if tokens[end - n + 1:end + 1] == suffix:
-                return tokens[end + 1:end + 1 + k]
+                ext = list(tokens)
+                for i in range(k):
+                    ext.append(ext[end + 1 + i])
+                return ext[len(tokens):]
     return []
+
+
+@pytest.mark.parametrize("tokens,min_n,max_n,k,want", [
+    ([9, 1, 2, 3, 1, 2, 3], 2, 3, 5, [1, 2, 3, 1, 2]),  # a loop of period 3 drafts k = 5
+    ([9, 5, 1, 2, 1, 2], 2, 2, 4, [1, 2, 1, 2]),  # period 2
+    ([4, 7, 7, 7], 1, 1, 3, [7, 7, 7]),  # period 1
+    ([8, 1, 2, 3, 4, 1, 2], 2, 2, 6, [3, 4, 1, 2, 3, 4]),  # 4 known tokens, then its own
+    ([1, 2, 3, 4, 5, 1, 2], 2, 4, 2, [3, 4]),  # room enough: the known tokens only
+    ([1, 2, 3, 4], 2, 4, 3, []),  # no earlier occurrence
+])
+def test_ngram_draft_continues_from_itself_in_loops(tokens, min_n, max_n, k, want):
+    # Hand-written: a repetition loop shorter than k still drafts k tokens.
+    assert NgramProposer(min_n, max_n).propose(Sequence("s", tokens, None), k) == want
 
 
 @pytest.mark.parametrize("min_n,max_n", [(1, 1), (1, 3), (2, 4), (3, 5)])

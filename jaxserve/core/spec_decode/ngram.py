@@ -2,10 +2,13 @@
 
 The drafter looks for the sequence's last n tokens (n from prompt_lookup_max down to
 prompt_lookup_min) earlier in the sequence and proposes the tokens that followed the most recent
-such occurrence. Rather than scanning the sequence every step, each sequence keeps an index
-n-gram -> end position of its latest occurrence, extended as tokens are appended: a step costs
-O(max - min + 1) dict operations per sequence, whatever its length (docs/speculative.md has the
-measured cost). Only known tokens are indexed; drafts never are.
+such occurrence; where those run into the sequence's end, the draft goes on copying from itself
+(an LZ77 copy with overlap, as llama.cpp's lookup decoding drafts from its own drafts), so a
+repetition loop shorter than k drafts k tokens. Rather than scanning the sequence every step,
+each sequence keeps an index n-gram -> end position of its latest occurrence, extended as tokens
+are appended: a step costs O(max - min + 1) dict operations and O(k) list operations per
+sequence, whatever its length (docs/speculative.md has the measured cost). Only known tokens are
+indexed; drafts never are.
 """
 
 from __future__ import annotations
@@ -47,7 +50,14 @@ class NgramProposer:
         for n in range(min(self.max_n, last), self.min_n - 1, -1):
             end = latest.get(tuple(suffix[len(suffix) - n:]))
             if end is not None:
-                return get(end + 1, min(end + 1 + k, num))
+                draft = get(end + 1, min(end + 1 + k, num))
+                # A continuation that runs into the sequence's end goes on from its own start,
+                # as an LZ77 copy with overlap does: in a loop of period p < k (last - end is
+                # p) the draft is k tokens long, not p.
+                period = len(draft)
+                for i in range(period, k):
+                    draft.append(draft[i - period])
+                return draft
         return []
 
     def _extend(self, index: _Index, seq, last: int) -> None:
