@@ -80,11 +80,23 @@ def test_accepted_length_and_window():
     assert accepted_length([1, 2, 3], [1, 2, 3, 9]) == 3
     assert accepted_length([1, 2, 3], [1, 5, 3, 9]) == 1
     assert accepted_length([1], [2, 4]) == 0
-    w = AcceptanceWindow(window=8, threshold=0.25)
+    w = AcceptanceWindow(window=2, threshold=0.25)
     assert not w.record(4, 0)  # not a full window yet
     assert w.record(4, 1)  # 1 of 8
-    w = AcceptanceWindow(window=8, threshold=0.25)
+    w = AcceptanceWindow(window=2, threshold=0.25)
     assert not any(w.record(4, 2) for _ in range(10))
+    # The window holds rows, whatever their drafts: 4 rows of 8 drafted tokens are not a
+    # full window of 8 rows (they were one of 32 drafted tokens).
+    w = AcceptanceWindow(window=8, threshold=0.2)
+    assert not any(w.record(8, 0) for _ in range(4))
+    assert not any(w.record(8, 8) for _ in range(2))
+    assert not any(w.record(8, 0) for _ in range(6))  # 16 of 64 (25%) in each full window
+    assert w.record(8, 0)  # the first 8-accepted row left: 8 of 64 (12.5%)
+    # ... and the oldest row leaves as a new one comes: 9 of 40 (22%), not 9 of 48.
+    w = AcceptanceWindow(window=5, threshold=0.2)
+    for d, a in [(8, 0), (8, 1), (8, 1), (8, 1), (8, 1)]:
+        low = w.record(d, a)
+    assert low and not w.record(8, 5)
 
 
 def test_truncate_returns_tail_blocks_and_keeps_the_cache_clean():

@@ -95,7 +95,7 @@ def test_max_tokens_stop_ids_and_logprobs(target, greedy_ref):
 
 
 def test_speculation_switches_off_for_a_drafter_always_wrong(target, greedy_ref):
-    llm = _llm(target, {"method": "ngram", "num_speculative_tokens": 3, "disable_window": 12})
+    llm = _llm(target, {"method": "ngram", "num_speculative_tokens": 3, "disable_window": 4})
     wrong = lambda seqs, limits: [[(s.all_token_ids[-1] + 1) % 256] * k
                                   for s, k in zip(seqs, limits)]
     llm.engine.spec.speculator.proposer = wrong
@@ -103,7 +103,7 @@ def test_speculation_switches_off_for_a_drafter_always_wrong(target, greedy_ref)
     assert _ids(outs) == greedy_ref[:2]
     st = llm.stats()["speculation"]
     assert st["num_disabled"] == 2
-    # 12 drafted tokens (4 rows of 3) each, then off: not one drafted row per step.
+    # 4 rows of 3 drafted tokens each, then off: not one drafted row per step.
     assert st["num_draft_tokens"] == 2 * 12 and st["num_accepted_tokens"] == 0
 
 

@@ -52,23 +52,27 @@ def _ratio(a: int, b: int) -> float | None:
 
 
 class AcceptanceWindow:
-    """A sequence's recent (drafted, accepted) counts; `low` once a full window of drafted
-    tokens was accepted at a rate below the threshold."""
+    """A sequence's last `window` verified rows' (drafted, accepted) counts; `low` once the
+    window is full and its drafted tokens were accepted at a rate below the threshold.
 
-    __slots__ = ("window", "threshold", "recent", "drafted", "accepted")
+    Counted in rows, not drafted tokens, so that the evidence behind a switch-off does not
+    shrink as k grows (a window of 32 drafted tokens was 8 rows at k = 4 but 4 at k = 8)."""
+
+    __slots__ = ("threshold", "recent", "drafted", "accepted")
 
     def __init__(self, window: int, threshold: float):
-        self.window, self.threshold = window, threshold
-        self.recent: collections.deque[tuple[int, int]] = collections.deque()
+        self.threshold = threshold
+        self.recent: collections.deque[tuple[int, int]] = collections.deque(maxlen=window)
         self.drafted = self.accepted = 0
 
     def record(self, drafted: int, accepted: int) -> bool:
         """Adds one verified row; returns whether the acceptance rate is now too low."""
-        self.recent.append((drafted, accepted))
-        self.drafted += drafted
-        self.accepted += accepted
-        while self.recent and self.drafted - self.recent[0][0] >= self.window:
-            d, a = self.recent.popleft()
+        recent = self.recent
+        if len(recent) == recent.maxlen:
+            d, a = recent[0]  # leaves the window as the new row comes in
             self.drafted -= d
             self.accepted -= a
-        return self.drafted >= self.window and self.accepted < self.threshold * self.drafted
+        recent.append((drafted, accepted))
+        self.drafted += drafted
+        self.accepted += accepted
+        return len(recent) == recent.maxlen and self.accepted < self.threshold * self.drafted

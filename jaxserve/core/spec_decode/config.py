@@ -23,8 +23,9 @@ class SpeculativeConfig:
     prompt_lookup_min / max: n-gram sizes matched at the end of the sequence (longest first).
     model: the draft model (name, path) for "draft_model"; draft_quantization: its weights'
     path (e.g. "w8a8"), so the target's own weights can serve as a cheaper draft.
-    disable_window / disable_threshold: speculation stops for a sequence once its last
-    `disable_window` drafted tokens were accepted at a rate below `disable_threshold`.
+    disable_window / disable_threshold: speculation stops for a sequence once the tokens
+    drafted in its last `disable_window` verified rows were accepted at a rate below
+    `disable_threshold`.
     """
 
     method: Method = "ngram"
@@ -33,7 +34,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     model: str | None = None
     draft_quantization: str | None = None
-    disable_window: int = 32
+    disable_window: int = 8
     disable_threshold: float = 0.2
 
     def __post_init__(self) -> None:
