@@ -38,7 +38,9 @@ def ngram_batch_proposer(config: SpeculativeConfig) -> BatchProposer:
 class EngineSpeculation:
     def __init__(self, config: SpeculativeConfig, proposer: BatchProposer, *,
                  max_model_len: int, max_num_batched_tokens: int):
-        self.speculator = Speculator(config, proposer, max_model_len)
+        # Proposing costs an n-gram lookup: a switched-off sequence's proposals are scored.
+        self.speculator = Speculator(config, proposer, max_model_len,
+                                     score_while_off=config.method == "ngram")
         self.max_num_batched_tokens = max_num_batched_tokens
 
     def _eligible(self, engine, seq) -> bool:
@@ -52,6 +54,7 @@ class EngineSpeculation:
 
     def before_schedule(self, engine) -> dict[str, int]:
         """Appends drafts to the running decodes that speculate; returns id -> drafts."""
+        self.speculator.score_off()
         if engine._constrained:  # a masked step has no verification variant
             return {}
         running = engine.scheduler.running

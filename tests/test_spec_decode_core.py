@@ -11,10 +11,11 @@ import pytest
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.block_manager import BlockManager
-from jaxserve.core.sequence import Sequence
+from jaxserve.core.sequence import PLACEHOLDER, Sequence
 from jaxserve.core.spec_decode.acceptance import AcceptanceWindow, accepted_length
 from jaxserve.core.spec_decode.config import SpeculativeConfig
 from jaxserve.core.spec_decode.ngram import NgramProposer
+from jaxserve.core.spec_decode.speculator import Speculator
 
 
 def test_config_forms_and_errors():
@@ -116,3 +117,55 @@ def test_truncate_returns_tail_blocks_and_keeps_the_cache_clean():
     bm.register_computed(seq)
     bm.check_invariants()
     assert bm.num_cached_blocks == 2  # no block holding drafts was registered
+
+
+def test_ngram_drafts_from_known_tokens_only():
+    # With asynchronous scheduling the last id may still be on the device (PLACEHOLDER): the
+    # drafter continues the known tokens (a switched-off sequence's proposals are scored so).
+    seq = Sequence("s", [1, 2, 3, 1], None)
+    seq.append_token(2)
+    seq.append_token(PLACEHOLDER)
+    assert NgramProposer(2, 2).propose(seq, 3) == [3, 1, 2]
+
+
+class _Params:
+    def __init__(self, max_tokens):
+        self.max_tokens = max_tokens
+
+
+@pytest.mark.parametrize("score_while_off", [True, False])
+def test_switched_off_sequence_resumes_once_its_drafts_score_well(score_while_off):
+    # The target's tokens are 100, 101, ...; the drafter is wrong (999s) until output position
+    # 10, then right. k = 2, a window of 2 rows at threshold 0.5.
+    def proposer(seqs, limits):
+        out = []
+        for seq, k in zip(seqs, limits):
+            n = seq.num_known_tokens - 3  # output position the draft starts at
+            out.append([100 + n + i for i in range(k)] if n >= 10 else [999] * k)
+        return out
+    config = SpeculativeConfig(num_speculative_tokens=2, disable_window=2,
+                               disable_threshold=0.5)
+    spec = Speculator(config, proposer, max_model_len=1000, score_while_off=score_while_off)
+    seq = Sequence("s", [1, 2, 3], _Params(30))
+    seq.append_token(100)  # the prefill's token
+    seq.num_computed_tokens = 3
+    rows = []  # (output position, drafted, accepted) of each verified row
+    while len(seq.output_token_ids) < 20:  # the engine's steps
+        spec.score_off()
+        n = len(seq.output_token_ids)
+        drafted = spec.propose([seq], budget=100).get("s", 0)
+        a = 0
+        if drafted:
+            a = spec.verify(seq, [100 + n + i for i in range(drafted + 1)])
+            rows.append((n, drafted, a))
+        for _ in range(a + 1):
+            seq.append_token(100 + len(seq.output_token_ids))
+        seq.num_computed_tokens = seq.num_tokens - 1
+    if not score_while_off:  # off after two wrong rows, for good
+        assert rows == [(1, 2, 0), (2, 2, 0)]
+        return
+    # Off after the rows at 1 and 2; the proposals at 3..9 score 0 of 2 each; the one at 10
+    # scores 2 of 2 once tokens 10 and 11 are known: back on at 12, where it drafts again.
+    assert rows == [(1, 2, 0), (2, 2, 0), (12, 2, 2), (15, 2, 2), (18, 2, 2)]
+    assert spec.totals.num_disabled == 1 and spec.totals.num_resumed == 1
+    assert spec.totals.num_draft_tokens == 10  # proposals scored while off are not counted

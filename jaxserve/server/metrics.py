@@ -68,7 +68,9 @@ SPEC_COUNTERS = {
     "num_emitted_tokens": ("jaxserve_spec_decode_num_emitted_tokens",
                            "Tokens verified rows produced (accepted + the target's own)"),
     "num_disabled": ("jaxserve_spec_decode_num_disabled",
-                     "Sequences whose speculation switched off for low acceptance"),
+                     "Speculation switch-offs for low acceptance"),
+    "num_resumed": ("jaxserve_spec_decode_num_resumed",
+                    "Switched-off speculation turned back on (drafts scored well again)"),
 }
 
 

@@ -38,7 +38,8 @@ class SpecTotals:
     num_draft_tokens: int = 0      # drafted tokens verified
     num_accepted_tokens: int = 0   # of them accepted
     num_emitted_tokens: int = 0    # tokens the verified rows produced (accepted + 1 each)
-    num_disabled: int = 0          # sequences for which speculation switched itself off
+    num_disabled: int = 0          # switch-offs for low acceptance (a sequence's, each time)
+    num_resumed: int = 0           # of them turned back on (their drafts scored well again)
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)

@@ -35,9 +35,10 @@ class NgramProposer:
         self._indexes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def propose(self, seq, k: int) -> list[int]:
-        """Up to k drafted tokens continuing `seq` (its tokens, prompt + output, all known).
-        Reads only the tokens it needs (seq.token_ids_slice): no copy of the sequence."""
-        num = seq.num_tokens
+        """Up to k drafted tokens continuing `seq`'s known tokens (prompt + output, but a last
+        id still on the device). Reads only the tokens it needs (seq.token_ids_slice): no copy
+        of the sequence."""
+        num = seq.num_known_tokens
         if k < 1 or num <= self.min_n:
             return []
         index = self._indexes.get(seq)

@@ -24,20 +24,31 @@ BatchProposer = Callable[[list[Sequence], list[int]], list[list[int]]]
 
 
 class _SeqSpec:
-    __slots__ = ("window", "disabled", "drafts")
+    __slots__ = ("window", "disabled", "drafts", "shadow")
 
     def __init__(self, config: SpeculativeConfig):
         self.window = AcceptanceWindow(config.disable_window, config.disable_threshold)
         self.disabled = False
         self.drafts: list[int] = []  # on the sequence's output this step
+        # While switched off: (position, drafts) the drafter proposed there, not yet scored.
+        self.shadow: tuple[int, list[int]] | None = None
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, proposer: BatchProposer, max_model_len: int):
+    """score_while_off: a switched-off sequence's drafter still proposes (host only, nothing
+    runs on the device) and its proposals are scored against the tokens the target produces,
+    in the same window; speculation resumes once the window's rate is back at the threshold.
+    For a drafter that costs little to run (n-gram), so that a sequence whose output turns
+    from free text into copying (or into a repetition loop) speculates again."""
+
+    def __init__(self, config: SpeculativeConfig, proposer: BatchProposer, max_model_len: int,
+                 score_while_off: bool = False):
         self.config, self.proposer, self.max_model_len = config, proposer, max_model_len
+        self.score_while_off = score_while_off
         self.totals = SpecTotals()
         self._seqs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._pending: dict[str, Sequence] = {}  # sequences carrying drafts now
+        self._off: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # scored while off
 
     def _spec(self, seq: Sequence) -> _SeqSpec:
         spec = self._seqs.get(seq)
@@ -123,4 +134,39 @@ class Speculator:
         if spec.window.record(len(drafts), a) and not spec.disabled:
             spec.disabled = True
             t.num_disabled += 1
+            if self.score_while_off:
+                self._off[seq.request_id] = seq
         return a
+
+    def score_off(self) -> None:
+        """Scores the switched-off sequences' last proposals against the tokens since known
+        (a proposal counts as a verified row would: drafted, and accepted up to the first
+        mismatch), turns speculation back on for those whose window is no longer low, and asks
+        the drafter for the others' next proposals. Only known tokens are read: with
+        asynchronous scheduling a sequence's last id may still be on the device."""
+        if not self._off:
+            return
+        ask = []
+        for sid, seq in list(self._off.items()):
+            if seq.is_finished:
+                del self._off[sid]
+                continue
+            spec = self._seqs[seq]
+            if spec.shadow is not None:
+                pos, drafts = spec.shadow
+                known = seq.token_ids_slice(pos, min(seq.num_known_tokens, pos + len(drafts)))
+                a = accepted_length(drafts, known)
+                if a == len(known) < len(drafts):
+                    continue  # every known token agrees so far: not decided yet
+                spec.shadow = None
+                if not spec.window.record(len(drafts), a):
+                    spec.disabled = False
+                    self.totals.num_resumed += 1
+                    del self._off[sid]
+                    continue
+            ask.append(seq)
+        if ask:
+            k = self.config.num_speculative_tokens
+            for seq, d in zip(ask, self.proposer(ask, [k] * len(ask))):
+                if d:
+                    self._seqs[seq].shadow = (seq.num_known_tokens, list(d[:k]))
