@@ -145,8 +145,14 @@ void nk_rows(const Problem& p, int64_t n0, int64_t r0) {
   __m512 acc[R][OUTS];
   JAXSERVE_UNROLL for (int r = 0; r < R; ++r)
     JAXSERVE_UNROLL for (int j = 0; j < OUTS; ++j) acc[r][j] = _mm512_setzero_ps();
+  // The next block's weight rows, a block ahead: at several rows the dot products take long
+  // enough per block for memory to idle between the hardware prefetcher's streams.
+  const bool prefetch = n0 + 2 * OUTS <= n;
   for (int64_t kk = 0; kk < k; kk += 16) {
     const __mmask16 mask = lanes(k - kk);
+    if (prefetch)
+      JAXSERVE_UNROLL for (int j = 0; j < OUTS; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(w + (OUTS + j) * k + kk), _MM_HINT_T0);
     __m512 xv[R];
     JAXSERVE_UNROLL for (int r = 0; r < R; ++r) xv[r] = _mm512_maskz_loadu_ps(mask, x + r * k + kk);
     JAXSERVE_UNROLL for (int j = 0; j < OUTS; ++j) {
