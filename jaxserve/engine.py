@@ -165,6 +165,9 @@ class LLMEngine:
         # Constrained requests whose grammar is compiling: outside the scheduler, no slot held.
         self._compiling: dict[str, tuple[RequestState, Sequence, concurrent.futures.Future]] = {}
         self._constrained: dict[str, RequestState] = {}  # admitted, unfinished, constrained
+        # Requests that may need a step's ids before the next is scheduled (beams, forks,
+        # grammars), pruned as they end or stop needing them: empty, _can_commit skips its loop.
+        self._may_wait_for_ids: dict[str, RequestStateProtocol] = {}
         # The masked (structured-output) step variants compile after warm-up, off this thread:
         # constrained requests wait for them as for their grammar, everything else is served.
         self._masked_ready: concurrent.futures.Future | None = None
@@ -241,6 +244,8 @@ class LLMEngine:
         else:
             self.scheduler.add(seq)  # validates length, duplicates, emptiness, slots
         self.requests[request_id] = self._owner[request_id] = state
+        if beam or params.n > 1 or params.constrained:
+            self._may_wait_for_ids[request_id] = state  # see _can_commit
 
     def _admit_compiled(self) -> list[RequestOutput]:
         """Queues the constrained requests whose grammar is ready; fails those it refused."""
@@ -397,12 +402,20 @@ class LLMEngine:
         """Whether the next step may be scheduled before `out`'s ids are known: not when a
         request of it forks branches or searches beams on them, nor when it is constrained
         (its next mask follows from the id)."""
-        owner = self._owner
-        for item in out.scheduled:  # every scheduled sequence, every step: kept lean
-            state = owner.get(item.seq.request_id)
-            if state is not None and (type(state) is not RequestState
-                                      or state.num_pending_forks or state.constrained):
-                return False
+        if self._may_wait_for_ids:
+            requests = self.requests
+            self._may_wait_for_ids = {
+                rid: state for rid, state in self._may_wait_for_ids.items()
+                if requests.get(rid) is state and (type(state) is not RequestState
+                                                   or state.num_pending_forks
+                                                   or state.constrained)}
+        if self._may_wait_for_ids:
+            owner = self._owner
+            for item in out.scheduled:
+                state = owner.get(item.seq.request_id)
+                if state is not None and (type(state) is not RequestState
+                                          or state.num_pending_forks or state.constrained):
+                    return False
         # A sequence that speculates drafts from its last id: it must be known.
         return self.spec is None or not self.spec.needs_ids(self, out)
 

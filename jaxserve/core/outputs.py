@@ -70,9 +70,12 @@ class RequestOutput:
     error: str | None = None  # why the request failed inside a step (finish_reason "error")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)
 class SampleResult:
-    """One sequence's sampled token from one step, as the runner hands it to the host."""
+    """One sequence's sampled token from one step, as the runner hands it to the host.
+
+    Not frozen (treat it as read-only): one is built for every sampling row of every step, and
+    a frozen dataclass's __init__ costs several times a plain one's."""
 
     token: int
     logprob: float

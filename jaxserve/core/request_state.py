@@ -127,13 +127,11 @@ class BranchState:
         else:
             text, token_ids = self.text[:visible], list(all_ids)
         self.emitted_chars, self.emitted_tokens = visible, len(all_ids)
-        status = self.seq.status
+        # Positional: built for every request every step, and keywords cost more to pass.
         return CompletionOutput(
-            index=self.index, text=text, token_ids=token_ids,
-            finish_reason=FINISH_REASONS.get(status) if finished else None,
-            stop_reason=self.stop_reason, logprobs=logprobs,
-            cumulative_logprob=self.cumulative_logprob, delta_text=delta_text,
-            delta_token_ids=delta_ids)
+            self.index, text, token_ids,
+            FINISH_REASONS.get(self.seq.status) if finished else None,  # finish_reason
+            self.stop_reason, logprobs, self.cumulative_logprob, delta_text, delta_ids)
 
 
 class RequestState:
@@ -243,7 +241,9 @@ class RequestState:
         finished = self.finished
         if finished:
             self.metrics.finished_time = time.monotonic()
+        # The request's own copy of the prompt, the same list in every output (as vLLM's
+        # outputs share theirs): copying it for every request every step is host time.
         return RequestOutput(request_id=self.request_id, prompt=self.prompt,
-                             prompt_token_ids=list(self.prompt_token_ids),
+                             prompt_token_ids=self.prompt_token_ids,
                              outputs=[b.output() for b in self.branches], finished=finished,
                              metrics=self.metrics, error=self.error)

@@ -301,13 +301,19 @@ class Scheduler:
         # sequence can still be mid-prefill (it took all the budget left when
         # admitted), so every decode is handled, one token each, before it, and
         # the config guarantees budget >= max_num_seqs.
-        bm, i = self.block_manager, 0
-        while i < len(self.running):
-            seq = self.running[i]
+        bm, i, running = self.block_manager, 0, self.running
+        chunked = self.config.enable_chunked_prefill
+        while i < len(running):  # every running sequence, every step: plain attribute reads
+            seq = running[i]
+            num_out = len(seq.output_token_ids)
             # A committed step's placeholder that is its max_tokens-th output: it will finish
             # when the id arrives, so it is not decoded again.
-            done = seq.num_output_tokens >= seq.max_tokens
-            n = 0 if done else self._chunk_size(seq.num_uncomputed_tokens, budget)
+            if num_out >= seq.sampling_params.max_tokens:
+                i += 1
+                continue
+            n = len(seq.prompt_token_ids) + num_out - seq.num_computed_tokens  # uncomputed
+            if n > budget:  # as _chunk_size
+                n = budget if chunked else 0
             if n == 0:
                 i += 1
                 continue

@@ -445,7 +445,8 @@ class ModelRunner:
     def _assign_slots(self, items: list[ScheduledSeq], seeds: dict[str, int]) -> set[str]:
         """Gives each new sequence a slot and writes its state there (one delta call).
         Returns the new sequences' ids."""
-        new = [i for i in items if i.request_id not in self.slot_of]
+        slot_of = self.slot_of
+        new = [i for i in items if i.seq.request_id not in slot_of]
         for i in range(0, len(new), self.slot_buckets[-1]):
             part = new[i:i + self.slot_buckets[-1]]
             slots = [self.free_slots.pop() for _ in part]
@@ -459,13 +460,6 @@ class ModelRunner:
                  for s, item in zip(seqs, part)],
                 buckets.pick(self.slot_buckets, len(part))))
         return {item.request_id for item in new}
-
-    def _update_page_table(self, item: ScheduledSeq, slot: int, new: bool) -> None:
-        # A new slot takes the whole table (prefix-cache hits precede start_pos); a held one
-        # from the block being written: copy-on-write may have replaced it, appends follow.
-        table = item.seq.block_table
-        first = 0 if new else item.start_pos // self.block_size
-        self.page_table[slot, first:len(table)] = table[first:]
 
     # ---- one engine step ------------------------------------------------------------------
 
@@ -486,18 +480,29 @@ class ModelRunner:
             self.release(rid)
         items = out.scheduled
         new = self._assign_slots(items, seeds)
-        rows = []
-        for item in items:
-            slot = self.slot_of[item.request_id]
-            self._update_page_table(item, slot, item.request_id in new)
-            rows.append(Row(slot=slot, start=item.start_pos, tokens=item.token_ids,
-                            samples=item.is_last_chunk))
-        need = step_layout.flat_tokens_needed([len(r.tokens) for r in rows], self.ragged)
+        rows, lens, want = [], [], False
+        slot_of, page_table, block_size = self.slot_of, self.page_table, self.block_size
+        for item in items:  # every scheduled sequence, every step: kept lean
+            seq, start, n = item.seq, item.start_pos, item.num_new_tokens
+            rid, table = seq.request_id, seq.block_table
+            slot = slot_of[rid]
+            # A new slot takes the whole table (prefix-cache hits precede start); a held one
+            # from the block being written: copy-on-write may have replaced it, appends follow.
+            first = 0 if rid in new else start // block_size
+            if len(table) - first == 1:  # most decodes: one entry, no slice
+                page_table[slot, first] = table[first]
+            else:
+                page_table[slot, first:len(table)] = table[first:]
+            rows.append(Row(slot, start, seq.token_ids_slice(start, start + n),
+                            item.is_last_chunk))
+            lens.append(n)
+            if seq.sampling_params.logprobs is not None:
+                want = True
+        need = step_layout.flat_tokens_needed(lens, self.ragged)
         lay = step_layout.build(rows, self.page_table, tokens=buckets.pick(self.token_buckets,
                                                                             need),
                                 max_num_seqs=self.num_slots, block_size=self.block_size,
                                 idle_slot=self.idle_slot, ragged=self.ragged)
-        want = any(i.seq.sampling_params.logprobs is not None for i in items)
         mask = None
         if matchers:
             mask = self._all_allowed(lay)
@@ -543,7 +548,12 @@ class ModelRunner:
         if not pending.items:
             return {}
         sampled = pending.sampled
-        tokens, logprob = np.asarray(sampled.tokens), np.asarray(sampled.logprob)
+        # Python ints and floats in one conversion each, not a numpy scalar per row.
+        tokens = np.asarray(sampled.tokens).tolist()
+        logprob = np.asarray(sampled.logprob).tolist()
+        if not pending.want_logprobs and pending.points is None:  # most steps: kept lean
+            return {item.seq.request_id: SampleResult(tokens[row], logprob[row], None)
+                    for item, row in zip(pending.items, pending.rows)}
         top_ids = np.asarray(sampled.top_ids) if pending.want_logprobs else None
         top_lps = np.asarray(sampled.top_logprobs) if pending.want_logprobs else None
 
@@ -551,7 +561,7 @@ class ModelRunner:
             top = None
             if k is not None:
                 top = {int(t): float(lp) for t, lp in zip(top_ids[at, :k], top_lps[at, :k])}
-            return SampleResult(int(tokens[at]), float(logprob[at]), top)
+            return SampleResult(tokens[at], logprob[at], top)
 
         if pending.points is None:  # a plain step: one sample per item
             return {item.request_id: result(item.seq.sampling_params.logprobs, row)

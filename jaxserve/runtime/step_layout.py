@@ -49,7 +49,10 @@ def _span(n: int, aligned: bool) -> int:
 
 def flat_tokens_needed(query_lens: list[int], aligned: bool = True) -> int:
     """Flat tokens the rows take (aligned: with the multi-query rows' alignment gaps)."""
-    return sum(_span(n, aligned) for n in query_lens)
+    total = sum(query_lens)  # one query a row, mostly: only the longer rows get gaps
+    if aligned:
+        total += sum(_span(n, True) - n for n in query_lens if n > 1)
+    return total
 
 
 def max_flat_tokens(max_num_batched_tokens: int, max_num_seqs: int) -> int:

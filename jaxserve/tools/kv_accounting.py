@@ -21,7 +21,7 @@ baselines understate what those systems lost.
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Protocol
+from typing import Any, Iterable, Protocol
 
 
 class _Seq(Protocol):
@@ -30,6 +30,8 @@ class _Seq(Protocol):
     num_computed_tokens: int
     num_prompt_tokens: int
     max_tokens: int
+    prompt_token_ids: list[int]  # totals() reads these two directly (it runs every step)
+    sampling_params: Any         # .max_tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,13 +134,13 @@ def totals(seqs: list[_Seq], *, block_size: int, num_usable_blocks: int,
     records every step, in one pass over the sequences. num_used_blocks: as for snapshot (-1:
     always walk the blocks)."""
     n = entries = tokens = contiguous = 0
-    for s in seqs:
+    for s in seqs:  # every running sequence, every step: plain attribute reads
         blocks = len(s.block_table)
         if blocks:
             n += 1
             entries += blocks
             tokens += s.num_computed_tokens
-            contiguous += s.num_prompt_tokens + s.max_tokens
+            contiguous += len(s.prompt_token_ids) + s.sampling_params.max_tokens
     if entries != num_used_blocks:  # a block in several tables: count it once
         held = [s for s in seqs if s.block_table]
         entries, tokens = _unique_tokens(held, block_size)
