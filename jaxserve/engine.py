@@ -538,7 +538,9 @@ class LLMEngine:
         ended: dict[str, list[Sequence]] = {}
         for seq in done:
             ended.setdefault(owner[seq.request_id].request_id, []).append(seq)
-        for rid, state in progressed.items():
+        # Only ended branches and beam groups act on an update: with neither (most steps) the
+        # loop would skip every request.
+        for rid, state in progressed.items() if ended or self._may_wait_for_ids else ():
             seqs = ended.get(rid)
             if seqs is None and type(state) is RequestState:
                 continue  # its on_updated acts only on ended branches: skipped, per request
