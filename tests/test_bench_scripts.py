@@ -54,6 +54,8 @@ def test_host_overhead_quick(tmp_path):
         assert all(positive(r[k]) for k in ("engine_ms", "engine_p50_ms", "bare_ms"))
         assert math.isclose(r["unhidden_host_ms"], r["engine_ms"] - r["bare_ms"], abs_tol=1e-9)
         assert math.isclose(r["ratio"], r["engine_ms"] / r["bare_ms"], rel_tol=1e-9)
+        # One thread's CPU time cannot exceed the wall time it ran in (small slack: clocks).
+        assert 0 < r["host_cpu_ms"] <= 1.05 * r["engine_ms"] + 0.01
         times = {k: v for k, v in r["split"].items() if k.endswith("_ms")}
         assert times and all(v >= 0 for v in times.values())
         assert r["split"]["num_decode_seqs"] == r["num_seqs"]  # every sequence decodes
