@@ -241,9 +241,10 @@ class RequestState:
         finished = self.finished
         if finished:
             self.metrics.finished_time = time.monotonic()
-        # The request's own copy of the prompt, the same list in every output (as vLLM's
-        # outputs share theirs): copying it for every request every step is host time.
-        return RequestOutput(request_id=self.request_id, prompt=self.prompt,
-                             prompt_token_ids=self.prompt_token_ids,
-                             outputs=[b.output() for b in self.branches], finished=finished,
-                             metrics=self.metrics, error=self.error)
+        branches = self.branches
+        outputs = [branches[0].output()] if len(branches) == 1 else [b.output()
+                                                                       for b in branches]
+        # Positional (built for every request every step), and the request's own copy of the
+        # prompt, the same list in every output, as vLLM's outputs share theirs.
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs,
+                             finished, self.metrics, self.error)

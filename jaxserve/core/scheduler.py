@@ -311,14 +311,17 @@ class Scheduler:
             if num_out >= seq.sampling_params.max_tokens:
                 i += 1
                 continue
-            n = len(seq.prompt_token_ids) + num_out - seq.num_computed_tokens  # uncomputed
-            if n > budget:  # as _chunk_size
-                n = budget if chunked else 0
+            uncomputed = len(seq.prompt_token_ids) + num_out - seq.num_computed_tokens
+            n = uncomputed if uncomputed <= budget else (budget if chunked else 0)  # _chunk_size
             if n == 0:
                 i += 1
                 continue
             if bm.fits_in_place(seq, n):  # most decodes: no block to take, nobody to preempt
-                self._emit(out, seq, n)
+                if uncomputed == 1 and num_out:  # a decode past its prompt: _emit's result
+                    self.num_computed_tokens += 1
+                    out.decodes.append(ScheduledSeq(seq, 1, seq.num_computed_tokens, False, True))
+                else:
+                    self._emit(out, seq, n)
                 budget -= n
                 i += 1
                 continue
