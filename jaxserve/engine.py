@@ -16,10 +16,10 @@ import time
 from typing import Sequence as Seq
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.runtime import backends, multihost, sharding
+from jaxserve import engine_build
+from jaxserve.runtime import multihost
 from jaxserve.tools import kv_accounting
 from jaxserve.core.beam_search import BeamRequestState, search_params
 from jaxserve.core.decision import Decision, NewId, RequestStateProtocol
@@ -27,40 +27,19 @@ from jaxserve.core.grammar import GrammarCompiler
 from jaxserve.config import EngineConfig
 from jaxserve.core.admission import check_admission
 from jaxserve.faults import injector
-from jaxserve.runtime.grouped_matmul import grouped_matmul_backend
-from jaxserve.runtime.kv_cache import log_plan, plan_num_blocks
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.tools.profiling import Profiler
-from jaxserve.quantization.paths import activation_bits, prepare_model
 from jaxserve.core.request_state import RequestState
-from jaxserve.runtime.runner import ModelRunner, Pending
+from jaxserve.runtime.runner import Pending
 from jaxserve.core.sampling_params import (RequestOutputKind, SamplingParamError, SamplingParams,
                                            check_servable)
-from jaxserve.core.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from jaxserve.core.scheduler import ScheduledSeq, SchedulerOutput
 from jaxserve.core.sequence import Sequence, SequenceStatus
 from jaxserve.core import window_blocks
 from jaxserve.tools.step_stats import StepStats, StepTotals
-from models import Model, load_model, windowed
-from models.llama import unstack_layers
+from models import Model, windowed
 
 log = logging.getLogger("jaxserve")
-
-CPU_KV_CACHE_BYTES = 1 << 30
-
-
-def _memory_stats() -> dict:
-    return jax.local_devices()[0].memory_stats() or {}  # this process's (multi-host)
-
-
-def _kv_budget(config: EngineConfig, model: Model) -> int:
-    if config.kv_cache_memory is not None:
-        return config.kv_cache_memory
-    stats = _memory_stats()
-    if "bytes_limit" in stats:  # accelerators report their memory; the CPU does not
-        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-        return int(free * config.gpu_memory_utilization)
-    return CPU_KV_CACHE_BYTES
-
 
 @dataclasses.dataclass
 class _InFlight:
@@ -86,65 +65,11 @@ class LLMEngine:
         self.faults = injector(config.faults)  # None (no fault injection) but in tests
         self._num_step_calls = 0
         self.draft_model = draft_model
-        self.model = model if model is not None else load_model(
-            config.model, backends.default_dtype(config.dtype),
-            weights_cache=config.weights_cache)
-        # Tensor parallel: a mesh, and heads padded for it (float weights: before quantization).
-        tp, self.model = sharding.setup(config.tensor_parallel_size, self.model)
-        self.model, self.quantization = prepare_model(self.model, config.quantization)
-        linear_kind = backends.resolve(config.linear_backend)
-        if tp is not None and linear_kind == "cpu":
-            linear_kind = "xla"  # the native kernel reads whole, repacked weights
-        self.model = backends.prepare_params(linear_kind, self.model)
-        unroll = backends.unroll_layers(config.layer_loop, tensor_parallel=tp is not None,
-                                        params=self.model.params)
-        if unroll:  # split before the KV plan, so that the stacked copy is freed by then
-            self.model = dataclasses.replace(self.model, params=unstack_layers(
-                self.model.params, self.model.config.num_layers))
-        mc, bs = self.model.config, config.block_size
-        # The budget is one device's memory, so plan with the KV heads one device holds.
-        plan_mc = sharding.per_device_config(mc, tp.size) if tp else mc
-        kv_dtype = np.dtype(self.model.params["embedding"].dtype if config.kv_cache_dtype == "auto"
-                            else jnp.dtype(config.kv_cache_dtype))
-        num_blocks = plan_num_blocks(plan_mc, bs, kv_dtype, _kv_budget(config, self.model))
-        if jax.process_count() > 1:  # one cache shape on every host: process 0's plan
-            num_blocks = multihost.agree(num_blocks)
-        capacity = max(0, num_blocks - 1) * bs
-        max_len = config.max_model_len or min(mc.max_position_embeddings, capacity)
-        if max_len > mc.max_position_embeddings:
-            raise ValueError(f"max_model_len={max_len} exceeds the model's context length "
-                             f"({mc.max_position_embeddings})")
-        # Raises, with the numbers, when one max_model_len sequence cannot fit the cache.
-        self.scheduler = Scheduler(config.scheduler_config(num_blocks=num_blocks,
-                                                           max_model_len=max_len))
-        log_plan(plan_mc, bs, kv_dtype, num_blocks)
-        self.max_model_len = max_len
-        tok = self.model.tokenizer
-        self.eos_ids = set(tok.stop_token_ids) if tok is not None else set(mc.eos_token_ids)
-        linear = backends.linear_backend(linear_kind, activation_bits(self.quantization))
-        if tp is not None and linear_kind != "xla":  # the int4 kernel runs per shard
-            linear = tp.linear(linear)
-        # The MoE experts follow the linear backend: the Pallas kernel on GPU, XLA on CPU.
-        gmm = grouped_matmul_backend(linear_kind) if mc.num_experts else None
-        if gmm is not None and tp is not None and linear_kind != "xla":  # kernel: per shard
-            gmm = tp.grouped_matmul(gmm)
-        self.runner = ModelRunner(
-            self.model, max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens, block_size=bs,
-            num_blocks=num_blocks, max_model_len=max_len, eos_ids=sorted(self.eos_ids),
-            attention=backends.attention_backend(
-                backends.resolve(config.attention_backend, attention=True), mc, bs,
-                config.attention_backend),
-            linear=linear, tp=tp, kv_cache_dtype=kv_dtype,
-            structured_outputs=config.structured_outputs and tok is not None,
-            # Unrolled layers need the weights whole on one device: tensor parallel keeps the loop.
-            unroll_layers=unroll,
-            branch_free_sampling=backends.gpu_step(),
-            fine_decode_buckets=backends.fine_decode_buckets(),
-            poison_rows=self.faults is not None and self.faults.config.poisons_logits,
-            num_speculative_tokens=spec_decode_tokens(config), grouped_matmul=gmm,
-            head=backends.head_backend(linear_kind))
-        self.model = self.runner.model  # with TP, the placed shards: no unsharded copy is kept
+        parts = engine_build.build(config, model, self.faults)
+        self.model, self.quantization = parts.model, parts.quantization
+        self.scheduler, self.runner = parts.scheduler, parts.runner
+        self.max_model_len, self.eos_ids = parts.max_model_len, parts.eos_ids
+        tok, mc = self.model.tokenizer, self.model.config
         # Multi-host: process 0 schedules and broadcasts every step; the others follow().
         self.channel = multihost.attach(self.runner)
         self.spec = speculation(config, self)  # None without speculative_config
@@ -652,12 +577,6 @@ class LLMEngine:
             "profiling": self.profiler.active,
             "speculation": None if self.spec is None else self.spec.stats(),
         }
-
-
-def spec_decode_tokens(config: EngineConfig) -> int:
-    """k: drafted tokens per verified row (0: no speculative decoding)."""
-    spec = config.speculative_config
-    return 0 if spec is None else spec.num_speculative_tokens
 
 
 def speculation(config: EngineConfig, engine: LLMEngine):

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve import engine as engine_mod
+from jaxserve import engine_build
 from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine
 from jaxserve.runtime import backends
@@ -32,7 +32,7 @@ def fake_gpu(monkeypatch):
     """jax reports a GPU backend and 3 GiB of device memory, 1 GiB of it in use (small: the
     planned cache is really allocated, in this machine's memory)."""
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    monkeypatch.setattr(engine_mod, "_memory_stats",
+    monkeypatch.setattr(engine_build, "_memory_stats",
                         lambda: {"bytes_limit": 3 * GIB, "bytes_in_use": 1 * GIB})
 
 
@@ -67,6 +67,6 @@ def test_engine_on_cpu_keeps_float32_and_its_own_defaults(tiny_checkpoint):
     assert eng.model.dtype == "float32"
     assert eng.runner.cache.k.dtype == np.dtype("float32")
     assert eng.runner.attention.name in ("cpu", "xla")
-    assert eng.runner.cache.k.shape[1] == engine_mod.CPU_KV_CACHE_BYTES // (
+    assert eng.runner.cache.k.shape[1] == engine_build.CPU_KV_CACHE_BYTES // (
         eng.config.block_size * TINY.kv_bytes_per_token(4))
     assert not eng.runner.branch_free_sampling and not eng.runner.unroll_layers
