@@ -188,7 +188,7 @@ class LLMEngine:
                 continue
             del self._compiling[rid]
             if future.exception() is not None:
-                self.requests.pop(rid)
+                self._forget(rid)
                 self._owner.pop(rid, None)
                 seq.status = SequenceStatus.FINISHED_ERROR
                 state.fail(str(future.exception()))
@@ -228,13 +228,18 @@ class LLMEngine:
         return self._masked_programs_ready(wait=False)
 
     def abort(self, request_id: str) -> bool:
-        state = self.requests.pop(request_id, None)
+        state = self._forget(request_id)
         if state is None:
             return False
         self._compiling.pop(request_id, None)
-        self._constrained.pop(request_id, None)
         self._end_sequences(state, SequenceStatus.FINISHED_ABORTED)
         return True
+
+    def _forget(self, request_id: str) -> RequestStateProtocol | None:
+        """Drops an ended request from the engine's request registries; returns its state."""
+        self._constrained.pop(request_id, None)
+        self._may_wait_for_ids.pop(request_id, None)
+        return self.requests.pop(request_id, None)
 
     def _end_sequences(self, state: RequestStateProtocol, status: SequenceStatus) -> None:
         for sid in [sid for sid, owner in self._owner.items() if owner is state]:
@@ -327,14 +332,7 @@ class LLMEngine:
         """Whether the next step may be scheduled before `out`'s ids are known: not when a
         request of it forks branches or searches beams on them, nor when it is constrained
         (its next mask follows from the id)."""
-        if self._may_wait_for_ids:
-            requests = self.requests
-            self._may_wait_for_ids = {
-                rid: state for rid, state in self._may_wait_for_ids.items()
-                if requests.get(rid) is state and (type(state) is not RequestState
-                                                   or state.num_pending_forks
-                                                   or state.constrained)}
-        if self._may_wait_for_ids:
+        if self._any_may_wait_for_ids():
             owner = self._owner
             for item in out.scheduled:
                 state = owner.get(item.seq.request_id)
@@ -343,6 +341,17 @@ class LLMEngine:
                     return False
         # A sequence that speculates drafts from its last id: it must be known.
         return self.spec is None or not self.spec.needs_ids(self, out)
+
+    def _any_may_wait_for_ids(self) -> bool:
+        """Whether a live request may need a step's ids before the next is scheduled (beams,
+        forks not yet made, grammars); drops those that no longer do (forked, unconstrained).
+        Ended requests leave it in _forget."""
+        if self._may_wait_for_ids:
+            self._may_wait_for_ids = {
+                rid: state for rid, state in self._may_wait_for_ids.items()
+                if type(state) is not RequestState or state.num_pending_forks
+                or state.constrained}
+        return bool(self._may_wait_for_ids)
 
     def _matchers(self, out: SchedulerOutput) -> dict:
         """Sequence id -> grammar state of the constrained rows that sample in this step."""
@@ -431,8 +440,7 @@ class LLMEngine:
         """Ends each failed request (request id -> message): blocks and slots freed."""
         errors = []
         for rid, message in failed.items():
-            state = self.requests.pop(rid)
-            self._constrained.pop(rid, None)
+            state = self._forget(rid)
             self._end_sequences(state, SequenceStatus.FINISHED_ERROR)
             state.fail(message)
             errors.append(state.output())
@@ -465,7 +473,7 @@ class LLMEngine:
             ended.setdefault(owner[seq.request_id].request_id, []).append(seq)
         # Only ended branches and beam groups act on an update: with neither (most steps) the
         # loop would skip every request.
-        for rid, state in progressed.items() if ended or self._may_wait_for_ids else ():
+        for rid, state in progressed.items() if ended or self._any_may_wait_for_ids() else ():
             seqs = ended.get(rid)
             if seqs is None and type(state) is RequestState:
                 continue  # its on_updated acts only on ended branches: skipped, per request
@@ -480,8 +488,7 @@ class LLMEngine:
             output = state.output()
             outputs.append(output)
             if output.finished:
-                del self.requests[rid]
-                self._constrained.pop(rid, None)
+                self._forget(rid)
                 if output.error is not None:  # a grammar rejected a token: end every branch
                     self._end_sequences(state, SequenceStatus.FINISHED_ERROR)
         return outputs

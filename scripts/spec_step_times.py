@@ -16,7 +16,6 @@ import os
 import pathlib
 import statistics
 import sys
-import time
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
@@ -24,6 +23,7 @@ sys.path.insert(0, str(REPO))
 
 import bench_speculative as bs  # noqa: E402
 from jaxserve import LLM, SamplingParams  # noqa: E402
+from jaxserve.tools.step_stats import timed_steps  # noqa: E402
 from models import load_model  # noqa: E402
 
 
@@ -43,13 +43,7 @@ def main(argv: list[str]) -> None:
         for i, prompt in enumerate(bs.GROUNDED):
             engine.add_request(f"r{rnd}-{i}", prompt, params)
             times: dict[tuple, list] = {}
-            while engine.has_unfinished_requests():
-                t = time.perf_counter()
-                engine.step()
-                wall = time.perf_counter() - t
-                s = engine.last_step
-                if s is None:
-                    continue
+            for wall, s in timed_steps(engine):
                 key = (s.num_prefill_seqs, s.num_decode_seqs, s.num_tokens, s.num_sampled)
                 times.setdefault(key, []).append(
                     (wall, s.schedule_s, s.device_s, s.postprocess_s, s.wait_s))

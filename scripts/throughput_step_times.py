@@ -22,6 +22,7 @@ sys.path.insert(0, str(REPO))
 
 import bench_throughput as bt  # noqa: E402
 from jaxserve import SamplingParams  # noqa: E402
+from jaxserve.tools.step_stats import timed_steps  # noqa: E402
 from jaxserve.tools.workload import make_workload  # noqa: E402
 
 
@@ -44,13 +45,7 @@ def main(argv: list[str]) -> None:
                 temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True))
         agg = collections.defaultdict(lambda: [0, 0.0, 0])
         start = time.perf_counter()
-        while engine.has_unfinished_requests():
-            t = time.perf_counter()
-            engine.step()
-            wall = time.perf_counter() - t
-            s = engine.last_step
-            if s is None:
-                continue
+        for wall, s in timed_steps(engine):
             kind = ("prefill+dec" if s.num_prefill_seqs and s.num_decode_seqs
                     else "prefill" if s.num_prefill_seqs else "decode")
             a = agg[(kind, rows_bucket(s.num_decode_seqs))]

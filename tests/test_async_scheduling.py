@@ -299,3 +299,22 @@ def test_real_model_async_matches_sync(smollm2_fp32):
     assert len(want["c"][0][0]) == 4
     for mode in (True, False):
         assert stats[mode]["num_preemptions"] > 0
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_requests_that_wait_for_ids_are_forgotten_when_they_end(model, async_scheduling):
+    """The registry behind _can_commit's fast path (beams, forks, grammars) holds its requests
+    while they may wait for ids and none once they end, in both loops: the synchronous loop
+    never asks _can_commit, and a stale entry would keep a request's state and token lists
+    alive as long as the engine."""
+    engine = make_engine(model, async_scheduling)
+    engine.add_request("n2", [5, 6, 7], SamplingParams(n=2, temperature=1.0, seed=1,
+                                                       max_tokens=6, ignore_eos=True))
+    engine.add_request("beam", [8, 9], SamplingParams(use_beam_search=True, beam_width=2,
+                                                      max_tokens=4, ignore_eos=True))
+    assert set(engine._may_wait_for_ids) == {"n2", "beam"}
+    finished = set()
+    while engine.has_unfinished_requests():
+        finished |= {o.request_id for o in engine.step() if o.finished}
+    assert finished == {"n2", "beam"}
+    assert engine._may_wait_for_ids == {}

@@ -241,9 +241,7 @@ class RequestState:
         finished = self.finished
         if finished:
             self.metrics.finished_time = time.monotonic()
-        branches = self.branches
-        outputs = [branches[0].output()] if len(branches) == 1 else [b.output()
-                                                                       for b in branches]
+        outputs = [b.output() for b in self.branches]
         # Positional (built for every request every step), and the request's own copy of the
         # prompt, the same list in every output, as vLLM's outputs share theirs.
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs,

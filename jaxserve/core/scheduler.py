@@ -317,11 +317,7 @@ class Scheduler:
                 i += 1
                 continue
             if bm.fits_in_place(seq, n):  # most decodes: no block to take, nobody to preempt
-                if uncomputed == 1 and num_out:  # a decode past its prompt: _emit's result
-                    self.num_computed_tokens += 1
-                    out.decodes.append(ScheduledSeq(seq, 1, seq.num_computed_tokens, False, True))
-                else:
-                    self._emit(out, seq, n)
+                self._emit(out, seq, n)
                 budget -= n
                 i += 1
                 continue

@@ -28,10 +28,8 @@ class _Seq(Protocol):
     request_id: str
     block_table: list[int]
     num_computed_tokens: int
-    num_prompt_tokens: int
-    max_tokens: int
-    prompt_token_ids: list[int]  # totals() reads these two directly (it runs every step)
-    sampling_params: Any         # .max_tokens
+    prompt_token_ids: list[int]
+    sampling_params: Any  # .max_tokens
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import time
 
 STEP_TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                      10.0)
@@ -103,3 +104,14 @@ class StepTotals:
     def to_dict(self) -> dict:
         return {"num_steps": self.num_steps, **self.sums, "max_num_seqs": self.max_num_seqs,
                 "histograms": {k: h.to_dict() for k, h in self.histograms.items()}}
+
+
+def timed_steps(engine):
+    """Steps `engine` until no request is unfinished; yields (wall seconds of the step() call,
+    engine.last_step) for each call once a step has been recorded (benchmark scripts)."""
+    while engine.has_unfinished_requests():
+        t = time.perf_counter()
+        engine.step()
+        wall = time.perf_counter() - t
+        if engine.last_step is not None:
+            yield wall, engine.last_step
