@@ -382,10 +382,12 @@ class LLMEngine:
                 self.scheduler.retract(step.out)
             # Requests aborted (or stopped by an earlier step) since the launch: dropped, also
             # when a new request has taken the id since (its sequence is another one).
-            items = {item.seq.request_id: item for item in step.out.scheduled}
             owner = self._owner
-            sampled = {sid: r for sid, r in sampled.items()
-                       if sid in owner and not items[sid].seq.is_finished}
+            items = {sid: item for item in step.pending.items
+                     if (sid := item.seq.request_id) in owner
+                     and not item.seq.status.is_finished}
+            if len(items) < len(sampled):
+                sampled = {sid: r for sid, r in sampled.items() if sid in items}
             # A row of NaN/inf logits gives a non-finite logprob (which always comes back):
             # that request alone failed; its token is not kept.
             bad = {} if self.runner.all_finite(step.pending) else {

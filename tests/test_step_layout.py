@@ -1,6 +1,7 @@
 """The ragged step's host layout (jaxserve/runtime/step_layout.py) and its token buckets,
 checked against what each row asks for, independently recomputed here."""
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -156,3 +157,27 @@ def test_too_many_rows_or_tokens_are_refused():
     with pytest.raises(ValueError, match="need 17 flat tokens"):
         step_layout.build([Row(slot=0, start=0, tokens=[1] * 17, samples=True)], table,
                           tokens=16, max_num_seqs=2, block_size=4, idle_slot=2, ragged=False)
+
+
+@pytest.mark.parametrize("aligned", [True, False])
+def test_decode_columns_lay_out_as_their_rows(aligned):
+    """Steady decoding hands `build` its single-query rows by columns (the runner's
+    _decode_rows): the layout is the one of the same rows given as Rows (checked above)."""
+    rng = np.random.default_rng(3)
+    bs, slots = 4, 9
+    table = rng.integers(1, 50, (slots + 1, 6)).astype(np.int32)
+    table[slots] = 0  # the idle slot's row
+    order = rng.permutation(slots)[:7].tolist()
+    starts = rng.integers(0, 6 * bs, 7).tolist()
+    tokens = [PLACEHOLDER if k % 3 else int(rng.integers(1, 99)) for k in range(7)]
+    rows = [Row(slot=s, start=p, tokens=[t], samples=True)
+            for s, p, t in zip(order, starts, tokens)]
+    kw = dict(tokens=8, max_num_seqs=8, block_size=bs, idle_slot=slots, ragged=aligned)
+    want = step_layout.build(rows, table, **kw)
+    got = step_layout.build(step_layout.Columns(order, starts, tokens), table, **kw)
+    for field in dataclasses.fields(want):
+        a, b = getattr(want, field.name), getattr(got, field.name)
+        if isinstance(a, np.ndarray):
+            assert a.dtype == b.dtype and np.array_equal(a, b), field.name
+        else:
+            assert a == b, field.name

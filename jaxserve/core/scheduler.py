@@ -367,6 +367,8 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        if not self.waiting:
+            return  # most steps: no sum over the running sequences' slots
         bm, slots = self.block_manager, self.num_reserved_slots
         while self.waiting and budget > 0:
             seq = self.waiting[0]
@@ -407,14 +409,17 @@ class Scheduler:
         device supplies). Call `retract` and then `update(..., committed=True)` once the ids
         arrive.
         """
-        register = self.block_manager.enable_caching
+        bm = self.block_manager
+        # Blocks are registered as they fill: a sequence whose computed tokens stay inside its
+        # registered blocks plus the one being written (most decodes) skips the call.
+        block = bm.block_size if bm.enable_caching else None
         for item in output.scheduled:
             seq = item.seq
             if seq.status is not SequenceStatus.RUNNING:
                 continue
             seq.num_computed_tokens += item.num_new_tokens
-            if register:
-                self.block_manager.register_computed(seq)
+            if block and seq.num_computed_tokens >= (seq.num_registered_blocks + 1) * block:
+                bm.register_computed(seq)
             if item.is_last_chunk:
                 seq.append_token(PLACEHOLDER)
 

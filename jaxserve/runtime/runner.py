@@ -480,24 +480,10 @@ class ModelRunner:
             self.release(rid)
         items = out.scheduled
         new = self._assign_slots(items, seeds)
-        rows, lens, want = [], [], False
-        slot_of, page_table, block_size = self.slot_of, self.page_table, self.block_size
-        for item in items:  # every scheduled sequence, every step: kept lean
-            seq, start, n = item.seq, item.start_pos, item.num_new_tokens
-            rid, table = seq.request_id, seq.block_table
-            slot = slot_of[rid]
-            # A new slot takes the whole table (prefix-cache hits precede start); a held one
-            # from the block being written: copy-on-write may have replaced it, appends follow.
-            first = 0 if rid in new else start // block_size
-            if len(table) - first == 1:  # most decodes: one entry, no slice
-                page_table[slot, first] = table[first]
-            else:
-                page_table[slot, first:len(table)] = table[first:]
-            rows.append(Row(slot, start, seq.token_ids_slice(start, start + n),
-                            item.is_last_chunk))
-            lens.append(n)
-            if seq.sampling_params.logprobs is not None:
-                want = True
+        if new or out.prefills:
+            rows, lens, want = self._rows(items, new)
+        else:  # decodes of held slots only, the steady state: by columns
+            rows, lens, want = self._decode_rows(items)
         need = step_layout.flat_tokens_needed(lens, self.ragged)
         lay = step_layout.build(rows, self.page_table, tokens=buckets.pick(self.token_buckets,
                                                                             need),
@@ -521,6 +507,40 @@ class ModelRunner:
         sampled = self.run(call)
         return Pending([i for i, _ in sampling], [r for _, r in sampling], sampled, want,
                        points=owned, drafted=frozenset(drafts or ()))
+
+    def _rows(self, items: list[ScheduledSeq], new: set[str]):
+        """(rows, query lengths, whether a row wants logprobs) of the scheduled items; writes
+        their page-table entries."""
+        rows, lens, want = [], [], False
+        slot_of, page_table, block_size = self.slot_of, self.page_table, self.block_size
+        for item in items:
+            seq, start, n = item.seq, item.start_pos, item.num_new_tokens
+            rid, table = seq.request_id, seq.block_table
+            slot = slot_of[rid]
+            # A new slot takes the whole table (prefix-cache hits precede start); a held one
+            # from the block being written: copy-on-write may have replaced it, appends follow.
+            first = 0 if rid in new else start // block_size
+            page_table[slot, first:len(table)] = table[first:]
+            rows.append(Row(slot, start, seq.token_ids_slice(start, start + n),
+                            item.is_last_chunk))
+            lens.append(n)
+            if seq.sampling_params.logprobs is not None:
+                want = True
+        return rows, lens, want
+
+    def _decode_rows(self, items: list[ScheduledSeq]):
+        """_rows for decodes of sequences that already hold slots (every step of steady
+        decoding), a column at a time: one query each, the sequence's last token (a decode
+        has one uncomputed token), in the block its position falls in."""
+        seqs = [item.seq for item in items]
+        starts = [item.start_pos for item in items]
+        slots = [self.slot_of[seq.request_id] for seq in seqs]
+        cols = [start // self.block_size for start in starts]
+        # Copy-on-write may have replaced the block being written: its entry is rewritten.
+        self.page_table[slots, cols] = [seq.block_table[c] for seq, c in zip(seqs, cols)]
+        tokens = [(seq.output_token_ids or seq.prompt_token_ids)[-1] for seq in seqs]
+        want = any(seq.sampling_params.logprobs is not None for seq in seqs)
+        return step_layout.Columns(slots, starts, tokens), [1] * len(items), want
 
     def step_call(self, lay: step_layout.Layout, want_logprobs: bool,
                   mask: np.ndarray | None = None, points: np.ndarray | None = None) -> StepCall:

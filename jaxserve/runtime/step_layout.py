@@ -43,6 +43,15 @@ class Row(NamedTuple):
     samples: bool            # a token is sampled after its last query
 
 
+class Columns(NamedTuple):
+    """Rows of one query each that all sample (the decodes of a steady decoding step), by
+    columns: what `build` transposes single-query Rows into, given directly."""
+
+    slots: list[int]
+    starts: list[int]
+    tokens: list[int]        # each row's one input id (PLACEHOLDER: the device supplies it)
+
+
 def _span(n: int, aligned: bool) -> int:
     return -(-n // QUERY_CHUNK) * QUERY_CHUNK if aligned and n > 1 else n
 
@@ -139,8 +148,8 @@ class Layout:
     row_index: list[int]      # the row of each input row (multi-query rows are laid out first)
 
 
-def build(rows: list[Row], page_table: np.ndarray, *, tokens: int, max_num_seqs: int,
-          block_size: int, idle_slot: int, ragged: bool) -> Layout:
+def build(rows: list[Row] | Columns, page_table: np.ndarray, *, tokens: int,
+          max_num_seqs: int, block_size: int, idle_slot: int, ragged: bool) -> Layout:
     """Lays `rows` out on `tokens` flat tokens (a bucket >= flat_tokens_needed).
 
     page_table [slots, max_blocks]: each batch slot's blocks (the runner's host copy).
@@ -148,13 +157,22 @@ def build(rows: list[Row], page_table: np.ndarray, *, tokens: int, max_num_seqs:
     packed rows and the page table.
     """
     r, t = num_rows(tokens, max_num_seqs), tokens
-    if len(rows) > r:
-        raise ValueError(f"{len(rows)} rows do not fit a step of {r} rows")
-    lens = [len(row.tokens) for row in rows]
-    need = flat_tokens_needed(lens, ragged)
+    if isinstance(rows, Columns):
+        multis, row_index, need = [], range(len(rows.slots)), len(rows.slots)
+        singles = rows
+        samp = True
+    else:
+        lens = [len(row.tokens) for row in rows]
+        need = flat_tokens_needed(lens, ragged)
+        multis, single_rows, row_index = _order(rows, lens)
+        singles, samp = None, True
+        if single_rows:
+            slots, starts, toks, samp = zip(*single_rows)  # Row's fields, transposed
+            singles = Columns(slots, starts, [q[0] for q in toks])
+    if len(row_index) > r:
+        raise ValueError(f"{len(row_index)} rows do not fit a step of {r} rows")
     if need > t:
         raise ValueError(f"the rows need {need} flat tokens, the step has {t}")
-    multis, singles, row_index = _order(rows, lens)
     tok = np.zeros((t,), np.int32)  # [T]
     pos = np.zeros((t,), np.int32)
     tslot = np.full((t,), idle_slot, np.int32)
@@ -173,13 +191,12 @@ def build(rows: list[Row], page_table: np.ndarray, *, tokens: int, max_num_seqs:
         at += _span(n, ragged)
     multi = np.zeros((t,), bool)
     multi[:at] = True  # gaps too: they are masked by belonging to no row's span
-    m, n = len(multis), len(singles)
+    m, n = len(multis), 0 if singles is None else len(singles.slots)
     if n:  # many (every decode): vectorised
         span, rows_ = slice(at, at + n), slice(m, m + n)
-        slots, starts, toks, samp = zip(*singles)  # Row's fields, transposed
-        tok[span] = [q[0] for q in toks]
-        pos[span] = starts
-        tslot[span] = rslot[rows_] = slots
+        tok[span] = singles.tokens
+        pos[span] = singles.starts
+        tslot[span] = rslot[rows_] = singles.slots
         samples[rows_] = samp
         qstart[rows_] = lidx[rows_] = np.arange(at, at + n)
         ctx[rows_] = pos[span] + 1
@@ -197,7 +214,7 @@ def build(rows: list[Row], page_table: np.ndarray, *, tokens: int, max_num_seqs:
                   token_slot=tslot, multi=multi, query_start=qstart, context_lens=ctx,
                   logits_index=lidx, row_slot=rslot, samples=samples,
                   page_table=None if ragged else table, pairs=pairs, num_pairs=num_pairs,
-                  chunk_pages=chunk_pages, row_index=row_index)
+                  chunk_pages=chunk_pages, row_index=list(row_index))
 
 
 def _order(rows: list[Row], lens: list[int]) -> tuple[list[Row], list[Row], list[int]]:
