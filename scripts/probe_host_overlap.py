@@ -6,6 +6,9 @@ Tiny random model, N sequences in steady decode (bench_host_overhead.py's set-up
   overlap  one step with X ms of pure-Python work between its dispatch and the wait for the
            previous one, against the bare step time (ideal: max(bare, X))
   prof     cProfile of N engine steps, by cumulative time
+  hostonly the host's own work per engine step: main-thread CPU time of engine steps whose
+           device call is replaced by the last real step's output (no device work, no dispatch,
+           no core shared with XLA's threads), median of --repeats windows of 100 steps
 
     .venv/bin/python scripts/probe_host_overlap.py overlap --seqs 64
 """
@@ -85,15 +88,49 @@ def overlapped(runner, calls, x_ms: float) -> float:
     return (time.perf_counter() - w0) / len(calls)
 
 
+def host_only(engine, repeats: int, steps: int = 100) -> str:
+    """Main-thread CPU per engine step with the step's device call answered by the last real
+    output: the scheduler, row preparation, sampling results and outputs, nothing else."""
+    import statistics
+    import jax
+    from jaxserve.runtime.runner import StepCall
+    runner, last = engine.runner, {}
+    real = runner.run
+
+    def answered(call):
+        if not isinstance(call, StepCall):
+            return real(call)
+        if "out" not in last:
+            last["out"] = jax.block_until_ready(real(call))
+        return last["out"]
+
+    runner.run = answered
+    for _ in range(20):  # the last real step in flight is collected; caches warm
+        engine.step()
+    times = []
+    for _ in range(repeats):
+        t = time.thread_time()
+        for _ in range(steps):
+            engine.step()
+        times.append(1e3 * (time.thread_time() - t) / steps)
+    return (f"median {statistics.median(times):.3f}, min {min(times):.3f} "
+            f"({', '.join(f'{x:.3f}' for x in times)})")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("mode", choices=("util", "overlap", "prof"))
+    ap.add_argument("mode", choices=("util", "overlap", "prof", "hostonly"))
     ap.add_argument("--seqs", type=int, default=64)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--busy-ms", type=float, nargs="+", default=[0.25, 0.5, 1.0, 1.5, 2.5],
+                    help="overlap: the X values (ms of pure-Python work per step)")
     args = ap.parse_args(argv)
     engine = engine_in_steady_decode(args.seqs, args.steps)
     print(f"load average {os.getloadavg()}")
+    if args.mode == "hostonly":
+        print(f"host-only CPU ms per engine step: {host_only(engine, args.repeats)}")
+        return
     if args.mode == "prof":
         prof = cProfile.Profile()
         prof.enable()
@@ -108,7 +145,7 @@ def main(argv=None) -> None:
         line = f"bare {1e3 * wall:.3f} ms/call, cores busy {cpu / wall:.2f}"
         if args.mode == "overlap":
             line += "".join(f"; X={x}: {1e3 * overlapped(engine.runner, calls, x):.3f} ms"
-                            for x in (0.25, 0.5, 1.0, 1.5, 2.5))
+                            for x in args.busy_ms)
         print(line, f"(load {os.getloadavg()[0]:.2f})", flush=True)
 
 

@@ -426,8 +426,10 @@ class Scheduler:
     def retract(self, output: SchedulerOutput) -> None:
         """Takes a committed step's placeholders off its live sequences (before update)."""
         for item in output.scheduled:
-            seq, out = item.seq, item.seq.output_token_ids
-            if item.is_last_chunk and out and out[-1] == PLACEHOLDER and not seq.is_finished:
+            seq = item.seq
+            out = seq.output_token_ids
+            if item.is_last_chunk and out and out[-1] == PLACEHOLDER \
+                    and not seq.status.is_finished:
                 out.pop()
 
     def update(
@@ -472,8 +474,12 @@ class Scheduler:
             token = sampled.get(rid)
             if token is None:
                 raise ValueError(f"no sampled token for {rid!r}, which was due one")
-            seq.append_token(token)
-            status = self._finish_status(seq, finished.get(rid) if finished else None)
+            out = seq.output_token_ids
+            out.append(token)
+            reason = finished.get(rid) if finished else None
+            if reason is None and len(out) < seq.sampling_params.max_tokens:
+                continue  # most sequences, most steps: _finish_status would say None
+            status = self._finish_status(seq, reason)
             if status is not None:
                 self._finish(seq, status)
                 done.append(seq)
