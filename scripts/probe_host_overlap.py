@@ -6,6 +6,8 @@ Tiny random model, N sequences in steady decode (bench_host_overhead.py's set-up
   overlap  one step with X ms of pure-Python work between its dispatch and the wait for the
            previous one, against the bare step time (ideal: max(bare, X))
   prof     cProfile of N engine steps, by cumulative time
+  --pin    (util, overlap) XLA's threads on one core and this thread on another: a device that
+           does not share the host's cores (a diagnostic; Linux, >= 2 CPUs)
   hostonly the host's own work per engine step: main-thread CPU time of engine steps whose
            device call is replaced by the last real step's output (no device work, no dispatch,
            no core shared with XLA's threads), median of --repeats windows of 100 steps
@@ -88,6 +90,16 @@ def overlapped(runner, calls, x_ms: float) -> float:
     return (time.perf_counter() - w0) / len(calls)
 
 
+def pin_device_threads() -> None:
+    """This thread on CPU 0, every other thread of the process (XLA's pools, started by now)
+    on CPU 1."""
+    import threading
+    me = threading.get_native_id()
+    for task in pathlib.Path(f"/proc/{os.getpid()}/task").iterdir():
+        tid = int(task.name)
+        os.sched_setaffinity(tid, {0} if tid == me else {1})
+
+
 def host_only(engine, repeats: int, steps: int = 100) -> str:
     """Main-thread CPU per engine step with the step's device call answered by the last real
     output: the scheduler, row preparation, sampling results and outputs, nothing else."""
@@ -123,10 +135,14 @@ def main(argv=None) -> None:
     ap.add_argument("--seqs", type=int, default=64)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--pin", action="store_true",
+                    help="pin XLA's threads to CPU 1 and this thread to CPU 0 after start-up")
     ap.add_argument("--busy-ms", type=float, nargs="+", default=[0.25, 0.5, 1.0, 1.5, 2.5],
                     help="overlap: the X values (ms of pure-Python work per step)")
     args = ap.parse_args(argv)
     engine = engine_in_steady_decode(args.seqs, args.steps)
+    if args.pin:
+        pin_device_threads()
     print(f"load average {os.getloadavg()}")
     if args.mode == "hostonly":
         print(f"host-only CPU ms per engine step: {host_only(engine, args.repeats)}")
