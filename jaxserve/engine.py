@@ -74,7 +74,6 @@ class LLMEngine:
         self.channel = multihost.attach(self.runner)
         self.spec = speculation(config, self)  # None without speculative_config
         self.requests: dict[str, RequestStateProtocol] = {}
-        self._id_sources: dict[str, NewId] = {}  # request id -> its source of sequence ids
         # Every live sequence id (a request's own id, its branches' and beams') -> its request.
         self._owner: dict[str, RequestStateProtocol] = {}
         self._rng = np.random.default_rng(config.seed)
@@ -240,7 +239,6 @@ class LLMEngine:
         """Drops an ended request from the engine's request registries; returns its state."""
         self._constrained.pop(request_id, None)
         self._may_wait_for_ids.pop(request_id, None)
-        self._id_sources.pop(request_id, None)
         return self.requests.pop(request_id, None)
 
     def _end_sequences(self, state: RequestStateProtocol, status: SequenceStatus) -> None:
@@ -250,12 +248,7 @@ class LLMEngine:
             del self._owner[sid]
 
     def _id_source(self, request_id: str) -> NewId:
-        # One per live request, kept (every request is handed one every step; _forget drops it).
-        source = self._id_sources.get(request_id)
-        if source is None:
-            source = self._id_sources[request_id] = functools.partial(self._new_seq_id,
-                                                                      request_id)
-        return source
+        return functools.partial(self._new_seq_id, request_id)
 
     def _new_seq_id(self, request_id: str) -> str:
         # Unique among live ids; a later user request that picks the same id is refused.

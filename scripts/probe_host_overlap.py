@@ -22,6 +22,7 @@ import cProfile
 import os
 import pathlib
 import pstats
+import statistics
 import sys
 import time
 
@@ -103,7 +104,6 @@ def pin_device_threads() -> None:
 def host_only(engine, repeats: int, steps: int = 100) -> str:
     """Main-thread CPU per engine step with the step's device call answered by the last real
     output: the scheduler, row preparation, sampling results and outputs, nothing else."""
-    import statistics
     import jax
     from jaxserve.runtime.runner import StepCall
     runner, last = engine.runner, {}

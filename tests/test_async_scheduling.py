@@ -318,5 +318,3 @@ def test_requests_that_wait_for_ids_are_forgotten_when_they_end(model, async_sch
         finished |= {o.request_id for o in engine.step() if o.finished}
     assert finished == {"n2", "beam"}
     assert engine._may_wait_for_ids == {}
-    # So is each request's source of sequence ids, kept while it lives.
-    assert engine._id_sources == {}

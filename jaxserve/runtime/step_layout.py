@@ -44,8 +44,8 @@ class Row(NamedTuple):
 
 
 class Columns(NamedTuple):
-    """Rows of one query each that all sample (the decodes of a steady decoding step), by
-    columns: what `build` transposes single-query Rows into, given directly."""
+    """Rows of one query each, by columns: what `build` transposes single-query Rows into.
+    Given to `build` directly (the decodes of a steady decoding step), every row samples."""
 
     slots: list[int]
     starts: list[int]
@@ -159,13 +159,12 @@ def build(rows: list[Row] | Columns, page_table: np.ndarray, *, tokens: int,
     r, t = num_rows(tokens, max_num_seqs), tokens
     if isinstance(rows, Columns):
         multis, row_index, need = [], range(len(rows.slots)), len(rows.slots)
-        singles = rows
-        samp = True
+        singles, samp = rows, True
     else:
         lens = [len(row.tokens) for row in rows]
         need = flat_tokens_needed(lens, ragged)
         multis, single_rows, row_index = _order(rows, lens)
-        singles, samp = None, True
+        singles = None
         if single_rows:
             slots, starts, toks, samp = zip(*single_rows)  # Row's fields, transposed
             singles = Columns(slots, starts, [q[0] for q in toks])
