@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import functools
 import logging
 import math
 import time
@@ -22,7 +21,7 @@ from jaxserve import engine_build
 from jaxserve.runtime import multihost
 from jaxserve.tools import kv_accounting
 from jaxserve.core.beam_search import BeamRequestState, search_params
-from jaxserve.core.decision import Decision, NewId, RequestStateProtocol
+from jaxserve.core.decision import Decision, RequestStateProtocol
 from jaxserve.core.grammar import GrammarCompiler
 from jaxserve.config import EngineConfig
 from jaxserve.core.admission import check_admission
@@ -247,9 +246,6 @@ class LLMEngine:
             self.runner.release(sid)
             del self._owner[sid]
 
-    def _id_source(self, request_id: str) -> NewId:
-        return functools.partial(self._new_seq_id, request_id)
-
     def _new_seq_id(self, request_id: str) -> str:
         # Unique among live ids; a later user request that picks the same id is refused.
         self._counter += 1
@@ -452,6 +448,7 @@ class LLMEngine:
                      committed: bool) -> list[RequestOutput]:
         """items: `out`'s scheduled items by sequence id; sampled: their results to apply."""
         step, progressed, owner, failed = Decision(), {}, self._owner, {}
+        new_id = self._new_seq_id  # one bound method for the step, not one per request
         for sid, result in sampled.items():
             state = owner[sid]
             rid = state.request_id
@@ -459,7 +456,7 @@ class LLMEngine:
                 continue
             progressed[rid] = state
             try:
-                state.on_sampled(items[sid], result, self._id_source(rid), into=step)
+                state.on_sampled(items[sid], result, new_id, into=step)
             except Exception as e:  # noqa: BLE001 - detokenizer, grammar: this request's alone
                 log.exception("request %r failed applying its token", rid)
                 failed[rid] = f"{type(e).__name__}: {e}"
@@ -479,7 +476,7 @@ class LLMEngine:
             seqs = ended.get(rid)
             if seqs is None and type(state) is RequestState:
                 continue  # its on_updated acts only on ended branches: skipped, per request
-            left += self._apply(state.on_updated(seqs or [], self._id_source(rid)))
+            left += self._apply(state.on_updated(seqs or [], new_id))
         for seq in done + left:
             self.runner.release(seq.request_id)
             owner.pop(seq.request_id, None)

@@ -14,7 +14,7 @@ from jaxserve.core.sequence import Sequence, SequenceStatus
 
 def ids():
     counter = itertools.count(1)
-    return lambda: f"r#{next(counter)}"
+    return lambda request_id: f"{request_id}#{next(counter)}"
 
 
 def snapshot(seq):

@@ -18,7 +18,9 @@ from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.scheduler import ScheduledSeq
 from jaxserve.core.sequence import Sequence, SequenceStatus
 
-NewId = Callable[[], str]  # the engine's source of fresh sequence ids (unique among live ones)
+# The engine's source of fresh sequence ids for a request (unique among live ones): one
+# callable for every request, so none is made per request per step.
+NewId = Callable[[str], str]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -177,7 +177,7 @@ class RequestState:
         parent = self.seq
         children = []
         for i in range(len(self.branches), self.params.n):
-            child = Sequence(new_id(), parent.prompt_token_ids, parent.sampling_params,
+            child = Sequence(new_id(self.request_id), parent.prompt_token_ids, parent.sampling_params,
                              arrival_time=parent.arrival_time, cache_salt=parent.cache_salt,
                              priority=parent.priority)
             branch = BranchState(i, child, self.tokenizer, branch_seed(self.seed, i),
