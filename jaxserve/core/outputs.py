@@ -42,7 +42,9 @@ class RequestMetrics:
         return self.finished_time - self.first_token_time
 
 
-@dataclasses.dataclass
+# Slotted: one of each is built for every request that progresses, every step, and a slotted
+# instance builds in about half the time (no per-instance __dict__).
+@dataclasses.dataclass(slots=True)
 class CompletionOutput:
     index: int
     text: str
@@ -59,7 +61,7 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class RequestOutput:
     request_id: str
     prompt: str | None
