@@ -374,8 +374,6 @@ class LLMEngine:
             sampled = self.runner.collect(step.pending)
         t1 = time.perf_counter()
         with jax.profiler.TraceAnnotation("postprocess"):
-            if committed:
-                self.scheduler.retract(step.out)
             # Requests aborted (or stopped by an earlier step) since the launch: dropped, also
             # when a new request has taken the id since (its sequence is another one).
             owner = self._owner

@@ -9,7 +9,7 @@ from jaxserve.core.outputs import SampleResult
 from jaxserve.core.request_state import RequestState
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.scheduler import ScheduledSeq
-from jaxserve.core.sequence import Sequence, SequenceStatus
+from jaxserve.core.sequence import PLACEHOLDER, Sequence, SequenceStatus
 
 
 def ids():
@@ -44,6 +44,28 @@ def test_stop_token_finishes_a_branch():
     state = RequestState(seq, None, None, 0, 0.0, set())
     d = state.on_sampled(ScheduledSeq(seq, 2, 0, True, True), SampleResult(9, -0.1, None), ids())
     assert d.tokens == {"r": 9} and d.finished == {"r": SequenceStatus.FINISHED_STOPPED}
+
+
+def test_min_tokens_counts_a_committed_placeholder_once():
+    """Asynchronous scheduling: a committed step's PLACEHOLDER is still on the sequence when its
+    id arrives (Scheduler.update writes the id over it), so it stands for the token being
+    counted; min_tokens gates a stop token at the same output count either way."""
+    params = SamplingParams(temperature=0, max_tokens=8, min_tokens=3, stop_token_ids=(9,))
+    for committed in (False, True):
+        seq = Sequence("r", [1, 2], params)
+        state = RequestState(seq, None, None, 0, 0.0, set())
+        finished = []
+        for pos in range(4):  # outputs 1..4, every one the stop token
+            if committed:
+                seq.output_token_ids.append(PLACEHOLDER)  # what Scheduler.commit appended
+            d = state.on_sampled(ScheduledSeq(seq, 1, 2 + pos, False, True),
+                                 SampleResult(9, -0.1, None), ids())
+            finished.append(bool(d.finished))
+            if committed:
+                seq.output_token_ids[-1] = 9  # Scheduler.update(committed=True)
+            else:
+                seq.output_token_ids.append(9)
+        assert finished == [False, False, True, True], committed  # the 3rd token may stop
 
 
 def test_beam_group_returns_forks_appends_and_frees_without_touching_sequences():

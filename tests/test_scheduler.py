@@ -592,3 +592,26 @@ def test_random_stress_exercises_preemption():
     """Guard against the stress cases silently becoming too easy."""
     total = sum(simulate(*_random_case(seed))[1].num_preemptions for seed in range(60))
     assert total > 0
+
+
+def test_committed_update_writes_each_id_over_its_placeholder():
+    """Asynchronous scheduling: commit advances the step and appends a PLACEHOLDER per sampled
+    token (the next step is planned on it); update(committed=True) puts the real id in its
+    place, advancing nothing twice, and a sequence aborted since keeps what it had."""
+    from jaxserve.core.sequence import PLACEHOLDER
+    s = Scheduler(config())
+    a, b = make_seq("a", [1, 2, 3], 8), make_seq("b", [4, 5], 8)
+    s.add(a)
+    s.add(b)
+    first = s.schedule()
+    s.commit(first)
+    assert a.output_token_ids == [PLACEHOLDER] and a.num_computed_tokens == 3
+    second = s.schedule()  # each decodes its placeholder (the device supplies the id)
+    assert [(i.request_id, i.start_pos) for i in second.decodes] == [("a", 3), ("b", 2)]
+    s.abort("b")
+    done = s.update(first, {"a": 11, "b": 12}, committed=True)
+    assert done == [] and a.output_token_ids == [11] and a.num_computed_tokens == 3
+    assert b.output_token_ids == [PLACEHOLDER]  # aborted: never read again
+    s.commit(second)
+    s.update(second, {"a": 13}, committed=True)
+    assert a.output_token_ids == [11, 13] and a.num_computed_tokens == 4

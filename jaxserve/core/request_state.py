@@ -17,7 +17,7 @@ from jaxserve.core.outputs import (CompletionOutput, RequestMetrics, RequestOutp
                                    SampleResult)
 from jaxserve.core.sampling_params import RequestOutputKind, SamplingParams
 from jaxserve.core.scheduler import ScheduledSeq
-from jaxserve.core.sequence import Sequence, SequenceStatus
+from jaxserve.core.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from models.tokenizer import IncrementalDetokenizer, Tokenizer
 
 FINISH_REASONS = {SequenceStatus.FINISHED_STOPPED: "stop",
@@ -76,7 +76,9 @@ class BranchState:
                 self.error = f"the grammar rejected token {token}: {self.matcher.error}"
                 return SequenceStatus.FINISHED_ERROR
             grammar_done = self.matcher.is_finished
-        n_out = len(self.seq.output_token_ids) + 1  # counting this token
+        out = self.seq.output_token_ids
+        # Counting this token, which a committed step's PLACEHOLDER already stands for.
+        n_out = len(out) + (0 if out and out[-1] == PLACEHOLDER else 1)
         min_reached = n_out >= p.min_tokens
         if token in self._stop_ids and min_reached:
             self.stop_reason = token

@@ -27,8 +27,8 @@ sampled tokens, and frees finished sequences (whose slots the next
 Asynchronous scheduling splits that in two, so the next step can be scheduled
 while this one runs: `commit()` applies a launched step's work before its ids
 are known (computed tokens advanced, a PLACEHOLDER appended for each token it
-samples), and, once the ids arrive, `retract()` takes the placeholders off again
-and `update(..., committed=True)` appends the real ids without advancing twice.
+samples), and, once the ids arrive, `update(..., committed=True)` writes the real
+ids over the placeholders without advancing twice.
 """
 
 from __future__ import annotations
@@ -406,8 +406,7 @@ class Scheduler:
 
         Its sequences advance as if `update` had run, each sampling one a PLACEHOLDER token,
         so `schedule()` can plan the next step (a decode of the placeholder, whose id the
-        device supplies). Call `retract` and then `update(..., committed=True)` once the ids
-        arrive.
+        device supplies). Call `update(..., committed=True)` once the ids arrive.
         """
         bm = self.block_manager
         # Blocks are registered as they fill: a sequence whose computed tokens stay inside its
@@ -422,15 +421,6 @@ class Scheduler:
                 bm.register_computed(seq)
             if item.is_last_chunk:
                 seq.append_token(PLACEHOLDER)
-
-    def retract(self, output: SchedulerOutput) -> None:
-        """Takes a committed step's placeholders off its live sequences (before update)."""
-        for item in output.scheduled:
-            seq = item.seq
-            out = seq.output_token_ids
-            if item.is_last_chunk and out and out[-1] == PLACEHOLDER \
-                    and not seq.status.is_finished:
-                out.pop()
 
     def update(
         self,
@@ -448,9 +438,9 @@ class Scheduler:
         Items aborted since `schedule()` are skipped. Sequences in `hold` (beams)
         get no token: they stay running with nothing to compute, unscheduled,
         until the caller appends one (or forks or finishes them).
-        committed: the step went through `commit` and `retract` (asynchronous
-        scheduling); its sequences are not advanced again, and one preempted
-        since still gets its token.
+        committed: the step went through `commit` (asynchronous scheduling); its
+        sequences are not advanced again, each token replaces the PLACEHOLDER
+        commit appended, and one preempted since still gets its token.
         """
         finished = finished or {}
         done = []
@@ -475,7 +465,10 @@ class Scheduler:
             if token is None:
                 raise ValueError(f"no sampled token for {rid!r}, which was due one")
             out = seq.output_token_ids
-            out.append(token)
+            if committed and out and out[-1] == PLACEHOLDER:
+                out[-1] = token  # commit's placeholder: in place, not a pop and an append
+            else:
+                out.append(token)
             reason = finished.get(rid) if finished else None
             if reason is None and len(out) < seq.sampling_params.max_tokens:
                 continue  # most sequences, most steps: _finish_status would say None
