@@ -14,6 +14,7 @@ import time
 import uuid
 from typing import Callable, Iterator
 
+from jaxserve.core.sampling_params import RequestOutputKind
 from jaxserve.server.engine_loop import ACCEPTED, EngineLoop, Event, SubRequest
 from jaxserve.server.errors import ApiError, unavailable
 from jaxserve.server.formatting import Choice
@@ -35,8 +36,11 @@ class Delta:
 
 
 def _sub_requests(req: GenerationRequest, base: str) -> list[SubRequest]:
-    """One per prompt, with n branches: choice p * n + i is branch i of prompt p."""
-    params = dataclasses.replace(req.params, n=req.n)
+    """One per prompt, with n branches: choice p * n + i is branch i of prompt p.
+
+    DELTA outputs: each step hands over only what is new (streamed or not, every step's tokens
+    are timed), not a copy of everything generated so far, which grows with the output."""
+    params = dataclasses.replace(req.params, n=req.n, output_kind=RequestOutputKind.DELTA)
     return [SubRequest(f"{base}-{p}", ids, params, p * req.n, priority=req.priority)
             for p, ids in enumerate(req.prompts)]
 
@@ -103,10 +107,8 @@ class Generation:
 
     def _apply_one(self, event: Event, index: int, out) -> Delta:
         choice = self.choices[index]
-        start = len(choice.token_ids)
-        new_ids = out.token_ids[start:]
-        new_lps = list(out.logprobs[start:len(out.token_ids)]) if out.logprobs is not None \
-            else []
+        new_ids = out.token_ids  # DELTA outputs (_sub_requests): this step's part alone
+        new_lps = list(out.logprobs) if out.logprobs is not None else []
         choice.token_ids.extend(new_ids)
         choice.logprobs.extend(new_lps)
         choice.text += out.delta_text
