@@ -13,6 +13,7 @@ Tiny random model, N sequences in steady decode (bench_host_overhead.py's set-up
            no core shared with XLA's threads), median of --repeats windows of 100 steps
 
     .venv/bin/python scripts/probe_host_overlap.py overlap --seqs 64
+    .venv/bin/python scripts/probe_host_overlap.py hostonly --seqs 64 --output-kind DELTA
 """
 
 from __future__ import annotations
@@ -32,10 +33,10 @@ for _path in (REPO, REPO / "scripts"):
         sys.path.insert(0, str(_path))
 
 
-def engine_in_steady_decode(n: int, steps: int):
+def engine_in_steady_decode(n: int, steps: int, output_kind: str = "CUMULATIVE"):
     import numpy as np
     import bench_host_overhead as b
-    from jaxserve import SamplingParams
+    from jaxserve import RequestOutputKind, SamplingParams
     from models.model import enable_compilation_cache
     from models.random_init import random_model
     enable_compilation_cache()
@@ -44,7 +45,8 @@ def engine_in_steady_decode(n: int, steps: int):
     model = random_model(b.model_config("tiny", max_len), "float32", 0)
     engine = b.make_engine(model, n, max_len, "on")
     rng = np.random.default_rng(0)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, seed=0)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, seed=0,
+                            output_kind=RequestOutputKind[output_kind])
     for i in range(n):
         engine.add_request(f"r{i}", rng.integers(1, 256, 8).tolist(), params)
     b.settle(engine, n, 10, settle_limit)
@@ -139,8 +141,11 @@ def main(argv=None) -> None:
                     help="pin XLA's threads to CPU 1 and this thread to CPU 0 after start-up")
     ap.add_argument("--busy-ms", type=float, nargs="+", default=[0.25, 0.5, 1.0, 1.5, 2.5],
                     help="overlap: the X values (ms of pure-Python work per step)")
+    ap.add_argument("--output-kind", choices=("CUMULATIVE", "DELTA", "FINAL_ONLY"),
+                    default="CUMULATIVE", help="the requests' output_kind (what each step "
+                    "builds for them: everything so far, what is new, or nothing until the end)")
     args = ap.parse_args(argv)
-    engine = engine_in_steady_decode(args.seqs, args.steps)
+    engine = engine_in_steady_decode(args.seqs, args.steps, args.output_kind)
     if args.pin:
         pin_device_threads()
     print(f"load average {os.getloadavg()}")
