@@ -10,7 +10,9 @@ Tiny random model, N sequences in steady decode (bench_host_overhead.py's set-up
            does not share the host's cores (a diagnostic; Linux, >= 2 CPUs)
   hostonly the host's own work per engine step: main-thread CPU time of engine steps whose
            device call is replaced by the last real step's output (no device work, no dispatch,
-           no core shared with XLA's threads), median of --repeats windows of 100 steps
+           no core shared with XLA's threads), median of --repeats windows of 100 steps; also
+           in units of a fixed Python loop timed around each window (reference_ms), which
+           compares runs taken while the VM ran at different speeds
 
     .venv/bin/python scripts/probe_host_overlap.py overlap --seqs 64
     .venv/bin/python scripts/probe_host_overlap.py hostonly --seqs 64 --output-kind DELTA
@@ -121,14 +123,40 @@ def host_only(engine, repeats: int, steps: int = 100) -> str:
     runner.run = answered
     for _ in range(20):  # the last real step in flight is collected; caches warm
         engine.step()
-    times = []
+    times, ratios = [], []
+    reference_ms()  # its first run is slower (allocator, caches)
     for _ in range(repeats):
+        ref = reference_ms()
         t = time.thread_time()
         for _ in range(steps):
             engine.step()
         times.append(1e3 * (time.thread_time() - t) / steps)
+        ratios.append(times[-1] / statistics.mean((ref, reference_ms())))
     return (f"median {statistics.median(times):.3f}, min {min(times):.3f} "
-            f"({', '.join(f'{x:.3f}' for x in times)})")
+            f"({', '.join(f'{x:.3f}' for x in times)}); in reference loops: median "
+            f"{statistics.median(ratios):.3f} ({', '.join(f'{x:.3f}' for x in ratios)})")
+
+
+def reference_ms() -> float:
+    """Main-thread CPU ms of a fixed pure-Python loop (attribute reads, calls, small tuples,
+    dict and list work, as the host path does): the machine's speed of the moment. This VM's
+    speed drifts by up to 2x over minutes; host time divided by it compares runs taken in
+    different phases."""
+    class Item:
+        def __init__(self, i):
+            self.i, self.out = i, [i]
+
+    def touch(item, table):
+        item.out.append(item.i)
+        table[item.i] = (item.i, len(item.out))
+
+    t = time.thread_time()
+    for _ in range(5):
+        items, table = [Item(i) for i in range(2000)], {}
+        for item in items:
+            touch(item, table)
+        sum(v[1] for v in table.values())
+    return 1e3 * (time.thread_time() - t)
 
 
 def main(argv=None) -> None:
