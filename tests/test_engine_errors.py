@@ -7,6 +7,7 @@ import pytest
 
 from jaxserve import EngineConfig, LLMEngine, SamplingParams
 from jaxserve.core.sampling_params import MAX_STOP_IDS, SamplingParamError
+from jaxserve.core.sequence import PLACEHOLDER
 from models.random_init import random_model
 from tiny_models import TINY_GQA
 
@@ -104,6 +105,8 @@ def test_request_failing_inside_a_step_ends_with_error(model, want, monkeypatch,
     bad = done["bad"]
     assert bad.finished and bad.error == "RuntimeError: injected fault"
     assert bad.outputs and all(c.finish_reason == "error" for c in bad.outputs)
+    # Failed after its step was committed: no placeholder of an id never applied.
+    assert all(PLACEHOLDER not in c.token_ids for c in bad.outputs)
     for rid in ("a", "b"):
         assert done[rid].error is None
         assert done[rid].outputs[0].token_ids == want[rid]

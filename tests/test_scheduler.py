@@ -611,7 +611,24 @@ def test_committed_update_writes_each_id_over_its_placeholder():
     s.abort("b")
     done = s.update(first, {"a": 11, "b": 12}, committed=True)
     assert done == [] and a.output_token_ids == [11] and a.num_computed_tokens == 3
-    assert b.output_token_ids == [PLACEHOLDER]  # aborted: never read again
+    assert b.output_token_ids == []  # aborted since commit: its placeholder dropped
     s.commit(second)
     s.update(second, {"a": 13}, committed=True)
     assert a.output_token_ids == [11, 13] and a.num_computed_tokens == 4
+
+
+def test_a_sequence_ended_before_its_committed_id_arrives_drops_the_placeholder():
+    """A request failed or aborted inside a step, after commit and before update: its output
+    ends with what it had, not with the PLACEHOLDER of a token that will not be applied."""
+    from jaxserve.core.sequence import PLACEHOLDER
+    s = Scheduler(config())
+    a = make_seq("a", [1, 2, 3], 8)
+    s.add(a)
+    first = s.schedule()
+    s.update(first, {"a": 11})
+    second = s.schedule()
+    s.commit(second)
+    assert a.output_token_ids == [11, PLACEHOLDER]
+    s.abort("a", SequenceStatus.FINISHED_ERROR)
+    assert a.output_token_ids == [11] and a.status is SequenceStatus.FINISHED_ERROR
+    assert s.update(second, {"a": 12}, committed=True) == [] and a.output_token_ids == [11]

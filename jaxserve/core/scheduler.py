@@ -280,6 +280,9 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.status = status
         self._ids.discard(seq.request_id)
+        out = seq.output_token_ids
+        if out and out[-1] == PLACEHOLDER:  # ended inside a step, before update wrote its id
+            out.pop()
 
     # ---- scheduling -----------------------------------------------------
 
