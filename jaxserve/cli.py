@@ -52,6 +52,19 @@ def _init_distributed(args) -> None:
     multihost.initialize(args.coordinator_address, args.num_processes, args.process_id)
 
 
+def _reserve_host_cores(args) -> None:
+    """--host-cores: the host loop's own CPUs, set before JAX's backend starts (its CPU pool is
+    sized then; after _init_distributed, which must come first)."""
+    if not args.host_cores:
+        return
+    from jaxserve.runtime.host_cores import reserve_host_cores
+    try:
+        cores = reserve_host_cores(args.host_cores)
+    except RuntimeError as e:  # not Linux, or the backend already runs
+        raise ValueError(str(e)) from e
+    print(f"[{cores.describe()}]", file=sys.stderr)
+
+
 def _follow(engine) -> bool:
     """On processes other than 0 of a multi-host run: run process 0's steps; True if so."""
     from jaxserve.runtime import multihost
@@ -76,6 +89,7 @@ def _cmd_generate(args) -> int:
         config = EngineConfig(warmup=args.warmup, **_engine_kwargs(args))
         params = _sampling_params(args)
         _init_distributed(args)
+        _reserve_host_cores(args)
         from jaxserve import LLM
         start = time.perf_counter()
         llm = LLM(**dataclasses.asdict(config))
@@ -131,6 +145,7 @@ def _cmd_serve(args) -> int:
                               **_admission(engine_config),
                               watchdog_timeout_s=args.watchdog_timeout)
         _init_distributed(args)
+        _reserve_host_cores(args)
         from jaxserve import LLMEngine
         engine = LLMEngine(engine_config)
     except (ValueError, FileNotFoundError, KeyError) as e:
@@ -149,6 +164,7 @@ def _cmd_serve(args) -> int:
 def _cmd_bench(args) -> int:
     try:
         config = EngineConfig(warmup=args.warmup, **_engine_kwargs(args))
+        _reserve_host_cores(args)
         from jaxserve import LLMEngine
         from jaxserve.tools.workload import make_workload, run_workload
         engine = LLMEngine(config)
@@ -315,6 +331,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--coordinator-address", default=None, help="HOST:PORT of process 0")
     g.add_argument("--num-processes", type=int, default=None)
     g.add_argument("--process-id", type=int, default=None, help="0 schedules and serves")
+    p.add_argument("--host-cores", type=int, default=0, metavar="N",
+                   help="CPUs kept for the engine's host loop, apart from XLA's CPU thread pool "
+                        "(Linux). Pays on a CPU backend when the host work per step is like "
+                        "the device's (small models, many sequences); a model whose step is "
+                        "mostly matmul loses those CPUs' compute. Default 0: the pool on every "
+                        "CPU (docs/performance.md, sixth pass)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -75,6 +75,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     default="default",
                     help="SamplingParams.output_kind (LLM.generate uses final_only; an engine "
                     "without it: default only)")
+    ap.add_argument("--host-cores", type=int, default=0,
+                    help="CPUs kept for the host loop, apart from XLA's pool (jaxserve/runtime/"
+                    "host_cores.py; 0: XLA's pool on every CPU, the default)")
     args = ap.parse_args(argv)
     quick = args.quick
     if args.batch_sizes is None:
@@ -303,6 +306,10 @@ def write_outputs(report: dict, prefix: str) -> list[pathlib.Path]:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    cores = None
+    if args.host_cores:  # before anything starts JAX's backend (its pool is sized then)
+        from jaxserve.runtime.host_cores import reserve_host_cores
+        cores = reserve_host_cores(args.host_cores)
     import jax
     from models.model import enable_compilation_cache
     from models.random_init import random_model
@@ -317,6 +324,8 @@ def main(argv=None) -> dict:
     env = (f"jax {jax.__version__} ({jax.default_backend()}, {jax.devices()[0].device_kind}), "
            f"python {platform.python_version()}, {os.cpu_count()} CPUs, load average at start "
            f"{'/'.join(f'{x:.2f}' for x in load_start)}")
+    if cores is not None:
+        env += f"; {cores.describe()}"
     print(env, flush=True)
     print(f"model: {args.model_size}, {config.num_params() / 1e6:.2f}M params, "
           f"{config.num_layers} layers, hidden {config.hidden_size}", flush=True)

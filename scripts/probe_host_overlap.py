@@ -7,7 +7,8 @@ Tiny random model, N sequences in steady decode (bench_host_overhead.py's set-up
            previous one, against the bare step time (ideal: max(bare, X))
   prof     cProfile of N engine steps, by cumulative time
   --pin    (util, overlap) XLA's threads on one core and this thread on another: a device that
-           does not share the host's cores (a diagnostic; Linux, >= 2 CPUs)
+           does not share the host's cores (a diagnostic; Linux, >= 2 CPUs; --host-cores does
+           it properly, a pool sized for the CPUs it has)
   hostonly the host's own work per engine step: main-thread CPU time of engine steps whose
            device call is replaced by the last real step's output (no device work, no dispatch,
            no core shared with XLA's threads), median of --repeats windows of 100 steps; also
@@ -172,7 +173,13 @@ def main(argv=None) -> None:
     ap.add_argument("--output-kind", choices=("CUMULATIVE", "DELTA", "FINAL_ONLY"),
                     default="CUMULATIVE", help="the requests' output_kind (what each step "
                     "builds for them: everything so far, what is new, or nothing until the end)")
+    ap.add_argument("--host-cores", type=int, default=0,
+                    help="CPUs kept for this (host) thread, XLA's pool on the others, set "
+                    "before the backend starts (jaxserve/runtime/host_cores.py)")
     args = ap.parse_args(argv)
+    if args.host_cores:
+        from jaxserve.runtime.host_cores import reserve_host_cores
+        print(reserve_host_cores(args.host_cores).describe())
     engine = engine_in_steady_decode(args.seqs, args.steps, args.output_kind)
     if args.pin:
         pin_device_threads()

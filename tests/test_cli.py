@@ -14,13 +14,26 @@ def run_cli(*args):
                           text=True, env=env, timeout=600)
 
 
-def test_generate_chat_answers_like_hf(smollm2_path):
+HOST_CORES = [()] + ([("--host-cores", "1")] if hasattr(os, "sched_getaffinity")
+                     and len(os.sched_getaffinity(0)) >= 2 else [])
+
+
+@pytest.mark.parametrize("cores", HOST_CORES, ids=lambda c: "host-cores-1" if c else "default")
+def test_generate_chat_answers_like_hf(smollm2_path, cores):
     # HF transformers' greedy answer on the same file (tests/test_smollm2_parity.py).
     proc = run_cli("generate", "--chat", "What is the capital of France?", "--max-tokens", "24",
-                   "--max-model-len", "256", "--max-num-seqs", "4")
+                   "--max-model-len", "256", "--max-num-seqs", "4", *cores)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "The capital of France is Paris."
     assert "finish=stop" in proc.stderr
+    if cores:  # XLA's pool kept off the host loop's CPU
+        assert "host loop on CPU" in proc.stderr and "XLA's pool on CPU" in proc.stderr
+
+
+def test_host_cores_the_process_cannot_give_are_refused():
+    proc = run_cli("generate", "hi", "--host-cores", "4096")
+    assert proc.returncode == 2
+    assert "host cores must be an integer in [1, " in proc.stderr
 
 
 def test_generate_rejects_bad_sampling_value():
