@@ -39,6 +39,7 @@ def run(code: str) -> subprocess.CompletedProcess:
 
 
 @needs_two
+@pytest.mark.subprocess
 def test_pool_starts_on_the_other_cpus_and_the_host_keeps_its_own():
     got = run(PROBE)
     assert got.returncode == 0, got.stderr
@@ -53,6 +54,7 @@ def test_pool_starts_on_the_other_cpus_and_the_host_keeps_its_own():
 
 
 @needs_two
+@pytest.mark.subprocess
 def test_refused_once_the_backend_runs():
     got = run("import jax; jax.devices()\n"
               "from jaxserve.runtime.host_cores import reserve_host_cores\n"
