@@ -5,13 +5,12 @@ of the process, the host loop's included: the engine's host work (scheduling, in
 then competes with the step it should hide behind. `reserve_host_cores(n)` starts JAX's backends
 with the process limited to all but `n` CPUs (XLA sizes its pool and starts its threads from the
 affinity it sees then) and afterwards gives the calling thread the `n` others; threads it starts
-later (the server's engine loop, its HTTP workers, background compiles) inherit those. This is
-what vLLM's CPU backend does with its reserved CPUs. It pays when the host work per step is
-comparable to the device's (small models, many sequences); a model whose step is mostly matmul
-loses the reserved CPUs' share of the compute (docs/performance.md, sixth pass).
-
-On a GPU the pool only runs host-side XLA work, so reserving a core costs little and keeps the
-host loop from being descheduled by it.
+later (the server's engine loop, its HTTP workers, background compiles) inherit those, so they
+share the host loop's CPUs. This is what vLLM's CPU backend does with its reserved CPUs. It pays
+when the host work per step is comparable to the device's (small models, many sequences); a
+model whose step is mostly matmul loses the reserved CPUs' share of the compute
+(docs/performance.md, sixth pass). On a GPU machine the pool runs only XLA's host-side work, so
+one reserved core should cost little there (not measured yet: no GPU has been lent).
 """
 
 from __future__ import annotations
@@ -68,9 +67,9 @@ def reserve_host_cores(n: int) -> HostCores:
                          f"may run on {len(cpus)} CPUs and XLA's pool needs at least one), "
                          f"got {n!r}")
     if pool_threads():
-        raise RuntimeError("JAX's CPU backend already runs, its pool on every CPU: reserve "
-                           "host cores before anything touches a device (first thing in the "
-                           "process)")
+        raise RuntimeError("JAX's CPU backend already runs (its pool was sized when it "
+                           "started): reserve host cores before anything touches a device "
+                           "(first thing in the process)")
     import jax
     host, device = frozenset(cpus[-n:]), frozenset(cpus[:-n])
     os.sched_setaffinity(0, device)
