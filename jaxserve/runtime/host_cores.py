@@ -7,9 +7,10 @@ with the process limited to all but `n` CPUs (XLA sizes its pool and starts its 
 affinity it sees then) and afterwards gives the calling thread the `n` others; threads it starts
 later (the server's engine loop, its HTTP workers, background compiles) inherit those, so they
 share the host loop's CPUs. vLLM's CPU backend likewise keeps a CPU off its OpenMP workers for
-its scheduler process (VLLM_CPU_NUM_OF_RESERVED_CPU, 1 by default there). It pays when the host work per step is comparable to the device's (small models, many sequences); a
-model whose step is mostly matmul loses the reserved CPUs' share of the compute
-(docs/performance.md, sixth pass). On a GPU machine the pool runs only XLA's host-side work, so
+its scheduler process (VLLM_CPU_NUM_OF_RESERVED_CPU, 1 by default there). It pays when the host
+work per step is comparable to the device's (small models, many sequences); a model whose step
+is mostly matmul loses the reserved CPUs' share of the compute (docs/performance.md, sixth
+pass). On a GPU machine the pool runs only XLA's host-side work, so
 one reserved core should cost little there (not measured yet: no GPU has been lent).
 """
 
