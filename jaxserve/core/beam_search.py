@@ -169,8 +169,9 @@ class BeamRequestState:
             parent = beam.seq
             for tok, score in picks[1:]:
                 # The child's KV is the parent's; it computes its own pick next step.
-                child = Sequence(new_id(self.request_id), parent.prompt_token_ids, parent.sampling_params,
-                                 arrival_time=parent.arrival_time, cache_salt=parent.cache_salt,
+                child = Sequence(new_id(self.request_id), parent.prompt_token_ids,
+                                 parent.sampling_params, arrival_time=parent.arrival_time,
+                                 cache_salt=parent.cache_salt,
                                  output_token_ids=parent.output_token_ids + [tok],
                                  priority=parent.priority)
                 decision.forks.append(Fork(parent=parent, child=child,

@@ -17,7 +17,7 @@ from jaxserve.core.outputs import (CompletionOutput, RequestMetrics, RequestOutp
                                    SampleResult)
 from jaxserve.core.sampling_params import RequestOutputKind, SamplingParams
 from jaxserve.core.scheduler import ScheduledSeq
-from jaxserve.core.sequence import PLACEHOLDER, Sequence, SequenceStatus
+from jaxserve.core.sequence import Sequence, SequenceStatus
 from models.tokenizer import IncrementalDetokenizer, Tokenizer
 
 FINISH_REASONS = {SequenceStatus.FINISHED_STOPPED: "stop",
@@ -76,9 +76,9 @@ class BranchState:
                 self.error = f"the grammar rejected token {token}: {self.matcher.error}"
                 return SequenceStatus.FINISHED_ERROR
             grammar_done = self.matcher.is_finished
-        out = self.seq.output_token_ids
+        seq = self.seq
         # Counting this token, which a committed step's PLACEHOLDER already stands for.
-        n_out = len(out) + (0 if out and out[-1] == PLACEHOLDER else 1)
+        n_out = len(seq.output_token_ids) + (not seq.ends_in_placeholder)
         min_reached = n_out >= p.min_tokens
         if token in self._stop_ids and min_reached:
             self.stop_reason = token
@@ -179,9 +179,9 @@ class RequestState:
         parent = self.seq
         children = []
         for i in range(len(self.branches), self.params.n):
-            child = Sequence(new_id(self.request_id), parent.prompt_token_ids, parent.sampling_params,
-                             arrival_time=parent.arrival_time, cache_salt=parent.cache_salt,
-                             priority=parent.priority)
+            child = Sequence(new_id(self.request_id), parent.prompt_token_ids,
+                             parent.sampling_params, arrival_time=parent.arrival_time,
+                             cache_salt=parent.cache_salt, priority=parent.priority)
             branch = BranchState(i, child, self.tokenizer, branch_seed(self.seed, i),
                                  self.metrics)
             if self._grammar is not None:

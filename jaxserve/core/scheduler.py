@@ -280,9 +280,8 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.status = status
         self._ids.discard(seq.request_id)
-        out = seq.output_token_ids
-        if out and out[-1] == PLACEHOLDER:  # ended inside a step, before update wrote its id
-            out.pop()
+        if seq.ends_in_placeholder:  # ended inside a step, before update wrote its id
+            seq.output_token_ids.pop()
 
     # ---- scheduling -----------------------------------------------------
 
@@ -468,7 +467,7 @@ class Scheduler:
             if token is None:
                 raise ValueError(f"no sampled token for {rid!r}, which was due one")
             out = seq.output_token_ids
-            if committed and out and out[-1] == PLACEHOLDER:
+            if committed and seq.ends_in_placeholder:
                 out[-1] = token  # commit's placeholder: in place, not a pop and an append
             else:
                 out.append(token)

@@ -115,10 +115,15 @@ class Sequence:
         return self.prompt_token_ids + self.output_token_ids
 
     @property
+    def ends_in_placeholder(self) -> bool:
+        """Whether the last token is a committed step's PLACEHOLDER (its id not known yet)."""
+        out = self.output_token_ids
+        return bool(out) and out[-1] == PLACEHOLDER
+
+    @property
     def num_known_tokens(self) -> int:
         """Tokens whose ids the host knows: all but a trailing PLACEHOLDER."""
-        out = self.output_token_ids
-        return self.num_tokens - (1 if out and out[-1] == PLACEHOLDER else 0)
+        return self.num_tokens - self.ends_in_placeholder
 
     @property
     def num_uncomputed_tokens(self) -> int:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Iterable
 
-from jaxserve.core.sequence import PLACEHOLDER, Sequence
+from jaxserve.core.sequence import Sequence
 from jaxserve.core.spec_decode.acceptance import AcceptanceWindow, SpecTotals, accepted_length
 from jaxserve.core.spec_decode.config import SpeculativeConfig
 
@@ -64,10 +64,9 @@ class Speculator:
     def allowed(self, seq: Sequence) -> int:
         """Drafts `seq` may take now: none past max_tokens (a verified row emits up to k + 1
         tokens) or max_model_len, none unless it is decoding with a known last token."""
-        out = seq.output_token_ids
-        if seq.num_uncomputed_tokens != 1 or (out and out[-1] == PLACEHOLDER):
+        if seq.num_uncomputed_tokens != 1 or seq.ends_in_placeholder:
             return 0
-        left = min(seq.max_tokens - len(out), self.max_model_len - seq.num_tokens)
+        left = min(seq.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
         return max(0, min(self.config.num_speculative_tokens, left - 1))
 
     def propose(self, seqs: Iterable[Sequence], budget: int) -> dict[str, int]:
