@@ -121,7 +121,7 @@ class EngineConfig:
         "keep a GGUF file's converted weights in the cache directory so the next start skips "
         "dequantizing it (models/weights_cache.py)"))
     profile_dir: str | None = dataclasses.field(default=None, metadata=_help(
-        "write jax.profiler traces here for TensorBoard/Perfetto (jaxserve/tools/profiling.py); "
+        "write jax.profiler traces here for TensorBoard/Perfetto (jaxserve/telemetry/profiling.py); "
         "serve: enables POST /start_profile and /stop_profile"))
     # "bfloat16" halves the bytes each decode step reads (and doubles the tokens a budget holds)
     # at bf16 rounding of K/V; "int8" stores 1 byte per element plus a float32 scale per

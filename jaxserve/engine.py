@@ -19,7 +19,7 @@ import numpy as np
 
 from jaxserve import engine_build
 from jaxserve.runtime import multihost
-from jaxserve.tools import kv_accounting
+from jaxserve.telemetry import kv_accounting
 from jaxserve.core.beam_search import BeamRequestState, search_params
 from jaxserve.core.decision import Decision, RequestStateProtocol
 from jaxserve.core.grammar import GrammarCompiler
@@ -27,7 +27,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.core.admission import check_admission
 from jaxserve.faults import injector
 from jaxserve.core.outputs import RequestOutput
-from jaxserve.tools.profiling import Profiler
+from jaxserve.telemetry.profiling import Profiler
 from jaxserve.core.request_state import RequestState
 from jaxserve.runtime.runner import Pending
 from jaxserve.core.sampling_params import (RequestOutputKind, SamplingParamError, SamplingParams,
@@ -35,7 +35,7 @@ from jaxserve.core.sampling_params import (RequestOutputKind, SamplingParamError
 from jaxserve.core.scheduler import ScheduledSeq, SchedulerOutput
 from jaxserve.core.sequence import Sequence, SequenceStatus
 from jaxserve.core import window_blocks
-from jaxserve.tools.step_stats import StepStats, StepTotals
+from jaxserve.telemetry.step_stats import StepStats, StepTotals
 from models import Model, windowed
 
 log = logging.getLogger("jaxserve")
@@ -542,7 +542,7 @@ class LLMEngine:
             num_used_blocks=bm.num_used_blocks)
 
     def start_profile(self, directory=None, num_steps: int | None = None):
-        """Starts a jax.profiler capture (see jaxserve/tools/profiling.py); returns its directory."""
+        """Starts a jax.profiler capture (see jaxserve/telemetry/profiling.py); returns its directory."""
         return self.profiler.start(directory, num_steps)
 
     def stop_profile(self):

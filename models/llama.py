@@ -271,7 +271,7 @@ class Block(nn.Module):
         x = x + h
         h = norm(name="post_norm")(x)
         # Flax puts module names on jax's name stack, so profiles already read ".../attn/...",
-        # ".../mlp/..." (jaxserve/tools/profiling.py); Attention adds "attention" around the kernel.
+        # ".../mlp/..." (jaxserve/telemetry/profiling.py); Attention adds "attention" around the kernel.
         mlp = (MoEMLP(c, self.dtype, self.grouped_matmul, name="mlp")
                if c.num_experts  # models/moe.py
                else MLP(c, self.dtype, self.linear, name="mlp"))

@@ -97,7 +97,7 @@ def attention_device_seconds(engine, workload) -> float | None:
     """Device seconds under the `attention` scope over one profiled pass (GPU only)."""
     if jax.default_backend() != "gpu":
         return None
-    from jaxserve.tools.profiling import scope_device_seconds
+    from jaxserve.telemetry.profiling import scope_device_seconds
     with tempfile.TemporaryDirectory() as tmp:
         engine.start_profile(tmp)
         run_workload(engine, workload)

@@ -754,7 +754,7 @@ def decode_run(engine, batch: int, prompt_len: int, new_tokens: int, seed: int) 
 
 def step_breakdown(stats) -> dict:
     """Median seconds per decode step from the engine's own step statistics
-    (jaxserve/tools/step_stats.py): host work (schedule, launch, postprocess) against the
+    (jaxserve/telemetry/step_stats.py): host work (schedule, launch, postprocess) against the
     time blocked on the device (wait), and the host's share of the step."""
     if not stats:
         return {"steps": 0}

@@ -23,7 +23,7 @@ sys.path.insert(0, str(REPO))
 
 import bench_speculative as bs  # noqa: E402
 from jaxserve import LLM, SamplingParams  # noqa: E402
-from jaxserve.tools.step_stats import timed_steps  # noqa: E402
+from jaxserve.telemetry.step_stats import timed_steps  # noqa: E402
 from models import load_model  # noqa: E402
 
 

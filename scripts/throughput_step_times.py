@@ -22,7 +22,7 @@ sys.path.insert(0, str(REPO))
 
 import bench_throughput as bt  # noqa: E402
 from jaxserve import SamplingParams  # noqa: E402
-from jaxserve.tools.step_stats import timed_steps  # noqa: E402
+from jaxserve.telemetry.step_stats import timed_steps  # noqa: E402
 from jaxserve.tools.workload import make_workload  # noqa: E402
 
 

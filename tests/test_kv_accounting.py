@@ -1,4 +1,4 @@
-"""KV memory accounting (jaxserve/tools/kv_accounting.py) on the plain-Python scheduler, no jax.
+"""KV memory accounting (jaxserve/telemetry/kv_accounting.py) on the plain-Python scheduler, no jax.
 
 The reference is a brute-force slot count: every slot a request's blocks give it, minus the
 flat slots (slot_for_position) its computed tokens occupy, over the union of all tables.
@@ -7,7 +7,7 @@ flat slots (slot_for_position) its computed tokens occupy, over the union of all
 import numpy as np
 import pytest
 
-from jaxserve.tools import kv_accounting
+from jaxserve.telemetry import kv_accounting
 from kv_slots import slot_for_position
 from jaxserve.core.scheduler import Scheduler, SchedulerConfig
 from jaxserve.core.sequence import Sequence, SequenceStatus

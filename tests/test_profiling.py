@@ -15,7 +15,7 @@ import pytest
 from jax.profiler import ProfileData
 
 from jaxserve import EngineConfig, LLMEngine, SamplingParams
-from jaxserve.tools.profiling import Profiler, ProfilerError, scope_device_seconds
+from jaxserve.telemetry.profiling import Profiler, ProfilerError, scope_device_seconds
 from tiny_models import TINY_GQA
 from models.random_init import random_model
 

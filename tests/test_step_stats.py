@@ -1,6 +1,6 @@
 """tools/step_stats.timed_steps: the step loop the step-timing scripts share."""
 
-from jaxserve.tools.step_stats import timed_steps
+from jaxserve.telemetry.step_stats import timed_steps
 
 
 class FakeEngine:

@@ -96,7 +96,7 @@ STEP_HISTOGRAMS = {
 
 
 def _step_metrics(s: dict):
-    """From jaxserve/tools/step_stats.py: running totals, histograms, and the last step."""
+    """From jaxserve/telemetry/step_stats.py: running totals, histograms, and the last step."""
     totals, last = s.get("step_totals"), s.get("last_step")
     if totals is None:
         return
@@ -129,7 +129,7 @@ def _step_metrics(s: dict):
 
 
 def _kv_memory_metrics(s: dict):
-    """From jaxserve/tools/kv_accounting.py: what the paged cache holds and wastes right now."""
+    """From jaxserve/telemetry/kv_accounting.py: what the paged cache holds and wastes right now."""
     m = s.get("kv_memory")
     if m is None:
         return

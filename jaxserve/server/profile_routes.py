@@ -11,7 +11,7 @@ import json
 
 from flask import Flask, jsonify, request
 
-from jaxserve.tools.profiling import ProfilerError
+from jaxserve.telemetry.profiling import ProfilerError
 from jaxserve.server.errors import ApiError, invalid
 
 

@@ -1,3 +1,3 @@
-"""Research and accounting tools around the engine: KV sizing (kv_size), KV memory accounting
-(kv_accounting), jax.profiler captures (profiling), per-step statistics (step_stats) and
-synthetic workloads (workload)."""
+"""Research tools around the engine, run once rather than every step: KV sizing (kv_size),
+synthetic workloads (workload), and the deviceless GPU reports (gpu_step, compiled_report,
+deviceless, hlo_text, thunks). What the engine measures every step is jaxserve/telemetry."""
