@@ -7,7 +7,6 @@ manager; device work happens only inside the runner.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import logging
 import math
@@ -17,24 +16,27 @@ from typing import Sequence as Seq
 import jax
 import numpy as np
 
-from jaxserve import engine_build
-from jaxserve.runtime import multihost
-from jaxserve.telemetry import kv_accounting
+from jaxserve import engine_build, spec_engine
+from jaxserve.config import EngineConfig
+from jaxserve.core import window_blocks
+from jaxserve.core.admission import check_admission
 from jaxserve.core.beam_search import BeamRequestState, search_params
 from jaxserve.core.decision import Decision, RequestStateProtocol
 from jaxserve.core.grammar import GrammarCompiler
-from jaxserve.config import EngineConfig
-from jaxserve.core.admission import check_admission
-from jaxserve.faults import injector
-from jaxserve.core.outputs import RequestOutput
-from jaxserve.telemetry.profiling import Profiler
+from jaxserve.core.outputs import RequestOutput, SampleResult
 from jaxserve.core.request_state import RequestState
-from jaxserve.runtime.runner import Pending
+from jaxserve.core.request_table import RequestTable
 from jaxserve.core.sampling_params import (RequestOutputKind, SamplingParamError, SamplingParams,
                                            check_servable)
 from jaxserve.core.scheduler import ScheduledSeq, SchedulerOutput
 from jaxserve.core.sequence import Sequence, SequenceStatus
-from jaxserve.core import window_blocks
+from jaxserve.core.step_plan import StepPlan
+from jaxserve.faults import injector
+from jaxserve.runtime import multihost
+from jaxserve.runtime.runner import Pending
+from jaxserve.structured import StructuredRequests
+from jaxserve.telemetry import kv_accounting
+from jaxserve.telemetry.profiling import Profiler
 from jaxserve.telemetry.step_stats import StepStats, StepTotals
 from models import Model, windowed
 
@@ -44,12 +46,11 @@ log = logging.getLogger("jaxserve")
 class _InFlight:
     """A launched step: what was scheduled, the runner's handle, and its host-side costs."""
 
-    out: SchedulerOutput
+    plan: StepPlan
     pending: Pending
     schedule_s: float
     launch_s: float = 0.0
     h2d_bytes: int = 0
-    drafts: dict[str, int] = dataclasses.field(default_factory=dict)  # a verification step's
 
 
 NON_FINITE = "the model produced non-finite logits (NaN or inf) for this request"
@@ -71,10 +72,17 @@ class LLMEngine:
         tok, mc = self.model.tokenizer, self.model.config
         # Multi-host: process 0 schedules and broadcasts every step; the others follow().
         self.channel = multihost.attach(self.runner)
-        self.spec = speculation(config, self)  # None without speculative_config
-        self.requests: dict[str, RequestStateProtocol] = {}
-        # Every live sequence id (a request's own id, its branches' and beams') -> its request.
-        self._owner: dict[str, RequestStateProtocol] = {}
+        if config.speculative_config is not None and jax.process_count() > 1:
+            raise ValueError("speculative decoding runs on one host; multi-host serving does "
+                             "not support speculative_config yet")
+        # Every live request and sequence (core/request_table.py).
+        self.requests = RequestTable()
+        # Sequences ended or preempted whose batch slots the runner frees with the next plan.
+        self._released: list[str] = []
+        self.spec = spec_engine.speculation(
+            config.speculative_config, requests=self.requests, scheduler=self.scheduler,
+            max_model_len=self.max_model_len,
+            max_num_batched_tokens=config.max_num_batched_tokens, draft=self._draft_proposer)
         self._rng = np.random.default_rng(config.seed)
         self._counter = 0
         self.warmup_seconds = None
@@ -83,26 +91,24 @@ class LLMEngine:
         self.step_totals = StepTotals()
         self.kv_tracker = kv_accounting.MemoryTracker()
         self._inflight: _InFlight | None = None  # the step launched and not yet finished
-        self.grammar = (GrammarCompiler(tok.to_json(), vocab_size=mc.vocab_size,
-                                        eos_ids=sorted(self.eos_ids))
-                        if config.structured_outputs and tok is not None else None)
-        # Constrained requests whose grammar is compiling: outside the scheduler, no slot held.
-        self._compiling: dict[str, tuple[RequestState, Sequence, concurrent.futures.Future]] = {}
-        self._constrained: dict[str, RequestState] = {}  # admitted, unfinished, constrained
-        # Requests that may need a step's ids before the next is scheduled (beams, forks,
-        # grammars), pruned as they end or stop needing them: empty, _can_commit skips its loop.
-        self._may_wait_for_ids: dict[str, RequestStateProtocol] = {}
-        # The masked (structured-output) step variants compile after warm-up, off this thread:
-        # constrained requests wait for them as for their grammar, everything else is served.
-        self._masked_ready: concurrent.futures.Future | None = None
+        # Structured output (structured.py): None when the engine does not serve it.
+        self.structured = (StructuredRequests(GrammarCompiler(
+            tok.to_json(), vocab_size=mc.vocab_size, eos_ids=sorted(self.eos_ids)))
+            if config.structured_outputs and tok is not None else None)
         if config.warmup:
-            deferred = self.grammar is not None
+            deferred = self.structured is not None
             self.warmup_seconds = self.runner.warmup(deferred=deferred)
             log.info("warm-up: %d programs compiled in %.1fs", self.runner.num_compiled,
                      self.warmup_seconds)
             if deferred:
-                self._masked_ready = _in_background(self.runner.masked_warmup(),
-                                                    "jaxserve-masked-warmup")
+                self.structured.compile_masked_programs(self.runner.masked_warmup())
+
+    def _draft_proposer(self):
+        """The draft model's proposer (speculative_config's "draft_model" method)."""
+        from jaxserve.runtime.draft_model import draft_proposer
+        return draft_proposer(self.config, target=self.model, draft=self.draft_model,
+                              num_blocks=self.scheduler.config.num_blocks,
+                              max_model_len=self.max_model_len)
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -138,15 +144,16 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         check_servable(params, self.eos_ids)  # SamplingParamError (a ValueError) names the field
-        if params.constrained and self.grammar is None:
+        if params.constrained and self.structured is None:
             raise SamplingParamError("structured_outputs", "this engine does not serve "
                                      "structured outputs (started with structured_outputs="
                                      "False, or the model has no tokenizer)")
-        if request_id in self._owner or request_id in self.requests:
+        if self.requests.in_use(request_id):
             raise ValueError(f"request id {request_id!r} is already in use by an unfinished "
                              f"request")
         text, ids = self._prompt_ids(prompt)
-        check_admission(self.config, self.scheduler, len(self._compiling), len(ids), priority)
+        compiling = self.structured.num_compiling if self.structured is not None else 0
+        check_admission(self.config, self.scheduler, compiling, len(ids), priority)
         arrival = arrival_time or time.monotonic()
         beam = params.use_beam_search
         seq = Sequence(request_id, ids, search_params(params) if beam else params,
@@ -159,104 +166,68 @@ class LLMEngine:
             state = RequestState(seq, text, self.model.tokenizer, seed, arrival, self.eos_ids)
         seq.num_reserved_slots = state.num_slots  # forks take them: never over max_num_seqs
         if self.faults is not None:
-            self.faults.on_add(request_id)
-            self.faults.wrap_detokenizer(state)
-        if params.constrained:
+            self.faults.on_request(state)
+        if params.constrained:  # waits outside the scheduler while its grammar compiles
             self.scheduler.check(seq)
-            self._compiling[request_id] = (state, seq,
-                                           self.grammar.submit(params.structured_outputs))
+            self.structured.submit(state, seq, params.structured_outputs)
         else:
             self.scheduler.add(seq)  # validates length, duplicates, emptiness, slots
-        self.requests[request_id] = self._owner[request_id] = state
-        if beam or params.n > 1 or params.constrained:
-            self._may_wait_for_ids[request_id] = state  # see _can_commit
+        self.requests.add(state)
 
-    def _admit_compiled(self) -> list[RequestOutput]:
-        """Queues the constrained requests whose grammar is ready; fails those it refused."""
-        if not self._compiling:
+    def _admit_constrained(self) -> list[RequestOutput]:
+        """Schedules the constrained requests whose grammar is ready; fails those it refused."""
+        if self.structured is None or not self.structured.num_compiling:
             return []
         idle = not self.scheduler.has_unfinished() and self._inflight is None
-        if not self._masked_programs_ready(wait=idle):
-            return []
-        if idle:  # nothing else to do: wait a little for a compile instead of spinning
-            concurrent.futures.wait([f for _, _, f in self._compiling.values()], timeout=0.05,
-                                    return_when=concurrent.futures.FIRST_COMPLETED)
-        errors = []
-        for rid, (state, seq, future) in list(self._compiling.items()):
-            if not future.done():
-                continue
-            del self._compiling[rid]
-            if future.exception() is not None:
-                self._forget(rid)
-                self._owner.pop(rid, None)
-                seq.status = SequenceStatus.FINISHED_ERROR
-                state.fail(str(future.exception()))
-                errors.append(state.output())
-                continue
-            state.start_grammar(future.result())
+        ready, failed = self.structured.admit(idle)
+        for waiting in ready:
             if self.faults is not None:
-                self.faults.wrap_grammar(state)
-            self.scheduler.add(seq)
-            self._constrained[rid] = state
+                self.faults.on_grammar(waiting.state)
+            self.scheduler.add(waiting.seq)
+        errors = []
+        for waiting, message in failed:
+            self._forget(waiting.state.request_id)
+            self.requests.drop_sequence(waiting.seq.request_id)
+            waiting.seq.status = SequenceStatus.FINISHED_ERROR
+            waiting.state.fail(message)
+            errors.append(waiting.state.output())
         return errors
-
-    def _masked_programs_ready(self, wait: bool) -> bool:
-        """Whether the masked step variants are compiled (waiting a little when `wait`)."""
-        future = self._masked_ready
-        if future is None:
-            return True
-        if not future.done():
-            if wait:
-                concurrent.futures.wait([future], timeout=0.05)
-            if not future.done():
-                return False
-        self._masked_ready = None
-        if future.exception() is not None:  # they will compile when first needed instead
-            log.warning("compiling the structured-output step variants failed (%s); they "
-                        "compile when first needed", future.exception())
-        else:
-            log.info("structured-output step variants compiled in %.1fs", future.result())
-        return True
 
     def wait_until_warm(self, timeout: float | None = None) -> bool:
         """Waits for the programs compiled after warm-up (the structured-output variants);
         returns whether they are ready. Serving does not need this: it starts at once."""
-        future = self._masked_ready
-        if future is not None:
-            concurrent.futures.wait([future], timeout=timeout)
-        return self._masked_programs_ready(wait=False)
+        return self.structured is None or self.structured.wait_until_warm(timeout)
 
     def abort(self, request_id: str) -> bool:
         state = self._forget(request_id)
         if state is None:
             return False
-        self._compiling.pop(request_id, None)
         self._end_sequences(state, SequenceStatus.FINISHED_ABORTED)
         return True
 
     def _forget(self, request_id: str) -> RequestStateProtocol | None:
-        """Drops an ended request from the engine's request registries; returns its state."""
-        self._constrained.pop(request_id, None)
-        self._may_wait_for_ids.pop(request_id, None)
-        return self.requests.pop(request_id, None)
+        """Drops an ended request from the request table and the features; returns its state."""
+        if self.structured is not None:
+            self.structured.forget(request_id)
+        return self.requests.forget(request_id)
 
     def _end_sequences(self, state: RequestStateProtocol, status: SequenceStatus) -> None:
-        for sid in [sid for sid, owner in self._owner.items() if owner is state]:
+        for sid in self.requests.sequences_of(state):
             self.scheduler.abort(sid, status)
-            self.runner.release(sid)
-            del self._owner[sid]
+            self._released.append(sid)
+            self.requests.drop_sequence(sid)
 
     def _new_seq_id(self, request_id: str) -> str:
         # Unique among live ids; a later user request that picks the same id is refused.
         self._counter += 1
         sid = f"{request_id}#{self._counter}"
-        while sid in self._owner or sid in self.requests:
+        while self.requests.in_use(sid):
             sid += "#"
         return sid
 
     def has_unfinished_requests(self) -> bool:
         return (self.scheduler.has_unfinished() or self._inflight is not None
-                or bool(self._compiling))
+                or (self.structured is not None and self.structured.num_compiling > 0))
 
     def next_request_id(self) -> str:
         self._counter += 1
@@ -281,130 +252,119 @@ class LLMEngine:
         with jax.profiler.StepTraceAnnotation("engine_step", step_num=self.step_totals.num_steps):
             t0 = time.perf_counter()
             prev, self._inflight = self._inflight, None
-            outputs, wait = self._admit_compiled(), 0.0
-            if prev is not None and not self._can_commit(prev.out):
+            outputs, wait = self._admit_constrained(), 0.0
+            if prev is not None and not self._can_commit(prev.plan.schedule):
                 # Forks, beams and grammars decide on the ids: finish the previous step first.
                 done, wait = self._finish(prev, committed=False)
                 outputs += done
                 prev = None
             with jax.profiler.TraceAnnotation("schedule"):
                 if prev is not None:
-                    self.scheduler.commit(prev.out)
-                drafts = self.spec.before_schedule(self) if self.spec is not None else {}
+                    self.scheduler.commit(prev.plan.schedule)
+                drafts = (self.spec.propose(self.structured is not None
+                                            and self.structured.active)
+                          if self.spec is not None else {})
                 out = self.scheduler.schedule()
                 if drafts:
                     drafts = self.spec.after_schedule(out, drafts)
-                for sid in out.preempted:  # also when nothing runs this step
-                    self.runner.release(sid)
+                self._released += out.preempted  # also when nothing runs this step
             t1 = time.perf_counter()
             launched = None
             if not out.is_empty:
                 with jax.profiler.TraceAnnotation("launch"):
-                    bytes0 = self.runner.h2d_bytes
-                    seeds, failed = self._prepare_rows(out)
-                    out, errors = self._drop_failed(out, failed)
-                    outputs += errors
-                    if not out.is_empty:
-                        launched = _InFlight(out, self.runner.launch(
-                            out, seeds, self._matchers(out), self.grammar, self._poison(out),
-                            drafts=drafts), schedule_s=t1 - t0, drafts=drafts)
-                        launched.h2d_bytes = self.runner.h2d_bytes - bytes0
-                        launched.launch_s = time.perf_counter() - t1
+                    launched = self._launch(out, drafts, outputs, schedule_s=t1 - t0)
             if prev is not None:
                 done, wait_prev = self._finish(prev, committed=True)
                 outputs += done
                 wait += wait_prev
             if launched is not None:
-                if self.config.async_scheduling and not launched.drafts:
+                if self.config.async_scheduling and not launched.plan.drafts:
                     self._inflight = launched
                 else:
                     done, wait_now = self._finish(launched, committed=False)
                     outputs += done
                     wait += wait_now
+            if self._released and self._inflight is None:
+                self.runner.release(self._released)  # nothing in flight: no plan to carry them
+                self._released = []
         self.profiler.on_step()
         return outputs
+
+    def _launch(self, out: SchedulerOutput, drafts: dict[str, int],
+                outputs: list[RequestOutput], schedule_s: float) -> _InFlight | None:
+        """Builds the step's plan and launches it; the requests that fail preparing their rows
+        end with an error (added to `outputs`). None when no row is left to run."""
+        t0, bytes0 = time.perf_counter(), self.runner.h2d_bytes
+        seeds, failed = self._prepare_rows(out)
+        if failed:
+            out, errors = self._drop_failed(out, failed)
+            outputs += errors
+            if out.is_empty:
+                return None
+        released, self._released = tuple(self._released), []
+        poison = (self.faults.poison(out.scheduled, self.requests.owner)
+                  if self.faults is not None else None)
+        plan = StepPlan(out, seeds, released, drafts,
+                        self.structured.rows(out, self.requests)
+                        if self.structured is not None else None, poison)
+        pending = self.runner.launch(plan)
+        return _InFlight(plan, pending, schedule_s=schedule_s,
+                         launch_s=time.perf_counter() - t0,
+                         h2d_bytes=self.runner.h2d_bytes - bytes0)
 
     def _can_commit(self, out: SchedulerOutput) -> bool:
         """Whether the next step may be scheduled before `out`'s ids are known: not when a
         request of it forks branches or searches beams on them, nor when it is constrained
-        (its next mask follows from the id)."""
-        if self._any_may_wait_for_ids():
-            owner = self._owner
-            for item in out.scheduled:
-                state = owner.get(item.seq.request_id)
-                if state is not None and (type(state) is not RequestState
-                                          or state.num_pending_forks or state.constrained):
-                    return False
-        # A sequence that speculates drafts from its last id: it must be known.
-        return self.spec is None or not self.spec.needs_ids(self, out)
-
-    def _any_may_wait_for_ids(self) -> bool:
-        """Whether a live request may need a step's ids before the next is scheduled (beams,
-        forks not yet made, grammars); drops those that no longer do (forked, unconstrained).
-        Ended requests leave it in _forget."""
-        if self._may_wait_for_ids:
-            self._may_wait_for_ids = {
-                rid: state for rid, state in self._may_wait_for_ids.items()
-                if type(state) is not RequestState or state.num_pending_forks
-                or state.constrained}
-        return bool(self._may_wait_for_ids)
-
-    def _matchers(self, out: SchedulerOutput) -> dict:
-        """Sequence id -> grammar state of the constrained rows that sample in this step."""
-        if not self._constrained:
-            return {}
-        owner, found = self._owner, {}
-        for item in out.scheduled:
-            state = owner[item.seq.request_id]
-            if type(state) is RequestState and state.constrained and item.is_last_chunk:
-                found[item.request_id] = state.matcher_of(item.request_id)
-        return found
-
-    def _poison(self, out: SchedulerOutput) -> dict[str, float] | None:
-        """Fault injection: the rows whose logits this step poisons."""
-        if self.faults is None or not self.faults.config.poisons_logits:
-            return None
-        return self.faults.poison([(i.request_id, self._owner[i.request_id].request_id)
-                                   for i in out.scheduled if i.is_last_chunk])
+        (its next mask follows from the id), nor when it speculates from its last id."""
+        if self.requests.waits_for_ids(out.scheduled):
+            return False
+        return self.spec is None or not self.spec.needs_ids(out)
 
     def _finish(self, step: _InFlight, committed: bool) -> tuple[list[RequestOutput], float]:
         """Waits for a launched step's ids and applies them; returns (outputs, seconds waited)."""
         t0 = time.perf_counter()
         with jax.profiler.TraceAnnotation("wait"):
-            sampled = self.runner.collect(step.pending)
+            result = self.runner.collect(step.pending)
         t1 = time.perf_counter()
         with jax.profiler.TraceAnnotation("postprocess"):
             # Requests aborted (or stopped by an earlier step) since the launch: dropped, also
             # when a new request has taken the id since (its sequence is another one).
-            owner = self._owner
+            owner, samples = self.requests.owner, result.samples
             items = {sid: item for item in step.pending.items
                      if (sid := item.seq.request_id) in owner
                      and not item.seq.status.is_finished}
-            if len(items) < len(sampled):
-                sampled = {sid: r for sid, r in sampled.items() if sid in items}
+            if len(items) < len(samples):
+                samples = {sid: r for sid, r in samples.items() if sid in items}
             # A row of NaN/inf logits gives a non-finite logprob (which always comes back):
             # that request alone failed; its token is not kept.
-            bad = {} if self.runner.all_finite(step.pending) else {
-                owner[sid].request_id: NON_FINITE for sid, r in sampled.items()
-                if not all(math.isfinite(x.logprob)
-                           for x in (r if isinstance(r, tuple) else (r,)))}
+            bad = {} if result.all_finite else {
+                owner[sid].request_id: NON_FINITE for sid, r in samples.items()
+                if not all(math.isfinite(x.logprob) for x in r)}
             outputs = self._fail(bad) if bad else []
             if bad:
-                sampled = {sid: r for sid, r in sampled.items() if sid in owner}
-            if step.drafts:
-                outputs += self.spec.postprocess(self, step.out, items, sampled, step.drafts)
+                samples = {sid: r for sid, r in samples.items() if sid in owner}
+            if step.plan.drafts:
+                outputs += self.spec.accept(step.plan.schedule, items, samples,
+                                            step.plan.drafts, self._apply_round)
             else:
-                outputs += self._postprocess(step.out, items, sampled, committed)
+                outputs += self._postprocess(step.plan.schedule, items,
+                                             {sid: r[0] for sid, r in samples.items()},
+                                             committed)
         t2 = time.perf_counter()
-        self._record_step(step, len(sampled), wait_s=t1 - t0, postprocess_s=t2 - t1)
+        self._record_step(step, len(samples), wait_s=t1 - t0, postprocess_s=t2 - t1)
         return outputs, t1 - t0
+
+    def _apply_round(self, out: SchedulerOutput, items: dict[str, ScheduledSeq],
+                     sampled: dict[str, SampleResult]) -> list[RequestOutput]:
+        """One round of a verification step's tokens (spec_engine.Apply)."""
+        return self._postprocess(out, items, sampled, committed=False)
 
     def _prepare_rows(self, out: SchedulerOutput) -> tuple[dict[str, int], dict[str, str]]:
         """Per-row host work done before any device call, so that a failure names its request.
 
         Returns each row's seed, and request id -> error message for the requests that failed.
         """
-        seeds, failed, owner = {}, {}, self._owner
+        seeds, failed, owner = {}, {}, self.requests.owner
         for item in out.scheduled:
             sid = item.seq.request_id
             state = owner[sid]
@@ -424,10 +384,10 @@ class LLMEngine:
 
     def _drop_failed(self, out: SchedulerOutput, failed: dict[str, str]):
         """Ends the failed requests (blocks and slots freed) and takes their rows out of `out`."""
-        if not failed:
-            return out, []
+        owner = self.requests.owner
+
         def kept(items: list[ScheduledSeq]) -> list[ScheduledSeq]:
-            return [i for i in items if self._owner[i.request_id].request_id not in failed]
+            return [i for i in items if owner[i.request_id].request_id not in failed]
 
         out = dataclasses.replace(out, prefills=kept(out.prefills), decodes=kept(out.decodes))
         return out, self._fail(failed)
@@ -445,7 +405,9 @@ class LLMEngine:
     def _postprocess(self, out: SchedulerOutput, items: dict[str, ScheduledSeq], sampled,
                      committed: bool) -> list[RequestOutput]:
         """items: `out`'s scheduled items by sequence id; sampled: their results to apply."""
-        step, progressed, owner, failed = Decision(), {}, self._owner, {}
+        step, progressed, failed = Decision(), {}, {}
+        requests = self.requests
+        owner = requests.owner
         new_id = self._new_seq_id  # one bound method for the step, not one per request
         for sid, result in sampled.items():
             state = owner[sid]
@@ -470,14 +432,14 @@ class LLMEngine:
             ended.setdefault(owner[seq.request_id].request_id, []).append(seq)
         # Only ended branches and beam groups act on an update: with neither (most steps) the
         # loop would skip every request.
-        for rid, state in progressed.items() if ended or self._any_may_wait_for_ids() else ():
+        for rid, state in progressed.items() if ended or requests.may_wait_for_ids() else ():
             seqs = ended.get(rid)
-            if seqs is None and type(state) is RequestState:
-                continue  # its on_updated acts only on ended branches: skipped, per request
+            if seqs is None and not state.acts_on_every_update:
+                continue  # on_updated would act only on ended sequences: skipped, per request
             left += self._apply(state.on_updated(seqs or [], new_id))
         for seq in done + left:
-            self.runner.release(seq.request_id)
-            owner.pop(seq.request_id, None)
+            self._released.append(seq.request_id)
+            requests.drop_sequence(seq.request_id)
         outputs = errors
         for rid, state in progressed.items():
             if state.params.output_kind is RequestOutputKind.FINAL_ONLY and not state.finished:
@@ -499,7 +461,7 @@ class LLMEngine:
             self.scheduler.set_reserved_slots(seq, num_slots)
         for fork in decision.forks:
             self.scheduler.fork(fork.parent, fork.child, fork.num_computed_tokens)
-            self._owner[fork.child.request_id] = self._owner[fork.parent.request_id]
+            self.requests.add_sequence(fork.child.request_id, of=fork.parent.request_id)
         for seq, token in decision.append:
             self.scheduler.extend(seq, token)
         for seq, status in decision.free:
@@ -508,7 +470,7 @@ class LLMEngine:
 
     def _record_step(self, step: _InFlight, num_sampled: int, wait_s: float,
                      postprocess_s: float) -> None:
-        bm, out = self.scheduler.block_manager, step.out
+        bm, out = self.scheduler.block_manager, step.plan.schedule
         self.last_step = StepStats(
             step=self.step_totals.num_steps, num_seqs=len(out.scheduled),
             num_prefill_seqs=len(out.prefills), num_decode_seqs=len(out.decodes),
@@ -581,31 +543,3 @@ class LLMEngine:
             "profiling": self.profiler.active,
             "speculation": None if self.spec is None else self.spec.stats(),
         }
-
-
-def speculation(config: EngineConfig, engine: LLMEngine):
-    """The engine's speculative decoding (spec_engine.py), or None without it."""
-    spec = config.speculative_config
-    if spec is None:
-        return None
-    if jax.process_count() > 1:
-        raise ValueError("speculative decoding runs on one host; multi-host serving does not "
-                         "support speculative_config yet")
-    from jaxserve import spec_engine
-    if spec.method == "ngram":
-        proposer = spec_engine.ngram_batch_proposer(spec)
-    else:
-        from jaxserve.runtime.draft_model import draft_proposer
-        proposer = draft_proposer(spec, engine)
-    return spec_engine.EngineSpeculation(
-        spec, proposer, max_model_len=engine.max_model_len,
-        max_num_batched_tokens=config.max_num_batched_tokens)
-
-
-def _in_background(job, name: str) -> concurrent.futures.Future:
-    """Runs `job` on a thread of its own; the thread ends with it."""
-    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=name)
-    try:
-        return pool.submit(job)
-    finally:
-        pool.shutdown(wait=False)

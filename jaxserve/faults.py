@@ -152,18 +152,18 @@ class FaultInjector:
     def _is(self, target: str | None, request_id: str) -> bool:
         return target is not None and self._ids.get(target, target) == request_id
 
-    def on_add(self, request_id: str) -> None:
+    def on_request(self, state) -> None:
+        """A request was added (`state`: its request state): counted for '#K' targets; the
+        detokenizer fault's target decodes through a raising stand-in."""
         self._num_added += 1
-        self._ids.setdefault(f"#{self._num_added}", request_id)
-
-    def wrap_detokenizer(self, state) -> None:
-        """After add_request: request `state`'s branches decode through a raising stand-in."""
+        self._ids.setdefault(f"#{self._num_added}", state.request_id)
         if self._is(self.config.detokenizer_request, state.request_id):
             for branch in getattr(state, "branches", ()):
                 branch.detok = _RaisingDetokenizer(branch.detok)
 
-    def wrap_grammar(self, state) -> None:
-        """After a constrained request's grammar compiled (start_grammar)."""
+    def on_grammar(self, state) -> None:
+        """A constrained request's grammar compiled (start_grammar): the grammar fault's
+        target matches through a raising stand-in."""
         if self._is(self.config.grammar_request, state.request_id):
             for branch in state.branches:
                 if branch.matcher is not None:
@@ -178,12 +178,18 @@ class FaultInjector:
         if c.thread_die == step_num:
             raise EngineThreadDeath(f"injected engine thread death (step {step_num})")
 
-    def poison(self, sampling: list[tuple[str, str]]) -> dict[str, float]:
-        """sampling: (sequence id, request id) of the rows that sample this step. Returns
-        sequence id -> the value added to its row of logits (rows not listed get 0)."""
+    def poison(self, rows, owner) -> dict[str, float] | None:
+        """rows: the step's scheduled rows (core/scheduler.py ScheduledSeq); owner: sequence
+        id -> request state. Returns sequence id -> the value added to its row of logits (rows
+        not listed get 0), or None when no fault poisons logits."""
         c, found = self.config, {}
-        for sid, rid in sampling:
-            if not self._is(c.nan_request, rid):
+        if not c.poisons_logits:
+            return None
+        for item in rows:
+            if not item.is_last_chunk:
+                continue
+            sid = item.request_id
+            if not self._is(c.nan_request, owner[sid].request_id):
                 continue
             k = self._samples.get(sid, 0)
             self._samples[sid] = k + 1

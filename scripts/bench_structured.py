@@ -141,8 +141,8 @@ def main(argv=None) -> dict:
                                     max_num_batched_tokens=256, max_model_len=512))
     engine.wait_until_warm()  # the masked variants compile after warm-up: counted here
     warmup_s = time.perf_counter() - t
-    fill = _TimedFill(engine.grammar)
-    engine.grammar.fill = fill
+    fill = _TimedFill(engine.structured.compiler)
+    engine.structured.compiler.fill = fill
     free = SamplingParams(temperature=0.8, max_tokens=args.max_tokens, ignore_eos=True)
     json_ = SamplingParams(temperature=0.8, max_tokens=args.max_tokens,
                            structured_outputs=StructuredOutputs(json=LONG_STRING))

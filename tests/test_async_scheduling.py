@@ -312,9 +312,9 @@ def test_requests_that_wait_for_ids_are_forgotten_when_they_end(model, async_sch
                                                        max_tokens=6, ignore_eos=True))
     engine.add_request("beam", [8, 9], SamplingParams(use_beam_search=True, beam_width=2,
                                                       max_tokens=4, ignore_eos=True))
-    assert set(engine._may_wait_for_ids) == {"n2", "beam"}
+    assert engine.requests.waiting_for_ids() == {"n2", "beam"}
     finished = set()
     while engine.has_unfinished_requests():
         finished |= {o.request_id for o in engine.step() if o.finished}
     assert finished == {"n2", "beam"}
-    assert engine._may_wait_for_ids == {}
+    assert engine.requests.waiting_for_ids() == set()

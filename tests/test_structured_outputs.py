@@ -188,7 +188,7 @@ def test_a_bad_grammar_fails_only_its_request(llm):
 def test_a_rejected_token_ends_the_request_with_an_error(llm, monkeypatch):
     # With the mask switched off the model writes tokens the grammar rejects: the request
     # ends with an error, its neighbour runs on, and the engine stays usable.
-    monkeypatch.setattr(llm.engine.grammar, "fill", lambda mask, rows: None)
+    monkeypatch.setattr(llm.engine.structured.compiler, "fill", lambda mask, rows: None)
     outs = llm.generate(["Hello", "Hello"], [
         SamplingParams(temperature=0.0, max_tokens=8,
                        structured_outputs=StructuredOutputs(regex="[0-9]{8}")),

@@ -63,6 +63,13 @@ def search_params(params: SamplingParams) -> SamplingParams:
 
 
 class BeamRequestState:
+    # Beams are greedy rows without a grammar that wait for their group's ids every step, and
+    # on_updated picks the group's next beams every step.
+    constrained = False
+    waits_for_ids = True
+    speculates = False
+    acts_on_every_update = True
+
     def __init__(self, seq: Sequence, prompt: str | None, tokenizer: Tokenizer | None,
                  params: SamplingParams, arrival_time: float, stop_ids: set[int]):
         self.request_id, self.prompt, self.params = seq.request_id, prompt, params
@@ -80,6 +87,9 @@ class BeamRequestState:
     @property
     def num_slots(self) -> int:
         return self.width
+
+    def matcher_of(self, seq_id: str) -> None:
+        return None
 
     def seed_of(self, seq_id: str) -> int:
         return 0

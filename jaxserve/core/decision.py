@@ -97,6 +97,23 @@ class RequestStateProtocol(Protocol):
     @property
     def finished(self) -> bool: ...
 
+    # The step loop's questions (no isinstance on states in the engine):
+    constrained: bool  # a grammar constrains its tokens (structured output)
+    # Whether on_updated acts on a step that ended none of its sequences (beams: every step).
+    acts_on_every_update: bool
+
+    @property
+    def waits_for_ids(self) -> bool:
+        """Whether the next step must wait for this step's ids (it forks or picks beams on
+        them, or its grammar's next mask follows from them)."""
+
+    @property
+    def speculates(self) -> bool:
+        """Whether its sequences may run speculative drafts (with a speculative_config)."""
+
+    def matcher_of(self, seq_id: str):
+        """The grammar state (core/grammar.py Matcher) of a constrained sequence, else None."""
+
     def seed_of(self, seq_id: str) -> int:
         """The sampling seed of one of the request's sequences."""
 

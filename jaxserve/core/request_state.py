@@ -139,6 +139,8 @@ class BranchState:
 class RequestState:
     """A request's branches (n of them once forked) and its metrics (see decision.py)."""
 
+    acts_on_every_update = False  # on_updated acts only on ended branches
+
     def __init__(self, seq: Sequence, prompt: str | None, tokenizer: Tokenizer | None,
                  seed: int, arrival_time: float, eos_ids: set[int]):
         self.request_id, self.prompt, self.seed = seq.request_id, prompt, seed
@@ -173,6 +175,15 @@ class RequestState:
     @property
     def num_pending_forks(self) -> int:
         return self.params.n - len(self.branches)
+
+    @property
+    def waits_for_ids(self) -> bool:
+        return bool(self.constrained or self.params.n - len(self.branches))
+
+    @property
+    def speculates(self) -> bool:
+        # A masked step has no verification variant; forks copy the prompt's state first.
+        return not self.constrained and self.params.n == len(self.branches)
 
     def _fork_sequences(self, new_id: NewId) -> list[Sequence]:
         """Sequences for branches 1..n-1: copies of the prompt."""

@@ -258,6 +258,10 @@ class Scheduler:
         self._require_live(seq)
         seq.append_token(token_id)
 
+    def truncate(self, seq: Sequence) -> None:
+        """Gives back the blocks past `seq`'s computed tokens (rejected speculative drafts)."""
+        self.block_manager.truncate(seq)
+
     def _require_live(self, seq: Sequence) -> None:
         if seq.request_id not in self._ids or seq.is_finished:
             raise ValueError(f"{seq.request_id!r} is not a live sequence of this scheduler")

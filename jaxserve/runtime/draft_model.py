@@ -20,6 +20,7 @@ from jaxserve.core.block_manager import BlockManager
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.scheduler import ScheduledSeq, SchedulerOutput
 from jaxserve.core.sequence import PLACEHOLDER, Sequence, SequenceStatus
+from jaxserve.core.step_plan import StepPlan
 from jaxserve.runtime.runner import ModelRunner
 
 log = logging.getLogger("jaxserve")
@@ -50,9 +51,9 @@ class DraftModelProposer:
                     for _ in range(steps - 1)]  # inputs from the device: nothing waits
         first = {}
         for pending in catch_up:
-            first.update(self.runner.collect(pending))
-        later = [self.runner.collect(p) for p in pendings]
-        ids = [[first[sh.request_id].token] + [got[sh.request_id].token for got in later]
+            first.update(self.runner.collect(pending).samples)
+        later = [self.runner.collect(p).samples for p in pendings]
+        ids = [[first[sh.request_id][0].token] + [got[sh.request_id][0].token for got in later]
                for _, sh in live]  # [live, steps]
         drafts: list[list[int]] = [[] for _ in seqs]
         for (i, sh), got in zip(live, ids):
@@ -120,7 +121,7 @@ class DraftModelProposer:
     def _launch(self, rows: list[ScheduledSeq]):
         out = SchedulerOutput(prefills=[r for r in rows if r.num_new_tokens > 1],
                               decodes=[r for r in rows if r.num_new_tokens == 1])
-        return self.runner.launch(out, {r.request_id: 0 for r in rows})
+        return self.runner.launch(StepPlan(out, seeds={r.request_id: 0 for r in rows}))
 
     def _release_stale(self) -> None:
         for seq, sh in list(self._shadows.values()):
@@ -129,18 +130,19 @@ class DraftModelProposer:
 
     def _release(self, seq: Sequence, sh: Sequence) -> None:
         self.bm.free(sh)
-        self.runner.release(sh.request_id)
+        self.runner.release([sh.request_id])
         self._shadows.pop(seq.request_id, None)
 
 
-def draft_proposer(spec, engine) -> DraftModelProposer:
-    """The draft model of `spec` (core/spec_decode/config.py) beside `engine`'s target: same
-    vocabulary, batch and block shapes, its own KV cache of as many blocks."""
+def draft_proposer(config, *, target, draft=None, num_blocks: int,
+                   max_model_len: int) -> DraftModelProposer:
+    """The draft model of config.speculative_config (core/spec_decode/config.py) beside the
+    `target` model: same vocabulary, batch and block shapes, its own KV cache of `num_blocks`
+    blocks. draft: the draft model already loaded, else loaded from the spec's path."""
     from jaxserve.quantization.paths import activation_bits, prepare_model
     from jaxserve.runtime import backends
     from models import load_model
-    config, target = engine.config, engine.model
-    draft = engine.draft_model
+    spec = config.speculative_config
     if draft is None:
         draft = load_model(spec.model, target.dtype, weights_cache=config.weights_cache)
     draft, quant = prepare_model(draft, spec.draft_quantization)
@@ -148,14 +150,14 @@ def draft_proposer(spec, engine) -> DraftModelProposer:
         raise ValueError(f"the draft model's vocabulary ({draft.config.vocab_size} tokens) "
                          f"differs from the target's ({target.config.vocab_size}); "
                          "speculative decoding needs the same tokenizer")
-    bs, num_blocks = config.block_size, engine.scheduler.config.num_blocks
+    bs = config.block_size
     linear_kind = backends.resolve(config.linear_backend)
     draft = backends.prepare_params(linear_kind, draft)
     kind = backends.resolve(config.attention_backend, attention=True)
     runner = ModelRunner(
         draft, max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens, block_size=bs,
-        num_blocks=num_blocks, max_model_len=engine.max_model_len,
+        num_blocks=num_blocks, max_model_len=max_model_len,
         attention=backends.attention_backend(kind, draft.config, bs, config.attention_backend),
         linear=backends.linear_backend(linear_kind, activation_bits(quant)),
         head=backends.head_backend(linear_kind),
@@ -165,4 +167,4 @@ def draft_proposer(spec, engine) -> DraftModelProposer:
         seconds = runner.warmup(progress=False)
         log.info("draft model: %d programs compiled in %.1fs", runner.num_compiled, seconds)
     return DraftModelProposer(draft, runner, num_blocks, bs, config.max_num_batched_tokens,
-                              engine.max_model_len)
+                              max_model_len)

@@ -22,7 +22,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import jax
 # Pallas imports its fuser lazily, the first time a kernel is lowered, and that import adds a
@@ -40,7 +40,8 @@ from jaxserve.core.outputs import SampleResult
 from jaxserve.runtime.kv_cache import KVCache, PagedMeta, new_cache
 from jaxserve.runtime.sampler import SamplerOutput, sample
 from jaxserve.runtime.slot_state import SlotsCall, SlotState
-from jaxserve.core.scheduler import ScheduledSeq, SchedulerOutput
+from jaxserve.core.scheduler import ScheduledSeq
+from jaxserve.core.step_plan import StepPlan, StepResult
 from jaxserve.runtime.sharding import TensorParallel
 from jaxserve.runtime.step_layout import Row
 from models.llama import unstack_layers
@@ -422,11 +423,15 @@ class ModelRunner:
 
     # ---- host bookkeeping -----------------------------------------------------------------
 
-    def release(self, request_id: str) -> None:
-        slot = self.slot_of.pop(request_id, None)
-        if slot is not None:
-            self.page_table[slot] = 0
-            self.free_slots.append(slot)
+    def release(self, seq_ids: Iterable[str]) -> None:
+        """Frees the batch slots of these sequences (ended or preempted); ids without a slot
+        are skipped. The one place slots are freed."""
+        slot_of, page_table, free = self.slot_of, self.page_table, self.free_slots
+        for sid in seq_ids:
+            slot = slot_of.pop(sid, None)
+            if slot is not None:
+                page_table[slot] = 0
+                free.append(slot)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copies each src block's K and V (all layers) onto its dst block, in place."""
@@ -463,23 +468,21 @@ class ModelRunner:
 
     # ---- one engine step ------------------------------------------------------------------
 
-    def launch(self, out: SchedulerOutput, seeds: dict[str, int], matchers=None,
-               grammar=None, poison: dict[str, float] | None = None,
-               drafts: dict[str, int] | None = None) -> Pending:
-        """Dispatches the scheduled work as one step; returns without waiting for the device.
+    def launch(self, plan: StepPlan) -> Pending:
+        """Dispatches the plan's rows as one step; returns without waiting for the device.
 
-        matchers: sequence id -> grammar state (core/grammar.py Matcher) of the constrained
-        rows that sample; `grammar.fill(mask, [(matcher, row)])` writes their bitmasks.
-        poison: sequence id -> value added to its row's logits (fault injection only).
-        drafts: sequence id -> k for rows whose last k tokens are drafts (speculative
-        decoding): the step samples after each of their last k + 1 queries (not with matchers).
+        First the slots the plan releases are freed and its copy-on-write copies run; new
+        sequences then take slots (their state written in one delta call). Constrained rows get
+        their grammar's bitmask; a drafted row samples after each of its last k + 1 queries
+        (not with grammar rows); poisoned rows get the value added to their logits.
         """
+        out = plan.schedule
+        if plan.released:
+            self.release(plan.released)
         if out.blocks_to_copy:
             self.copy_blocks(out.blocks_to_copy)
-        for rid in out.preempted:
-            self.release(rid)
         items = out.scheduled
-        new = self._assign_slots(items, seeds)
+        new = self._assign_slots(items, plan.seeds)
         if new or out.prefills:
             rows, lens, want = self._rows(items, new)
         else:  # decodes of held slots only, the steady state: by columns
@@ -489,24 +492,26 @@ class ModelRunner:
                                                                             need),
                                 max_num_seqs=self.num_slots, block_size=self.block_size,
                                 idle_slot=self.idle_slot, ragged=self.ragged)
-        mask = None
-        if matchers:
+        mask, grammar = None, plan.grammar
+        if grammar is not None and grammar.matchers:
+            matchers = grammar.matchers
             mask = self._all_allowed(lay)
             grammar.fill(mask, [(matchers[item.request_id], lay.row_index[k])
                                 for k, item in enumerate(items) if item.request_id in matchers])
         sampling = [(item, lay.row_index[k]) for k, item in enumerate(items) if item.is_last_chunk]
         points = owned = None
+        drafts = plan.drafts
         if drafts:
             points, owned = self._points(lay, [(r, drafts.get(i.request_id, 0))
                                                for i, r in sampling])
         call = self.step_call(lay, want, mask, points)
-        if poison:  # fault injection: every logits row (or point) of a poisoned sequence
+        if plan.poison:  # fault injection: every logits row (or point) of a poisoned sequence
             for (item, row), at in zip(sampling, owned or [[r] for _, r in sampling]):
-                if item.request_id in poison:
-                    call.inputs.poison[at] = poison[item.request_id]
+                if item.request_id in plan.poison:
+                    call.inputs.poison[at] = plan.poison[item.request_id]
         sampled = self.run(call)
         return Pending([i for i, _ in sampling], [r for _, r in sampling], sampled, want,
-                       points=owned, drafted=frozenset(drafts or ()))
+                       points=owned, drafted=frozenset(drafts))
 
     def _rows(self, items: list[ScheduledSeq], new: set[str]):
         """(rows, query lengths, whether a row wants logprobs) of the scheduled items; writes
@@ -562,18 +567,21 @@ class ModelRunner:
                                    pairs=lay.pairs, mask=mask, poison=poison,
                                    points=points))
 
-    def collect(self, pending: Pending) -> dict[str, SampleResult | tuple[SampleResult, ...]]:
-        """Waits for a launched step's ids; returns the sampled token of every item that samples
-        (for a drafted row of a verification step, its k + 1 samples, in position order)."""
+    def collect(self, pending: Pending) -> StepResult:
+        """Waits for a launched step's ids; returns every sampling item's samples (one, or for a
+        drafted row of a verification step its k + 1, in position order)."""
         if not pending.items:
-            return {}
+            return StepResult({})
         sampled = pending.sampled
         # Python ints and floats in one conversion each, not a numpy scalar per row.
         tokens = np.asarray(sampled.tokens).tolist()
-        logprob = np.asarray(sampled.logprob).tolist()
+        logprobs = np.asarray(sampled.logprob)
+        logprob = logprobs.tolist()
+        # NaN or inf anywhere in a row's logits makes its logprob non-finite: one array check.
+        finite = bool(np.isfinite(logprobs).all())
         if not pending.want_logprobs and pending.points is None:  # most steps: kept lean
-            return {item.seq.request_id: SampleResult(tokens[row], logprob[row], None)
-                    for item, row in zip(pending.items, pending.rows)}
+            return StepResult({item.seq.request_id: [SampleResult(tokens[row], logprob[row], None)]
+                               for item, row in zip(pending.items, pending.rows)}, finite)
         top_ids = np.asarray(sampled.top_ids) if pending.want_logprobs else None
         top_lps = np.asarray(sampled.top_logprobs) if pending.want_logprobs else None
 
@@ -584,21 +592,14 @@ class ModelRunner:
             return SampleResult(tokens[at], logprob[at], top)
 
         if pending.points is None:  # a plain step: one sample per item
-            return {item.request_id: result(item.seq.sampling_params.logprobs, row)
-                    for item, row in zip(pending.items, pending.rows)}
+            return StepResult({item.request_id: [result(item.seq.sampling_params.logprobs, row)]
+                               for item, row in zip(pending.items, pending.rows)}, finite)
         results = {}
         for item, at in zip(pending.items, pending.points):
             k, rid = item.seq.sampling_params.logprobs, item.request_id
-            results[rid] = (tuple(result(k, p) for p in at) if rid in pending.drafted
-                            else result(k, at[-1]))
-        return results
-
-    @staticmethod
-    def all_finite(pending: Pending) -> bool:
-        """Whether every sampled logprob of a collected step is finite (NaN or inf anywhere in
-        a row's logits makes its logprob non-finite): one array check instead of one per row;
-        the array collect fetched is cached on the device array."""
-        return not pending.items or bool(np.isfinite(np.asarray(pending.sampled.logprob)).all())
+            results[rid] = ([result(k, p) for p in at] if rid in pending.drafted
+                            else [result(k, at[-1])])
+        return StepResult(results, finite)
 
 
 def _checked(attention, config, block_size: int) -> AttentionBackend:

@@ -1,0 +1,69 @@
+"""The step contract: what the engine hands the runner each step, and what it gets back.
+
+In the spirit of vLLM v1's `SchedulerOutput` -> `ModelRunnerOutput`: the engine turns the
+scheduler's decision plus each feature's part of the step (speculative drafts, grammar rows,
+fault injection) into one frozen `StepPlan`; the runner consumes nothing else. It answers with
+one `StepResult`: every sampling sequence's samples, always a list (one sample, or the k + 1 of a
+verified drafted row). The runner owns batch slots; the plan says which sequences gave theirs up.
+Plain data: no jax here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from jaxserve.core.outputs import SampleResult
+from jaxserve.core.scheduler import ScheduledSeq, SchedulerOutput
+
+# Writes each (matcher, row)'s next-token bitmask into mask[row] (mask [R, W] int32):
+# core/grammar.py GrammarCompiler.fill.
+MaskFill = Callable[[Any, Sequence[tuple[Any, int]]], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class GrammarRows:
+    """The constrained rows that sample this step: sequence id -> grammar state (a
+    core/grammar.py Matcher), and the function that writes their bitmasks."""
+
+    matchers: Mapping[str, Any]
+    fill: MaskFill
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """One engine step, as the runner consumes it.
+
+    schedule: the scheduler's decision: rows (prefill chunks, then decodes), copy-on-write
+        block pairs to copy first, and the sequences it preempted.
+    seeds: sequence id -> sampling seed, for every scheduled row (the runner writes the seed,
+        with the sequence's sampling parameters, when the sequence takes a batch slot).
+    released: sequences whose batch slots are free before this step runs (ended or preempted
+        since the last plan): the runner is the one owner of slots and frees only these.
+    drafts: sequence id -> k for rows whose last k tokens are drafts (speculative decoding):
+        the step samples after each of their last k + 1 queries.
+    grammar: the constrained rows (structured output), or None.
+    poison: sequence id -> value added to its logits rows (fault injection), or None.
+    """
+
+    schedule: SchedulerOutput
+    seeds: Mapping[str, int]
+    released: tuple[str, ...] = ()
+    drafts: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    grammar: GrammarRows | None = None
+    poison: Mapping[str, float] | None = None
+
+    @property
+    def rows(self) -> list[ScheduledSeq]:
+        return self.schedule.scheduled
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """A finished step: sequence id -> its samples in position order (one for a plain row, the
+    k + 1 of a verified drafted row), for every row that sampled; `all_finite`: whether every
+    sampled logprob is finite (a row of NaN/inf logits samples a non-finite one)."""
+
+    samples: dict[str, list[SampleResult]]
+    all_finite: bool = True
