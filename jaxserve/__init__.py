@@ -3,12 +3,7 @@
 The public API is chosen here and imported lazily (PEP 562): `import jaxserve.core.scheduler`
 must not start jax, and `from jaxserve import LLM` should pay for jax only when asked.
 
-Layers (who may import whom):
-    jaxserve/server   -> LLMEngine                  (HTTP front end)
-    engine.py, llm.py -> core/ and runtime/         (the step loop and the user API)
-    core/             -> numpy only, never jax      (scheduler, block manager, request states)
-    runtime/          -> models/, pallas_kernels/   (the only code that builds device arrays)
-    tools/            -> research and accounting helpers (kv sizes, profiling, workloads)
+Layers and who may import whom: docs/architecture.md (written there once).
 """
 
 from __future__ import annotations

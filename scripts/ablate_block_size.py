@@ -66,7 +66,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="tiny random model, 8 requests, block sizes 1,4,16,64 (for tests)")
     ap.add_argument("--no-plot", action="store_true", help="skip the PNG (no matplotlib)")
     ap.add_argument("--note", default="", help="a line added to the report (e.g. machine load)")
-    ap.add_argument("--out-dir", default="docs")
+    ap.add_argument("--out-dir", default="docs/results")
     ap.add_argument("--render-only", action="store_true",
                     help="re-write the markdown and PNG from OUT_DIR/ablate_block_size.json "
                          "(pass the workload arguments of the run that made it)")

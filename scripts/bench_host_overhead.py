@@ -66,7 +66,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None,
-                    help="write OUT.json and OUT.md (default docs/bench_host_overhead; "
+                    help="write OUT.json and OUT.md (default docs/results/bench_host_overhead; "
                     "--quick writes only when given)")
     ap.add_argument("--quick", action="store_true", help="a short smoke run")
     ap.add_argument("--async-scheduling", choices=("default", "on", "off"), default="default",
@@ -89,7 +89,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.warmup_steps is None:
         args.warmup_steps = 2 if quick else 10
     if args.out is None and not quick:
-        args.out = str(REPO / "docs" / "bench_host_overhead")
+        args.out = str(REPO / "docs" / "results" / "bench_host_overhead")
     if args.out is not None:
         args.out = str(pathlib.Path(args.out).with_suffix(""))
     for name in ("steps", "prompt_len", "num_layers"):

@@ -54,7 +54,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--prompt", default="The capital of France is")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per start")
     ap.add_argument("--out", default=None,
-                    help="write OUT.json and OUT.md (default docs/bench_startup; --quick "
+                    help="write OUT.json and OUT.md (default docs/results/bench_startup; --quick "
                     "writes only when given)")
     ap.add_argument("--quick", action="store_true",
                     help="a few shape buckets (smaller batch and context): a smoke run")
@@ -66,7 +66,7 @@ def parse_args(argv=None) -> argparse.Namespace:
             if getattr(args, name) is None:
                 setattr(args, name, value)
     if args.out is None and not args.quick and args.child is None:
-        args.out = str(REPO / "docs" / "bench_startup")
+        args.out = str(REPO / "docs" / "results" / "bench_startup")
     if args.out is not None:
         args.out = str(pathlib.Path(args.out).with_suffix(""))
     return args

@@ -110,7 +110,7 @@ def main(argv=None) -> None:
     ap.add_argument("--heldout", default=str(HELDOUT), help="held-out text file")
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--heldout-seqs", type=int, default=4)
-    ap.add_argument("--out", default=str(REPO / "docs" / "kv_quant_report"),
+    ap.add_argument("--out", default=str(REPO / "docs" / "results" / "kv_quant_report"),
                     help="output prefix (.md, .json)")
     args = ap.parse_args(argv)
     from models import load_model

@@ -380,7 +380,7 @@ def main(argv=None) -> None:
     ap.add_argument("--calib-seqs", type=int, default=32)
     ap.add_argument("--heldout-seqs", type=int, default=16)
     ap.add_argument("--decode-tokens", type=int, default=64, help="0: skip the speed runs")
-    ap.add_argument("--out", default=str(REPO / "docs" / "quant_report"),
+    ap.add_argument("--out", default=str(REPO / "docs" / "results" / "quant_report"),
                     help="output prefix (.md, .json, .png)")
     args = ap.parse_args(argv)
     if args.quick:

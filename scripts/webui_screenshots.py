@@ -81,7 +81,7 @@ def shoot_engine(page, url: str, out: Path) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", default="docs", type=Path)
+    p.add_argument("--out", default="docs/images", type=Path)
     p.add_argument("--chromium", default="/usr/bin/chromium")
     args = p.parse_args()
     engine = LLMEngine(EngineConfig(model=str(model_path("smollm2-135m")), warmup=False,

@@ -1,4 +1,4 @@
-"""The layering rules of the tree (jaxserve/__init__.py), checked rather than stated.
+"""The layering rules of the tree (docs/architecture.md), checked rather than stated.
 
 - every jaxserve.core module imports in a process where importing jax raises;
 - `import jaxserve` and `from jaxserve import SamplingParams` do not start jax (lazy exports);

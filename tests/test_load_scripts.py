@@ -37,7 +37,8 @@ def test_stress_script_small(tmp_path):
 @pytest.mark.timeout(900)
 def test_soak_script_short(tmp_path):
     # RSS still grows in the first minute (warm-up), so the short run's RSS tolerance is wide:
-    # this checks the script's plumbing, the 30-minute run in docs/ checks the trend.
+    # this checks the script's plumbing; the 30-minute run in docs/results/soak_30min/ checks
+    # the trend.
     proc = run_script("scripts/soak.py", "--minutes", "0.3", "--rate", "3", "--sample-s", "2",
                       "--rss-tol-mib", "500", "--out-dir", str(tmp_path), timeout=850)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

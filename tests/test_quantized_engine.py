@@ -2,7 +2,7 @@
 
 Fast: on a tiny random model the paged engine equals a dense (no KV cache) greedy loop over the
 same quantized params and linear backend, per path: the plumbing is exact.
-Slow: on SmolLM2 each path agrees with the float32 engine at a measured level (see README,
+Slow: on SmolLM2 each path agrees with the float32 engine at a measured level (docs/quantization.md,
 "Quantized inference"), and a deliberately broken path falls below that level.
 """
 
@@ -116,7 +116,8 @@ def fp32_tokens(smollm2_fp32, chat_prompts):
     return engine_greedy(smollm2_fp32, chat_prompts, None, **SMOL)
 
 
-# Bounds from measurements (16 prompts x 8 greedy tokens; README, "Quantized inference"):
+# Bounds from measurements (16 prompts x 8 greedy tokens; docs/quantization.md, "Quantized
+# inference"):
 # measured prefix agreement gguf 1.0 (the same weights), w8a16 0.92 (12/16 identical, every
 # first token equal: int8 per-channel weights err ~0.9% rms), w8a8 0.56 (per-token int8
 # activations: SmolLM2 has outlier channels), w4a16 0.375 (re-quantizing the file's 4-bit g32

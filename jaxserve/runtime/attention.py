@@ -116,8 +116,8 @@ def _single_query_attention(q, cache: KVCache, layer, meta: PagedMeta, merge_kv_
     all H query heads, scores against another KV head's tokens masked. That does K times the
     (tiny) dot work but is one dot per block with no transpose: XLA:CPU runs a batched dot as a
     loop over its batch, and per-(block, KV head) products cost more in loop overhead than they
-    save (docs/perf_attention.md). Under tensor parallelism (K split over devices by sharding
-    annotations) merging would make XLA all-gather the cache: False keeps K a batch axis.
+    save (docs/performance.md, "Attention"). Under tensor parallelism (K split over devices by
+    sharding annotations) merging would make XLA all-gather the cache: False keeps K a batch axis.
     """
     t, h, dh = q.shape
     _, _, bs, kh, _ = cache.k.shape

@@ -30,7 +30,7 @@ from models.quantized import CpuPackedWeight, is_quantized
 log = logging.getLogger("jaxserve")
 
 # Rows (tokens in a step) up to which a float weight runs the native matmul on kind "cpu",
-# per weight dtype; XLA's dot above (measured: docs/performance.md, "Native float matmul").
+# per weight dtype; XLA's dot above (measured: docs/performance.md, "Linears on CPU").
 # XLA's float32 GEMM repacks the weight every call; its bfloat16 dot from two rows is an AMX
 # product that beats a float32 FMA loop, so bfloat16 hands over early.
 NATIVE_FLOAT_ROWS = {"float32": 16, "bfloat16": 4}

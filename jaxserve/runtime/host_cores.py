@@ -9,8 +9,8 @@ later (the server's engine loop, its HTTP workers, background compiles) inherit 
 share the host loop's CPUs. vLLM's CPU backend likewise keeps a CPU off its OpenMP workers for
 its scheduler process (VLLM_CPU_NUM_OF_RESERVED_CPU, 1 by default there). It pays when the host
 work per step is comparable to the device's (small models, many sequences); a model whose step
-is mostly matmul loses the reserved CPUs' share of the compute (docs/performance.md, sixth
-pass). On a GPU machine the pool runs only XLA's host-side work, so
+is mostly matmul loses the reserved CPUs' share of the compute (docs/performance.md, "The
+engine loop: host cost per step"). On a GPU machine the pool runs only XLA's host-side work, so
 one reserved core should cost little there (not measured yet: no GPU has been lent).
 """
 
