@@ -14,7 +14,10 @@ rounded to 4 decimals. Sampled cases give every request its own seed, and every 
 with an empty prefix cache, so a case's outputs depend neither on the run nor on the cases run
 before it. A few engine counters (preemptions, prefix-cache hits, drafted tokens) are recorded
 as well, to show that a case exercises what it names (`checks`, verified at capture); a
-comparison reports counters that differ as notes, not as output differences.
+comparison reports counters that differ as notes, not as output differences. They are not
+fixed run to run where a case holds constrained requests: each is admitted when its grammar,
+compiled on a thread, is ready, so whether it hits a prefix another request is computing in the
+same step depends on timing (its tokens do not: three runs gave equal outputs).
 
 `--compare A B` prints one line per case (equal, or the first differing token of the first
 request that differs) and exits 1 when any case's outputs differ, or a case is missing.
