@@ -336,7 +336,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(Linux). Pays on a CPU backend when the host work per step is like "
                         "the device's (small models, many sequences); a model whose step is "
                         "mostly matmul loses those CPUs' compute. Default 0: the pool on every "
-                        "CPU (docs/performance.md, sixth pass)")
+                        "CPU (docs/performance.md, the engine loop)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
