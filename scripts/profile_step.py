@@ -40,6 +40,8 @@ from jaxserve.runtime import buckets, step_layout
 from jaxserve.runtime.attention import write_kv
 from jaxserve.runtime.attention_backends import XlaAttention
 from jaxserve.runtime.runner import ModelRunner, StepCall
+from jaxserve.runtime.runner_factory import build_runner
+from jaxserve.runtime.runner_spec import RunnerSpec, StepProgram
 from jaxserve.runtime.sampler import SamplingTensors, sample
 from jaxserve.core.sampling_params import SamplingParams
 from models.config import ModelConfig
@@ -169,21 +171,21 @@ def attention_alone_ms(runner, call, iters):
     return timed(run, iters)
 
 
-def model_and_kw(args):
+def model_and_spec(args, num_blocks: int):
     if args.tiny:
         from models.random_init import random_model
         model = random_model(TINY, args.dtype)
     else:
         from models import load_model
         model = load_model("smollm2-135m", args.dtype)
-    kw = dict(max_num_seqs=args.rows, max_num_batched_tokens=args.prefill,
-              block_size=args.block_size, max_model_len=MAX_MODEL_LEN)
-    if args.kv_cache_dtype != "auto":
-        kw["kv_cache_dtype"] = args.kv_cache_dtype
-    return model, kw
+    spec = RunnerSpec(max_num_seqs=args.rows, max_num_batched_tokens=args.prefill,
+                      block_size=args.block_size, num_blocks=num_blocks,
+                      max_model_len=MAX_MODEL_LEN,
+                      program=StepProgram(kv_cache_dtype=args.kv_cache_dtype))
+    return model, spec
 
 
-def step_rows(args, model, kw, steps, skip):
+def step_rows(args, model, spec, steps, skip):
     """The whole-step rows, with the XLA backend and with attention stubbed."""
     out = []
     cases = [("decode", f"decode step, {args.rows} rows", steps.decode, "step", "stub")]
@@ -194,7 +196,7 @@ def step_rows(args, model, kw, steps, skip):
                       steps.mixed, "mixed", "mixed"))
     for attention in (XlaAttention(), NoAttention()):
         stub = isinstance(attention, NoAttention)
-        runner = ModelRunner(model, attention=attention, num_blocks=steps.num_blocks, **kw)
+        runner = build_runner(model, spec, attention=attention)
         for kind, name, rows_of, full_key, stub_key in cases:
             if (stub_key if stub else full_key) in skip:
                 continue
@@ -212,12 +214,12 @@ def step_rows(args, model, kw, steps, skip):
 def main(argv=None):
     args = parse_args(argv)
     skip = set(args.skip.split(","))
-    model, kw = model_and_kw(args)
-    c, rows = model.config, args.rows
     steps = Steps(args, -(-MAX_MODEL_LEN // args.block_size))
+    model, spec = model_and_spec(args, steps.num_blocks)
+    c, rows = model.config, args.rows
     print(f"jax {jax.__version__}, dtype {args.dtype}, kv {args.kv_cache_dtype}, rows {rows}, "
           f"ctx {args.ctx}, block_size {args.block_size}")
-    rows_out = step_rows(args, model, kw, steps, skip)
+    rows_out = step_rows(args, model, spec, steps, skip)
     if "head" not in skip:
         x = jnp.ones((rows, c.hidden_size), model.dtype)
         emb = model.params["embedding"]

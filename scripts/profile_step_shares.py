@@ -43,10 +43,11 @@ for p in (str(REPO), str(REPO / "scripts")):
         sys.path.insert(0, p)
 
 import profile_step  # noqa: E402
-from jaxserve.quantization.paths import activation_bits, prepare_model  # noqa: E402
+from jaxserve.quantization.paths import prepare_model  # noqa: E402
 from jaxserve.runtime import backends  # noqa: E402
-from jaxserve.runtime.attention_backends import CpuAttention, XlaAttention  # noqa: E402
 from jaxserve.runtime.runner import ModelRunner  # noqa: E402
+from jaxserve.runtime.runner_factory import build_runner, prepare_weights  # noqa: E402
+from jaxserve.runtime.runner_spec import RunnerSpec, StepProgram  # noqa: E402
 
 MAX_NUM_SEQS, BUDGET, BLOCK, MAX_LEN = 64, 512, 16, 1024  # bench_throughput.py's engine
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -68,23 +69,25 @@ def parse_args(argv=None):
 
 
 def build(args):
+    """(model with weights prepared for this machine's linear backend, its quantization path,
+    that backend): repacked once here, not again for each variant's runner."""
     from models import load_model
     model = load_model("smollm2-135m", "float32")
     model, path = prepare_model(model, None if args.quantization == "none" else args.quantization)
     kind = backends.resolve("auto")
-    model = backends.prepare_params(kind, model)
-    return model, backends.linear_backend(kind, activation_bits(path))
+    return prepare_weights(model, StepProgram(linear_backend=kind)), path, kind
 
 
-def runner_for(variant: str, model, linear, num_blocks: int, args) -> ModelRunner:
+def runner_for(variant: str, model, path, kind: str, num_blocks: int, args) -> ModelRunner:
     attention, loop = variant.split("-")
-    attention = {"cpu": CpuAttention(), "xla": XlaAttention(),
-                 "stub": profile_step.NoAttention()}[attention]
-    kw = {} if args.kv_cache_dtype == "auto" else {"kv_cache_dtype": args.kv_cache_dtype}
-    return ModelRunner(model, max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=BUDGET,
-                       block_size=BLOCK, max_model_len=MAX_LEN, num_blocks=num_blocks,
-                       attention=attention, linear=linear, unroll_layers=loop == "unroll",
-                       fine_decode_buckets=not args.power_of_two_buckets, **kw)
+    program = StepProgram(attention_backend="cpu" if attention == "cpu" else "xla",
+                          linear_backend=kind, unroll_layers=loop == "unroll",
+                          fine_decode_buckets=not args.power_of_two_buckets,
+                          kv_cache_dtype=args.kv_cache_dtype)
+    spec = RunnerSpec(max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=BUDGET, block_size=BLOCK,
+                      max_model_len=MAX_LEN, num_blocks=num_blocks, program=program)
+    stub = profile_step.NoAttention() if attention == "stub" else None
+    return build_runner(model, spec, quantization=path, attention=stub)
 
 
 def category(op: str, op_name: str) -> str:
@@ -137,7 +140,7 @@ def shares(runner: ModelRunner, call, steps: int = 3) -> dict[str, float]:
 
 def main(argv=None):
     args = parse_args(argv)
-    model, linear = build(args)
+    model, path, kind = build(args)
     steps = profile_step.Steps(argparse.Namespace(rows=args.rows, ctx=args.ctx, prefill=BUDGET,
                                                   block_size=BLOCK), -(-MAX_LEN // BLOCK))
     rows, table = steps.mixed() if args.mixed else steps.decode()
@@ -146,7 +149,7 @@ def main(argv=None):
     print(f"{args.quantization}, kv {args.kv_cache_dtype}, {args.rows} rows, ctx {args.ctx}"
           f"{', mixed' if args.mixed else ''}; load {os.getloadavg()}", flush=True)
     for variant in args.variants.split(","):
-        runner = runner_for(variant, model, linear, steps.num_blocks, args)
+        runner = runner_for(variant, model, path, kind, steps.num_blocks, args)
         call = profile_step.step_call(runner, rows, full)
         jax.block_until_ready(runner.run(call).tokens)  # compile
         walls, cpus = [], []

@@ -12,7 +12,9 @@ from jaxserve import EngineConfig, LLMEngine, SamplingParams
 from jaxserve.runtime.attention import ragged_attention_xla
 from jaxserve.runtime.attention_backends import PallasAttention, XlaAttention
 from jaxserve.runtime.backends import attention_backend
-from jaxserve.runtime.runner import ModelRunner, StepCall
+from jaxserve.runtime.runner import StepCall
+from jaxserve.runtime.runner_factory import build_runner
+from jaxserve.runtime.runner_spec import RunnerSpec
 from jaxserve.runtime.sharding import TensorParallel, make_mesh
 from models.config import ModelConfig
 from models.random_init import random_model
@@ -20,8 +22,8 @@ from models.random_init import random_model
 # head_dim 64: a shape the kernel supports, so both backends can run it.
 TINY = ModelConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=2,
                    num_heads=6, num_kv_heads=2, head_dim=64, max_position_embeddings=256)
-KW = dict(max_num_seqs=4, max_num_batched_tokens=32, block_size=16, num_blocks=64,
-          max_model_len=64)
+SPEC = RunnerSpec(max_num_seqs=4, max_num_batched_tokens=32, block_size=16, num_blocks=64,
+                  max_model_len=64)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -40,7 +42,7 @@ def decode_calls(model, attention):
                                     max_model_len=64, max_num_batched_tokens=32,
                                     kv_cache_memory=64 * 16 * TINY.kv_bytes_per_token(4)),
                        model=model)
-    engine.runner = ModelRunner(model, attention=attention, **KW)
+    engine.runner = build_runner(model, SPEC, attention=attention)
     calls = []
     engine.runner.before_call = calls.append  # sees every device call (the broadcast hook)
     rng = np.random.default_rng(1)
@@ -79,7 +81,7 @@ def test_kernel_backend_gets_the_page_table(model):
 
 def test_a_bare_function_is_refused_not_run_on_a_slow_path(model):
     with pytest.raises(TypeError, match="must be an AttentionBackend"):
-        ModelRunner(model, attention=functools.partial(ragged_attention_xla), **KW)
+        build_runner(model, SPEC, attention=functools.partial(ragged_attention_xla))
 
 
 def test_supports_reports_what_the_kernel_cannot_run():
@@ -101,7 +103,8 @@ def test_supports_reports_what_the_kernel_cannot_run():
 
 def test_runner_refuses_a_backend_that_cannot_run_the_model(model):
     with pytest.raises(ValueError, match="'pallas' cannot run block_size 4"):
-        ModelRunner(model, attention=PallasAttention(), **dict(KW, block_size=4))
+        build_runner(model, dataclasses.replace(SPEC, block_size=4),
+                     attention=PallasAttention())
 
 
 def test_tensor_parallel_wraps_as_each_backend_declares():

@@ -26,9 +26,9 @@ def profile_step():
 def test_its_step_is_the_runners_step(profile_step):
     """An idle step built by the script equals the runner's own idle step, field by field."""
     args = profile_step.parse_args(["--tiny", "--rows", "4", "--ctx", "20", "--prefill", "32"])
-    model, kw = profile_step.model_and_kw(args)
     steps = profile_step.Steps(args, -(-profile_step.MAX_MODEL_LEN // args.block_size))
-    runner = profile_step.ModelRunner(model, num_blocks=steps.num_blocks, **kw)
+    model, spec = profile_step.model_and_spec(args, steps.num_blocks)
+    runner = profile_step.build_runner(model, spec)
     ours = profile_step.step_call(runner, [], steps.decode_table)
     theirs = runner.step_template(*ours.shape)
     assert jax.tree.structure(ours) == jax.tree.structure(theirs)

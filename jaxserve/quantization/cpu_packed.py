@@ -96,6 +96,13 @@ def packable(w) -> bool:
     return k % groups == 0 and (k // groups) % 8 == 0
 
 
+def repacks(w, int8_per_channel: bool = False) -> bool:
+    """Whether `pack_params` repacks this leaf."""
+    if not packable(w):
+        return False
+    return not (isinstance(w, Int8Weight) and w.scales.shape[-2] == 1 and not int8_per_channel)
+
+
 def pack_params(params: dict, int8_per_channel: bool = False) -> dict:
     """params with every packable linear kernel (layers and LM head) repacked.
 
@@ -103,11 +110,7 @@ def pack_params(params: dict, int8_per_channel: bool = False) -> dict:
     own int8 dot (AMX) already serves them without a float copy (quantization/linear.py).
     """
     def convert(leaf):
-        if not packable(leaf):
-            return leaf
-        if isinstance(leaf, Int8Weight) and leaf.scales.shape[-2] == 1 and not int8_per_channel:
-            return leaf
-        return pack_weight(leaf)
+        return pack_weight(leaf) if repacks(leaf, int8_per_channel) else leaf
 
     is_leaf = lambda x: isinstance(x, (Int4Weight, Int8Weight))  # noqa: E731
     return jax.tree.map(convert, params, is_leaf=is_leaf)

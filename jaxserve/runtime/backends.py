@@ -21,11 +21,11 @@ from jaxserve.runtime.attention_backends import (AttentionBackend, CpuAttention,
 from jaxserve.config import BACKENDS
 from jaxserve.native import float_matmul
 from jaxserve.native.quant_matmul import vnni
-from jaxserve.quantization.cpu_packed import pack_params
+from jaxserve.quantization.cpu_packed import pack_params, repacks
 from jaxserve.quantization.linear import ACTIVATION_BITS, quantized_linear
 from models.config import ModelConfig
 from models.llama import Parallel, dense_linear, tied_head
-from models.quantized import CpuPackedWeight, is_quantized
+from models.quantized import CpuPackedWeight, Int4Weight, Int8Weight, is_quantized
 
 log = logging.getLogger("jaxserve")
 
@@ -77,20 +77,22 @@ def default_dtype(requested: str | None) -> str:
     return "bfloat16" if jax.default_backend() == "gpu" else "float32"
 
 
-def unroll_layers(layer_loop: str, tensor_parallel: bool, params=None) -> bool:
+def unroll_layers(layer_loop: str, tensor_parallel: bool, params=None,
+                  linear_kind: str | None = None) -> bool:
     """EngineConfig.layer_loop resolved: unrolled on GPU by default, and on CPU where `params`
-    hold weights repacked for the native quantized matmul (a scan would hand the FFI call each
-    layer's slice of the stacked weights as a fresh copy, every step). Float weights keep the
-    scan on CPU: unrolled, a float32 SmolLM2 decodes ~1.5x faster at batch 1 but its warm start
-    doubles (docs/performance.md), so that is `layer_loop="unrolled"`'s choice to make. Never
-    with tensor parallelism (the unrolled step needs each weight whole on one device)."""
+    hold weights repacked for the native quantized matmul, or will once prepared for the
+    `linear_kind` backend (a scan would hand the FFI call each layer's slice of the stacked
+    weights as a fresh copy, every step). Float weights keep the scan on CPU: unrolled, a
+    float32 SmolLM2 decodes ~1.5x faster at batch 1 but its warm start doubles
+    (docs/performance.md), so that is `layer_loop="unrolled"`'s choice to make. Never with
+    tensor parallelism (the unrolled step needs each weight whole on one device)."""
     if tensor_parallel:
         if layer_loop == "unrolled":
             raise ValueError("layer_loop='unrolled' runs on one device; with tensor_parallel_size "
                              "> 1 use 'scan' or 'auto'")
         return False
     return layer_loop == "unrolled" or (layer_loop == "auto" and (
-        gpu_step() or (params is not None and has_packed(params))))
+        gpu_step() or (params is not None and has_packed(params, linear_kind))))
 
 
 def native_float(kind: str) -> bool:
@@ -107,10 +109,14 @@ def _native_rows(x, w) -> bool:
     return rows is not None and w.ndim == 2 and math.prod(x.shape[:-1]) <= rows
 
 
-def has_packed(params) -> bool:
-    """Whether `params` hold any weight repacked for the native CPU matmul."""
-    leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, CpuPackedWeight))
-    return any(isinstance(w, CpuPackedWeight) for w in leaves)
+def has_packed(params, kind: str | None = None) -> bool:
+    """Whether `params` hold any weight repacked for the native CPU matmul, or will once
+    prepared for the `kind` linear backend (`prepare_params`): known before repacking, so that
+    the layer loop is chosen before the weights are prepared for it."""
+    types = (CpuPackedWeight, Int4Weight, Int8Weight)
+    leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, types))
+    return any(isinstance(w, CpuPackedWeight) or (kind == "cpu" and repacks(w))
+               for w in leaves)
 
 
 def gpu_step() -> bool:

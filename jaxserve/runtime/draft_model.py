@@ -138,9 +138,12 @@ def draft_proposer(config, *, target, draft=None, num_blocks: int,
                    max_model_len: int) -> DraftModelProposer:
     """The draft model of config.speculative_config (core/spec_decode/config.py) beside the
     `target` model: same vocabulary, batch and block shapes, its own KV cache of `num_blocks`
-    blocks. draft: the draft model already loaded, else loaded from the spec's path."""
-    from jaxserve.quantization.paths import activation_bits, prepare_model
-    from jaxserve.runtime import backends
+    blocks, and the target's program choices (backends, KV cache dtype, sampler, buckets) on
+    one device, without structured outputs, fault injection or verification. draft: the draft
+    model already loaded, else loaded from the spec's path."""
+    from jaxserve.quantization.paths import prepare_model
+    from jaxserve.runtime.runner_factory import build_runner
+    from jaxserve.runtime.runner_spec import RunnerSpec, StepProgram
     from models import load_model
     spec = config.speculative_config
     if draft is None:
@@ -151,20 +154,13 @@ def draft_proposer(config, *, target, draft=None, num_blocks: int,
                          f"differs from the target's ({target.config.vocab_size}); "
                          "speculative decoding needs the same tokenizer")
     bs = config.block_size
-    linear_kind = backends.resolve(config.linear_backend)
-    draft = backends.prepare_params(linear_kind, draft)
-    kind = backends.resolve(config.attention_backend, attention=True)
-    runner = ModelRunner(
-        draft, max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens, block_size=bs,
-        num_blocks=num_blocks, max_model_len=max_model_len,
-        attention=backends.attention_backend(kind, draft.config, bs, config.attention_backend),
-        linear=backends.linear_backend(linear_kind, activation_bits(quant)),
-        head=backends.head_backend(linear_kind),
-        unroll_layers=backends.unroll_layers(config.layer_loop, tensor_parallel=False,
-                                             params=draft.params))
+    runner = build_runner(draft, RunnerSpec.from_config(
+        config, num_blocks=num_blocks, max_model_len=max_model_len,
+        program=StepProgram.from_config(config, params=draft.params, draft=True)),
+        quantization=quant)
     if config.warmup:
         seconds = runner.warmup(progress=False)
         log.info("draft model: %d programs compiled in %.1fs", runner.num_compiled, seconds)
-    return DraftModelProposer(draft, runner, num_blocks, bs, config.max_num_batched_tokens,
-                              max_model_len)
+    # The runner's model: the weights as prepared for it, with no other copy kept.
+    return DraftModelProposer(runner.model, runner, num_blocks, bs,
+                              config.max_num_batched_tokens, max_model_len)

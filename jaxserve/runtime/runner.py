@@ -35,16 +35,16 @@ import numpy as np
 from tqdm import tqdm
 
 from jaxserve.runtime import buckets, kv_quant, slot_state, spec_points, step_layout
-from jaxserve.runtime.attention_backends import AttentionBackend, XlaAttention
+from jaxserve.runtime.attention_backends import AttentionBackend
 from jaxserve.core.outputs import SampleResult
 from jaxserve.runtime.kv_cache import KVCache, PagedMeta, new_cache
+from jaxserve.runtime.runner_spec import RunnerSpec
 from jaxserve.runtime.sampler import SamplerOutput, sample
 from jaxserve.runtime.slot_state import SlotsCall, SlotState
 from jaxserve.core.scheduler import ScheduledSeq
 from jaxserve.core.step_plan import StepPlan, StepResult
 from jaxserve.runtime.sharding import TensorParallel
 from jaxserve.runtime.step_layout import Row
-from models.llama import unstack_layers
 from models.model import Model
 
 log = logging.getLogger("jaxserve")
@@ -167,41 +167,34 @@ class ModelRunner:
     unroll_layers: bool = False
     branch_free_sampling: bool = False
 
-    def __init__(self, model: Model, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 block_size: int, num_blocks: int, max_model_len: int, eos_ids=(),
-                 attention: AttentionBackend | None = None, linear=None,
-                 tp: TensorParallel | None = None, kv_cache_dtype=None,
-                 structured_outputs: bool = False, unroll_layers: bool = False,
-                 branch_free_sampling: bool = False, poison_rows: bool = False,
-                 num_speculative_tokens: int = 0, grouped_matmul=None, head=None,
-                 fine_decode_buckets: bool = False):
-        """grouped_matmul: the MoE experts' backend (jaxserve/runtime/grouped_matmul.py;
-        None: models/moe.py's ragged_dot), already wrapped for tp where it needs to be.
-        head: the tied LM head's backend (backends.head_backend; None: the model's einsum).
-        poison_rows: every step takes StepInputs.poison (fault injection only).
-        unroll_layers, branch_free_sampling: the GPU program's shape (backends.gpu_step):
-        layers unrolled so no weight slice is copied, and a sampler without conditionals, each
-        of which would make the host wait for the device mid-step.
-        fine_decode_buckets: also the 3/4 decode token buckets (step_layout.token_buckets;
-        backends.fine_decode_buckets).
-        num_speculative_tokens: k > 0 compiles a verification variant of every step program
-        (rows of up to k drafts sampled at each of their last k + 1 queries)."""
-        c = model.config
+    def __init__(self, model: Model, spec: RunnerSpec, *, attention: AttentionBackend,
+                 linear=None, head=None, grouped_matmul=None, tp: TensorParallel | None = None):
+        """Built by runner_factory.build_runner, which prepares the arguments for `spec`.
+
+        model: params as spec.program's step reads them (per-layer trees when it unrolls the
+        layers); with `tp`, placed here over its mesh, as are the cache and slot state.
+        linear: None is the model's dense dot. head: the tied LM head's backend
+        (backends.head_backend; None: the model's einsum). grouped_matmul: the MoE experts'
+        backend (jaxserve/runtime/grouped_matmul.py; None: models/moe.py's ragged_dot),
+        already wrapped for tp where it needs to be.
+        spec.program's unroll_layers and branch_free_sampling are the GPU program's shape
+        (backends.gpu_step): layers unrolled so no weight slice is copied, and a sampler
+        without conditionals, each of which would make the host wait for the device mid-step.
+        Its num_speculative_tokens k > 0 compiles a verification variant of every step
+        program (rows of up to k drafts sampled at each of their last k + 1 queries)."""
+        c, program = model.config, spec.program
+        max_num_seqs, block_size = spec.max_num_seqs, spec.block_size
+        max_model_len, num_speculative_tokens = spec.max_model_len, program.num_speculative_tokens
+        self.spec = spec
         self.num_speculative_tokens = num_speculative_tokens
         # Steps with constrained rows run a masked variant of each program, so steps without
         # any pay nothing for the feature. Warm-up compiles the plain ones; the masked ones
         # can follow off the engine thread (masked_warmup), so they do not delay serving.
-        self.structured_outputs = structured_outputs
-        self.poison_rows = poison_rows
+        self.structured_outputs = program.structured_outputs
+        self.poison_rows = program.poison_rows
         self.mask_words = -(-c.vocab_size // 32)
-        attention = _checked(XlaAttention() if attention is None else attention, c, block_size)
-        if unroll_layers:
-            if tp is not None:
-                raise ValueError("unroll_layers runs on one device; tensor parallel keeps the "
-                                 "layer loop")
-            model = dataclasses.replace(model, params=unstack_layers(model.params,
-                                                                     c.num_layers))
-        dtype = jnp.dtype(kv_cache_dtype or model.dtype)  # None: the model's dtype
+        attention = _checked(attention, c, block_size)
+        dtype = program.kv_dtype(model)
         jit_kwargs = {}
         if tp is not None:  # tensor parallel: params and cache sharded over tp's mesh
             shardings = tp.param_shardings(model.params, c)
@@ -213,8 +206,8 @@ class ModelRunner:
         self.num_slots = max_num_seqs
         self.idle_slot = max_num_seqs  # padding rows and tokens read and write this slot
         self.max_blocks = -(-max_model_len // block_size)
-        self.eos_ids = tuple(eos_ids)
-        shape = (c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim)
+        self.eos_ids = spec.eos_ids
+        shape = (c.num_layers, spec.num_blocks, block_size, c.num_kv_heads, c.head_dim)
         self.cache = tp.new_cache(shape, dtype) if tp is not None else new_cache(shape, dtype)
         host_state = slot_state.new_state(max_num_seqs + 1, max_model_len)
         self.state: SlotState = (tp.place(host_state, jax.tree.map(lambda _: tp.replicated,
@@ -226,14 +219,16 @@ class ModelRunner:
         self.free_slots = list(range(self.num_slots - 1, -1, -1))
         self.ragged = attention.layout == "ragged"
         self.token_buckets = step_layout.token_buckets(
-            max_num_batched_tokens, max_num_seqs, self.ragged, fine_decode_buckets,
+            spec.max_num_batched_tokens, max_num_seqs, self.ragged, program.fine_decode_buckets,
             drafted_row=num_speculative_tokens + 1 if num_speculative_tokens else 0)
         self.slot_buckets = buckets.slot_write_buckets(max_num_seqs)
         if tp is not None:
             attention = tp.attention(attention)
         self.attention = attention
-        self.branch_free_sampling, self.unroll_layers = branch_free_sampling, unroll_layers
-        self._module = step_module(model, attention, linear, unroll_layers, grouped_matmul, head)
+        self.branch_free_sampling, self.unroll_layers = (program.branch_free_sampling,
+                                                         program.unroll_layers)
+        self._module = step_module(model, attention, linear, self.unroll_layers, grouped_matmul,
+                                   head)
         self._step = jax.jit(self._step_impl, donate_argnums=(1, 2), **jit_kwargs)
         self._write_slots = jax.jit(slot_state.write_slots, donate_argnums=(0,))
         # Copy-on-write copies run in fixed batches of (src, dst) pairs, padded with (0, 0)

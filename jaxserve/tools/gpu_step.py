@@ -18,9 +18,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.runtime import backends
 from jaxserve.runtime.kv_cache import KVCache
 from jaxserve.runtime.runner import ModelRunner
+from jaxserve.runtime.runner_factory import build_runner
+from jaxserve.runtime.runner_spec import RunnerSpec, StepProgram
 from jaxserve.tools import compiled_report, deviceless, thunks
 from jaxserve.tools.hlo_text import Module, array_type
 from models.config import ModelConfig
@@ -66,16 +67,16 @@ def abstract_params(config: ModelConfig, weights: str):
 
 def _runner(spec: StepSpec, params) -> ModelRunner:
     # Two KV blocks: the runner's own cache is never used, the compile takes an abstract one.
+    # The program is the GPU's, spelled out: this machine's "auto" would resolve to its own.
     model = Model(config=spec.config, params=params, tokenizer=None, dtype="bfloat16",
                   source="abstract")
-    c, bs = spec.config, spec.block_size
-    return ModelRunner(
-        model, max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=max(spec.tokens,
-                                                                          spec.max_num_seqs),
-        block_size=bs, num_blocks=2, max_model_len=spec.max_model_len,
-        attention=backends.attention_backend("pallas", c, bs, "pallas"),
-        linear=backends.linear_backend("pallas"), unroll_layers=spec.unroll_layers,
-        branch_free_sampling=spec.branch_free_sampling)
+    return build_runner(model, RunnerSpec(
+        max_num_seqs=spec.max_num_seqs,
+        max_num_batched_tokens=max(spec.tokens, spec.max_num_seqs),
+        block_size=spec.block_size, num_blocks=2, max_model_len=spec.max_model_len,
+        program=StepProgram(attention_backend="pallas", linear_backend="pallas",
+                            unroll_layers=spec.unroll_layers,
+                            branch_free_sampling=spec.branch_free_sampling)))
 
 
 def step_report(spec: StepSpec) -> tuple[compiled_report.StepReport, dict]:

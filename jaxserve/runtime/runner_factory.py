@@ -1,0 +1,62 @@
+"""The one way to build a ModelRunner: `build_runner(model, spec)`.
+
+It prepares what the runner's step reads, as the spec's program says: the weights (repacked
+for the native CPU matmul, layers split when unrolled) and the backend objects (attention,
+linears, the tied LM head, the MoE experts' grouped matmul, each wrapped for tensor parallelism
+where it runs per shard). The engine, a draft model, the GPU step report and the profiling
+scripts all build their runner here, so that the same spec gives the same program everywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxserve.quantization.paths import activation_bits
+from jaxserve.runtime import backends
+from jaxserve.runtime.attention_backends import AttentionBackend
+from jaxserve.runtime.grouped_matmul import grouped_matmul_backend
+from jaxserve.runtime.runner import ModelRunner
+from jaxserve.runtime.runner_spec import RunnerSpec, StepProgram
+from jaxserve.runtime.sharding import TensorParallel
+from models.llama import unstack_layers
+from models.model import Model
+
+
+def prepare_weights(model: Model, program: StepProgram) -> Model:
+    """`model` with its params as `program`'s step reads them: quantized weights repacked for
+    the native CPU matmul (linear backend "cpu"), then, with unrolled layers, the stacked
+    layers split into per-layer trees (each array copied once). Params already prepared are
+    kept as they are: the engine prepares them before its KV plan, so that the plan sees the
+    replaced copies freed, and build_runner's own call then costs nothing."""
+    model = backends.prepare_params(program.linear_backend, model)
+    if program.unroll_layers:
+        model = dataclasses.replace(model, params=unstack_layers(model.params,
+                                                                 model.config.num_layers))
+    return model
+
+
+def build_runner(model: Model, spec: RunnerSpec, *, tp: TensorParallel | None = None,
+                 quantization: str | None = None,
+                 attention: AttentionBackend | None = None) -> ModelRunner:
+    """The runner for `spec`. model: as loaded and quantized (with tensor parallelism: heads
+    padded for `tp`, not yet placed; the runner places them). quantization: the path
+    `prepare_model` serves, whose activation bits pick the linears'. attention: an object to
+    run instead of the spec's backend (the profiling scripts' stubs, tests)."""
+    program = spec.program
+    if program.unroll_layers and tp is not None:
+        raise ValueError("unroll_layers runs on one device; tensor parallel keeps the layer "
+                         "loop")
+    model = prepare_weights(model, program)
+    kind, mc = program.linear_backend, model.config
+    if attention is None:
+        attention = backends.attention_backend(
+            program.attention_backend, mc, spec.block_size,
+            "auto" if program.attention_fallback else program.attention_backend)
+    linear = backends.linear_backend(kind, activation_bits(quantization))
+    # The MoE experts follow the linear backend: the Pallas kernel on GPU, XLA on CPU.
+    gmm = grouped_matmul_backend(kind) if mc.num_experts else None
+    if tp is not None and kind != "xla":  # the kernels run per shard
+        linear = tp.linear(linear)
+        gmm = tp.grouped_matmul(gmm) if gmm is not None else None
+    return ModelRunner(model, spec, attention=attention, linear=linear,
+                       head=backends.head_backend(kind), grouped_matmul=gmm, tp=tp)
