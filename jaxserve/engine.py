@@ -33,7 +33,7 @@ from jaxserve.core.sequence import Sequence, SequenceStatus
 from jaxserve.core.step_plan import StepPlan
 from jaxserve.faults import injector
 from jaxserve.runtime import multihost
-from jaxserve.runtime.runner import Pending
+from jaxserve.runtime.step_call import Pending
 from jaxserve.structured import StructuredRequests
 from jaxserve.telemetry import kv_accounting
 from jaxserve.telemetry.profiling import Profiler

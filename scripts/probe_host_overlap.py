@@ -110,7 +110,7 @@ def host_only(engine, repeats: int, steps: int = 100) -> str:
     """Main-thread CPU per engine step with the step's device call answered by the last real
     output: the scheduler, row preparation, sampling results and outputs, nothing else."""
     import jax
-    from jaxserve.runtime.runner import StepCall
+    from jaxserve.runtime.step_call import StepCall
     runner, last = engine.runner, {}
     real = runner.run
 

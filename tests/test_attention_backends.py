@@ -12,7 +12,7 @@ from jaxserve import EngineConfig, LLMEngine, SamplingParams
 from jaxserve.runtime.attention import ragged_attention_xla
 from jaxserve.runtime.attention_backends import PallasAttention, XlaAttention
 from jaxserve.runtime.backends import attention_backend
-from jaxserve.runtime.runner import StepCall
+from jaxserve.runtime.step_call import StepCall
 from jaxserve.runtime.runner_factory import build_runner
 from jaxserve.runtime.runner_spec import RunnerSpec
 from jaxserve.runtime.sharding import TensorParallel, make_mesh

@@ -18,7 +18,7 @@ from jaxserve.native.attention import ragged_paged_attention_cpu
 from jaxserve.runtime import kv_quant, step_layout
 from jaxserve.runtime.attention import ragged_attention_xla, write_kv
 from jaxserve.runtime.kv_cache import KVCache, PagedMeta, new_cache, plan_num_blocks
-from jaxserve.runtime.runner import _copy_blocks
+from jaxserve.runtime.step_call import copy_blocks as _copy_blocks
 from jaxserve.tools.kv_size import SCALE_BYTES as KV_SIZE_SCALE_BYTES, kv_size
 from models.llama import dense_causal_attention
 from pallas_kernels.paged_attention import paged_attention, paged_attention_reference

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jaxserve.runtime.runner import CopyCall, StepCall
+from jaxserve.runtime.step_call import CopyCall, StepCall
 from jaxserve.runtime.slot_state import SlotsCall
 
 log = logging.getLogger("jaxserve")

@@ -128,7 +128,7 @@ def kv_tile_blocks(block_size: int) -> int:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Layout:
-    """The host arrays of one step (see StepInputs in runner.py for what each becomes)."""
+    """The host arrays of one step (see StepInputs in step_call.py for what each becomes)."""
 
     tokens: np.ndarray        # [T] int32 (0 where PLACEHOLDER)
     feed: np.ndarray          # [T] bool: take the id from the device (the slot's last sample)
