@@ -24,7 +24,7 @@ with a reason); every section on its own (a failure is recorded and the rest sti
   kernel_tests       the kernel test suite compiled on the GPU (`pytest -m gpu`), where pytest
                      is installed
 
-Kernel inputs and tolerances are the kernel tests' own (tests/kernel_cases.py), at GPU sizes.
+Kernel inputs and tolerances are the kernel tests' own (pallas_kernels/cases.py), at GPU sizes.
 
     python scripts/gpu_check.py --out-dir $OUT [--gguf SmolLM2.gguf] [--time-budget 330]
     python scripts/gpu_check.py --dry-run --out-dir /tmp/gc    # CPU, interpret-mode kernels
@@ -54,15 +54,10 @@ import traceback
 import warnings
 import zlib
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
-# tests/ by path, not as the `tests` package: a site-packages `tests` package (some wheels ship
-# one) would shadow the repository's, which has no __init__.py.
-for _path in (REPO, REPO / "tests"):
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
+from pallas_kernels.cases import (ATTENTION_MODELS, ATTENTION_TOLERANCE, INT4_MODEL_SHAPES,
+                                  INT4_TOLERANCE)
 
-from kernel_cases import (ATTENTION_MODELS, ATTENTION_TOLERANCE,  # noqa: E402
-                          INT4_MODEL_SHAPES, INT4_TOLERANCE)
+REPO = pathlib.Path(__file__).resolve().parent.parent
 
 NOMINAL_BW = 4.3e12          # B/s, H200 device copy bandwidth measured on the H200 machine (docs/peers.md)
 NOMINAL_BF16_FLOPS = 790e12  # FLOP/s, H200 dense bf16 (docs/peers.md)
@@ -303,11 +298,11 @@ def context_lengths(batch: int, max_ctx: int, block: int, seed: int) -> list[int
 
 
 def attention_case(ctx: Ctx, model: str, block: int, batch: int) -> dict:
-    """The kernel tests' NaN-filled case (tests/kernel_cases.py) at GPU size, bf16, with L
+    """The kernel tests' NaN-filled case (pallas_kernels/cases.py) at GPU size, bf16, with L
     layers, all live, chosen so the cycled layers exceed 2x L2 (timed reads then come from
     HBM)."""
     import numpy as np
-    from kernel_cases import paged_case
+    from pallas_kernels.cases import paged_case
     key = (model, block, batch)
     if key in ctx.cases:
         return ctx.cases[key]
@@ -344,7 +339,7 @@ def ragged_step_case(ctx: Ctx, model: str, block: int, max_ctx: int, decode: int
     ragged case; layers cycled to exceed 2x L2 as attention_case does. cache_gib > 0: two
     layers and spare blocks until each of K and V exceeds that many GiB (not cached in ctx)."""
     import jax.numpy as jnp
-    from kernel_cases import ragged_case
+    from pallas_kernels.cases import ragged_case
     key = ("ragged", model, block, max_ctx, decode, dtype, cache_gib)
     if key in ctx.cases:
         return ctx.cases[key]
@@ -378,8 +373,8 @@ def int4_weights(ctx: Ctx, k: int, n: int) -> dict:
     dense baseline. Shared by every M of a (K, N)."""
     import jax
     import jax.numpy as jnp
-    from kernel_cases import int4_group_size
-    from kernel_cases import int4_weights as case_weights
+    from pallas_kernels.cases import int4_group_size
+    from pallas_kernels.cases import int4_weights as case_weights
     key = ("int4", k, n)
     if key in ctx.cases:
         return ctx.cases[key]
@@ -456,7 +451,7 @@ def check_int4(ctx: Ctx, model: str, k: int, n: int, m: int) -> dict:
     import jax.numpy as jnp
     import numpy as np
     from pallas_kernels.int4_matmul import int4_matmul, int4_matmul_reference
-    from kernel_cases import int4_error_bound
+    from pallas_kernels.cases import int4_error_bound
     c = int4_case(ctx, model, k, n, m)
     packed, scales, offsets = c["weights"][0]
     g = c["group_size"]

@@ -11,7 +11,7 @@ from jaxserve.core.sequence import SequenceStatus
 from test_scheduler import FakeModel, config, make_seq
 
 from models.random_init import random_model
-from tiny_models import TINY_GQA
+from jaxserve.testing.tiny_models import TINY_GQA
 
 
 def _seq(rid, prompt, max_tokens, priority):

@@ -18,7 +18,7 @@ import pytest
 from compile_guard import count_compiles
 from jaxserve import EngineConfig, LLMEngine, SamplingParams
 from jaxserve.core.sequence import PLACEHOLDER
-from tiny_chat import tiny_chat_model
+from jaxserve.testing.tiny_chat import tiny_chat_model
 
 EOS = 0  # the tiny tokenizer's <|endoftext|>
 STOP_IDS = tuple(range(40, 56))  # 16 ids: a 256-token random model samples one soon enough

@@ -9,7 +9,7 @@ from jaxserve import EngineConfig, LLMEngine, SamplingParams
 from jaxserve.core.sampling_params import MAX_STOP_IDS, SamplingParamError
 from jaxserve.core.sequence import PLACEHOLDER
 from models.random_init import random_model
-from tiny_models import TINY_GQA
+from jaxserve.testing.tiny_models import TINY_GQA
 
 BS = 4
 EOS = 7

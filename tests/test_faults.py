@@ -113,8 +113,8 @@ def test_env_switch_is_read_at_start(model, monkeypatch):
 def test_grammar_error_fails_only_its_request():
     from jaxserve import LLMEngine, SamplingParams
     from jaxserve.core.structured_outputs import StructuredOutputs
-    from tiny_chat import tiny_chat_model
-    from tiny_models import TINY_CHAT
+    from jaxserve.testing.tiny_chat import tiny_chat_model
+    from jaxserve.testing.tiny_models import TINY_CHAT
     chat = tiny_chat_model(seed=0)
     engine = LLMEngine(EngineConfig(
         model=chat.source, warmup=False, max_num_seqs=4, max_model_len=64,

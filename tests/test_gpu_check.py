@@ -20,7 +20,7 @@ from jaxserve.runtime.attention_backends import XlaAttention
 from jaxserve.runtime.kv_cache import KVCache
 from pallas_kernels.paged_attention import paged_attention_reference
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
-from tests.kernel_cases import attention_tolerance, paged_case, ragged_case
+from pallas_kernels.cases import attention_tolerance, paged_case, ragged_case
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "gpu_check.py"

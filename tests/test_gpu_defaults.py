@@ -14,7 +14,7 @@ from jaxserve.engine import LLMEngine
 from jaxserve.runtime import backends
 from models.checkpoint import save
 from models.random_init import random_model
-from tiny_models import TINY_GQA
+from jaxserve.testing.tiny_models import TINY_GQA
 
 GIB = 1 << 30
 # TINY_GQA with the Pallas kernel's head_dim, so that auto picks the kernel.

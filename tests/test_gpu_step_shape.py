@@ -10,7 +10,7 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.runtime import backends
 from models.llama import unstack_layers
 from models.random_init import random_model
-from tiny_models import TINY_GQA
+from jaxserve.testing.tiny_models import TINY_GQA
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """Int4 (W4A16) matmul: kernel vs jnp reference (interpreted, and compiled on a GPU: the
 `interpret` fixture), reference vs numpy, quantizer.
 
-Tolerances: tests/kernel_cases.py (INT4_TOLERANCE, shared with scripts/gpu_check.py).
+Tolerances: pallas_kernels/cases.py (INT4_TOLERANCE, shared with scripts/gpu_check.py).
 Grid: every (K, N) x group size x {symmetric, asymmetric} at M=7 in f32 and at M=16 in bf16 (K=576
 with g=128 is not a valid shape: 128 does not divide 576); every M x dtype x symmetry at
 (576, 1536, g=64). The full cross product (about 130 interpret runs) is left out for time.
@@ -21,7 +21,7 @@ from pallas_kernels.int4_matmul import (dequantize_int4, int4_matmul, int4_matmu
                                         unpack_int4)
 from tests import cuda_lowering
 from tests.cuda_lowering import lower_for_h200
-from tests.kernel_cases import (INT4_MODEL_SHAPES, int4_activations, int4_error_bound,
+from pallas_kernels.cases import (INT4_MODEL_SHAPES, int4_activations, int4_error_bound,
                                 int4_group_size, int4_weights)
 
 SHAPES = [(576, 1536), (1536, 576), (256, 512)]

@@ -25,7 +25,7 @@ from pallas_kernels.paged_attention import paged_attention, paged_attention_refe
 from pallas_kernels.ragged_paged_attention import (ragged_paged_attention,
                                                    ragged_paged_attention_reference)
 from tests.cuda_lowering import compile_for_h200, cuda_compiler_available, lower_for_h200
-from tests.kernel_cases import ATTENTION_MODELS, attention_tolerance, paged_case, quantize_kv_np
+from pallas_kernels.cases import ATTENTION_MODELS, attention_tolerance, paged_case, quantize_kv_np
 from test_backends import TINY, greedy
 from test_buckets_config import SMOLLM2
 from test_ragged_attention_xla import make_case, oracle

@@ -16,7 +16,7 @@ from jaxserve.runtime.backends import linear_backend
 from jaxserve.runtime.sharding import TensorParallel, make_mesh
 from models.llama import LINEAR_ROLES, Linear, dense_linear
 from models.random_init import random_model
-from tiny_models import TINY_GQA
+from jaxserve.testing.tiny_models import TINY_GQA
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 INT4 = QuantSpec(bits=4, granularity="group", group_size=32)

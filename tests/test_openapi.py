@@ -28,7 +28,7 @@ from jaxserve import EngineConfig, LLMEngine
 from jaxserve.server import EngineLoop, ServerConfig, create_app
 from jaxserve.server.openapi import openapi_document
 from test_server import CASES, C, H, MODEL
-from tiny_chat import tiny_chat_model
+from jaxserve.testing.tiny_chat import tiny_chat_model
 
 MAX_MODEL_LEN = 64  # short generations: the fuzz spends its time on requests, not decoding
 MAX_NUM_SEQS = 4

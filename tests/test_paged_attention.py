@@ -13,7 +13,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
 from tests.cuda_lowering import compile_for_h200, cuda_compiler_available, lower_for_h200
-from tests.kernel_cases import ATTENTION_MODELS, attention_tolerance, paged_case
+from pallas_kernels.cases import ATTENTION_MODELS, attention_tolerance, paged_case
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
@@ -24,7 +24,7 @@ LAYER = 1  # of 2; the other layer is all NaN, so reading the wrong layer shows
 
 def make_case(seed, *, dtype, block_size, group, head_dim, lens, num_pages, num_layers=2,
               fill_all_layers=False):
-    """tests/kernel_cases.py's NaN-filled case with NUM_KV_HEADS heads, context in LAYER."""
+    """pallas_kernels/cases.py's NaN-filled case with NUM_KV_HEADS heads, context in LAYER."""
     return paged_case(seed, dtype=dtype, block_size=block_size, num_kv_heads=NUM_KV_HEADS,
                       group=group, head_dim=head_dim, lens=lens, num_pages=num_pages,
                       num_layers=num_layers, live_layers=None if fill_all_layers else [LAYER])

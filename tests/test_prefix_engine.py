@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxserve import EngineConfig, LLMEngine, SamplingParams
-from tiny_models import TINY_GQA
+from jaxserve.testing.tiny_models import TINY_GQA
 from models.random_init import random_model
 
 TINY = TINY_GQA

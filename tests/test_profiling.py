@@ -16,7 +16,7 @@ from jax.profiler import ProfileData
 
 from jaxserve import EngineConfig, LLMEngine, SamplingParams
 from jaxserve.telemetry.profiling import Profiler, ProfilerError, scope_device_seconds
-from tiny_models import TINY_GQA
+from jaxserve.testing.tiny_models import TINY_GQA
 from models.random_init import random_model
 
 TINY = TINY_GQA

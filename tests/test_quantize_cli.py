@@ -8,7 +8,7 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.cli import main
 from models import load_model
 from models.checkpoint import save
-from tiny_models import TINY_TIED
+from jaxserve.testing.tiny_models import TINY_TIED
 from models.random_init import random_model
 
 TINY = TINY_TIED

@@ -16,7 +16,7 @@ import pytest
 from jaxserve import LLM, SamplingParams
 from jaxserve.runtime import backends
 from jaxserve.quantization.paths import activation_bits, prepare_model
-from tiny_models import TINY_TIED
+from jaxserve.testing.tiny_models import TINY_TIED
 from models.model import Model
 from models.random_init import random_model
 from test_gguf_native import TINY as GGUF_TINY

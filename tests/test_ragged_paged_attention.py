@@ -15,7 +15,7 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels.ragged_paged_attention import (ragged_paged_attention,
                                                    ragged_paged_attention_reference)
 from tests.cuda_lowering import compile_for_h200, cuda_compiler_available, lower_for_h200
-from tests.kernel_cases import ATTENTION_MODELS, attention_tolerance, ragged_case
+from pallas_kernels.cases import ATTENTION_MODELS, attention_tolerance, ragged_case
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
@@ -62,7 +62,7 @@ def case_id(case):
 
 def make_case(seed, *, dtype, block_size, group, head_dim, mix, extra_pages=1, num_layers=2,
               fill_all_layers=False):
-    """tests/kernel_cases.py's NaN-filled ragged case for a MIXES entry, context in LAYER."""
+    """pallas_kernels/cases.py's NaN-filled ragged case for a MIXES entry, context in LAYER."""
     spec = MIXES[mix] if isinstance(mix, str) else mix
     pages = max(-(-c // block_size) for _, c in spec["rows"]) + extra_pages
     return ragged_case(seed, dtype=dtype, block_size=block_size, num_kv_heads=NUM_KV_HEADS,

@@ -11,7 +11,7 @@ import sys
 
 from jaxserve.tools.workload import make_workload
 from models import checkpoint
-from tiny_models import TINY_GQA
+from jaxserve.testing.tiny_models import TINY_GQA
 from models.random_init import random_model
 
 REPO = pathlib.Path(__file__).resolve().parent.parent

@@ -16,7 +16,7 @@ import pytest
 import requests
 
 from models.checkpoint import save as save_orbax
-from tiny_chat import tiny_chat_model
+from jaxserve.testing.tiny_chat import tiny_chat_model
 
 MODEL = "tiny-chat"
 STARTUP_TIMEOUT_S = 240

@@ -1,11 +1,12 @@
 """The OpenAI-compatible server's HTTP behaviour, over real HTTP on 127.0.0.1.
 
-On a tiny random model with a real (tiny BPE) tokenizer and chat template (tests/tiny_chat.py):
-what is checked here is the protocol (validation, errors, streaming shape, usage, concurrency,
-aborts), which any model exercises. tests/test_server_real_model.py runs the official client
-against SmolLM2 itself. One engine (and one engine loop) per module; each test starts a
-waitress server on an ephemeral port in a thread and talks to it with the official `openai`
-client, or with raw `requests` where the point is the exact status and error body.
+On a tiny random model with a real (tiny BPE) tokenizer and chat template
+(jaxserve/testing/tiny_chat.py): what is checked here is the protocol (validation, errors,
+streaming shape, usage, concurrency, aborts), which any model exercises.
+tests/test_server_real_model.py runs the official client against SmolLM2 itself. One engine (and
+one engine loop) per module; each test starts a waitress server on an ephemeral port in a thread
+and talks to it with the official `openai` client, or with raw `requests` where the point is the
+exact status and error body.
 """
 
 import concurrent.futures as cf
@@ -19,8 +20,8 @@ import requests
 from jaxserve import EngineConfig, LLMEngine
 from jaxserve.server import EngineLoop, ServerConfig
 from http_server import serving
-from tiny_chat import tiny_chat_model
-from tiny_models import TINY_CHAT
+from jaxserve.testing.tiny_chat import tiny_chat_model
+from jaxserve.testing.tiny_models import TINY_CHAT
 
 MODEL = "tiny-chat"
 KEY = "test-key"

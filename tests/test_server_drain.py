@@ -1,6 +1,6 @@
 """`jaxserve serve` as a real process: SIGTERM drains in-flight streams, refuses new requests
-with 503, and exits 0. The process serves the tiny chat model (tests/tiny_chat.py) from an
-orbax save: what is checked is the process's signal handling, not the model."""
+with 503, and exits 0. The process serves the tiny chat model (jaxserve/testing/tiny_chat.py)
+from an orbax save: what is checked is the process's signal handling, not the model."""
 
 import json
 import os
@@ -14,7 +14,7 @@ import pytest
 import requests
 
 from models.checkpoint import save as save_orbax
-from tiny_chat import tiny_chat_model
+from jaxserve.testing.tiny_chat import tiny_chat_model
 
 MODEL = "tiny-chat"
 STARTUP_TIMEOUT_S = 240

@@ -13,7 +13,7 @@ from jaxserve import EngineConfig, LLMEngine
 import http_server
 from jaxserve.server import EngineLoop, ServerConfig
 from models.random_init import random_model
-from tiny_models import TINY_GQA
+from jaxserve.testing.tiny_models import TINY_GQA
 
 MODEL = "tiny"
 FAULTY_SEED = 13  # rows with this seed and a prompt starting with 9 fail inside the step

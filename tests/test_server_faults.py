@@ -21,8 +21,8 @@ from jaxserve.faults import EngineThreadDeath
 from jaxserve.server import EngineLoop, ServerConfig
 from jaxserve.server.engine_loop import WatchdogTimeout
 from http_server import serving
-from tiny_chat import tiny_chat_model
-from tiny_models import TINY_CHAT
+from jaxserve.testing.tiny_chat import tiny_chat_model
+from jaxserve.testing.tiny_models import TINY_CHAT
 
 MODEL = "tiny-chat"
 MAX_NUM_SEQS = 8

@@ -11,8 +11,8 @@ from jaxserve import EngineConfig, LLMEngine
 from jaxserve.server import EngineLoop, ServerConfig, create_app
 from jaxserve.server.errors import MAX_SHOWN_CHARS
 from test_server import CASES, MODEL
-from tiny_chat import tiny_chat_model
-from tiny_models import TINY_CHAT
+from jaxserve.testing.tiny_chat import tiny_chat_model
+from jaxserve.testing.tiny_models import TINY_CHAT
 
 CMP = "/v1/completions"
 WINDOW = MAX_SHOWN_CHARS + 8  # a repr's quotes and a field name's worth of slack

@@ -7,7 +7,7 @@ import pytest
 
 from jaxserve import EngineConfig, LLMEngine
 from jaxserve.server import EngineLoop, ServerConfig, create_app
-from tiny_models import TINY_GQA
+from jaxserve.testing.tiny_models import TINY_GQA
 from models.random_init import random_model
 
 TINY = TINY_GQA

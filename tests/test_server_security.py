@@ -13,8 +13,8 @@ from jaxserve import EngineConfig, LLMEngine
 from jaxserve.server import EngineLoop, ServerConfig, create_app
 from jaxserve.server import app as app_module
 from jaxserve.server.app import OPEN_ENDPOINTS
-from tiny_chat import tiny_chat_model
-from tiny_models import TINY_CHAT
+from jaxserve.testing.tiny_chat import tiny_chat_model
+from jaxserve.testing.tiny_models import TINY_CHAT
 
 KEY = "s3cret"
 

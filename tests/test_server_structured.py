@@ -15,7 +15,7 @@ from jaxserve import EngineConfig, LLMEngine
 from jaxserve.server import EngineLoop, ServerConfig
 from jaxserve.server.tools import StreamParser, parse_tool_calls
 from http_server import serving
-from tiny_chat import tiny_chat_model
+from jaxserve.testing.tiny_chat import tiny_chat_model
 
 TINY = "tiny-chat"
 CHAT = [{"role": "user", "content": "Name a colour."}]
@@ -210,7 +210,7 @@ def test_auto_parses_calls_the_model_writes(server, stream):
 def _prompt(template: str | None, **body) -> str:
     from jaxserve.server.config import ServerConfig
     from jaxserve.server.protocol import ModelInfo, parse_chat
-    from tiny_chat import tiny_tokenizer
+    from jaxserve.testing.tiny_chat import tiny_tokenizer
     tok = tiny_tokenizer()
     if template is not None:
         tok = tok.with_chat_template(template)

@@ -13,7 +13,7 @@ from scipy import stats as scipy_stats
 from jaxserve import LLM, SamplingParams
 from jaxserve.core.spec_decode import speculator as speculator_module
 from models.random_init import random_model
-from tiny_models import TINY_GQA
+from jaxserve.testing.tiny_models import TINY_GQA
 
 # Repetitive prompts, so the n-gram drafter finds matches; the last is plain.
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8, 9, 10, 11, 5, 6, 7],

@@ -8,7 +8,7 @@ import requests
 from jaxserve import EngineConfig, LLMEngine
 from jaxserve.server import EngineLoop, ServerConfig
 from http_server import serving
-from tiny_chat import tiny_chat_model
+from jaxserve.testing.tiny_chat import tiny_chat_model
 
 PROMPT = "a b c d a b c d a b c d a b c"
 

@@ -12,7 +12,7 @@ import pytest
 from jaxserve.core.sampling_params import SamplingParamError, SamplingParams
 from jaxserve.core.structured_outputs import StructuredOutputs
 from jaxserve.runtime.sampler import SamplingTensors, apply_token_bitmask, sample
-from structured_schemas import SCHEMAS
+from jaxserve.testing.structured_schemas import SCHEMAS
 
 
 # ---- the spec -------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ jnp references; the CUDA lowering of the windowed + capped kernels.
 
 The grid covers windows smaller than the context (1, 5, 12, 20), soft-cap on and off, block
 sizes that do not divide the window (8, 16 against 5, 12, 20), and splits / page steps that
-start inside the window. Unused pages hold NaN (tests/kernel_cases.py).
+start inside the window. Unused pages hold NaN (pallas_kernels/cases.py).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pallas_kernels.paged_attention import paged_attention, paged_attention_refe
 from pallas_kernels.ragged_paged_attention import (ragged_paged_attention,
                                                    ragged_paged_attention_reference)
 from tests.cuda_lowering import compile_for_h200, cuda_compiler_available, lower_for_h200
-from tests.kernel_cases import attention_tolerance, paged_case, ragged_case
+from pallas_kernels.cases import attention_tolerance, paged_case, ragged_case
 from tests.test_ragged_attention_xla import make_case as xla_case
 
 pytestmark = pytest.mark.filterwarnings(

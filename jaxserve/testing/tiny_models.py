@@ -12,6 +12,6 @@ TINY_TIED = ModelConfig(vocab_size=256, hidden_size=128, intermediate_size=256, 
                         tie_word_embeddings=True)
 
 # TINY_GQA's shapes with a longer context: the server tests' model, which carries the
-# 256-token tokenizer of tests/tiny_chat.py.
+# 256-token tokenizer of tiny_chat.py.
 TINY_CHAT = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
                         num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=1024)
