@@ -4,7 +4,6 @@ one GPU run we get is not wasted on a broken script."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -18,6 +17,8 @@ import pytest
 
 from jaxserve.runtime.attention_backends import XlaAttention
 from jaxserve.runtime.kv_cache import KVCache
+from jaxserve.tools.gpu_check import context, engine_bench, kernel_timings, profiles
+from jaxserve.tools.gpu_check.driver import parse_args
 from pallas_kernels.paged_attention import paged_attention_reference
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
 from pallas_kernels.cases import attention_tolerance, paged_case, ragged_case
@@ -137,14 +138,6 @@ def test_refuses_to_run_the_gpu_profile_without_a_gpu(tmp_path):
     assert "--dry-run" in proc.stderr
 
 
-def load_gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    gpu_check = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("gpu_check", gpu_check)  # its dataclasses look their module up
-    spec.loader.exec_module(gpu_check)
-    return gpu_check
-
-
 def engine_attention(q, k, v, meta, flat):
     """What the XlaAttention backend computes for the case's tokens on this layout, with a KV
     write of the values already in the cache (so the write changes nothing)."""
@@ -161,13 +154,12 @@ def test_xla_baseline_is_the_engines_ragged_attention_over_the_same_pages():
     """The timed XLA path reads the kernel's inputs through the engine's step layout (its
     (query, block) pair list); on caches without NaN (the engine's never hold any) it equals
     the reference and the XLA backend's own attention."""
-    gpu_check = load_gpu_check()
     q, k, v, table, lens = paged_case(3, dtype=jnp.float32, block_size=8, num_kv_heads=3,
                                       group=3, head_dim=64, lens=[1, 8, 9, 30, 0], num_pages=4)
     k, v = jnp.nan_to_num(k), jnp.nan_to_num(v)
-    meta, flat, in_use = gpu_check.xla_step_inputs(table, lens, 8)
+    meta, flat, in_use = kernel_timings.xla_step_inputs(table, lens, 8)
     assert in_use == 1 + 1 + 2 + 4 and meta.pairs.shape[1] >= in_use
-    out = gpu_check.xla_engine_attention()(q, k, v, jnp.int32(1), meta, flat)
+    out = kernel_timings.xla_engine_attention()(q, k, v, jnp.int32(1), meta, flat)
     ref = paged_attention_reference(q, k, v, 1, table, lens)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), **attention_tolerance("float32"))
     np.testing.assert_allclose(np.asarray(out), np.asarray(engine_attention(q, k, v, meta, flat)),
@@ -177,14 +169,13 @@ def test_xla_baseline_is_the_engines_ragged_attention_over_the_same_pages():
 def test_xla_baseline_takes_the_ragged_kernels_rows():
     """Decodes, multi-query rows (aligned by the layout), a padding row and unowned tokens of
     the ragged kernel's case: the baseline equals its reference and the XLA backend."""
-    gpu_check = load_gpu_check()
     rows = [(1, 5), (4, 20), (1, 1), (19, 40), (0, 0), (3, 3)]
     q, k, v, table, qs, lens = ragged_case(5, dtype=jnp.float32, block_size=8, num_kv_heads=3,
                                            group=3, head_dim=64, rows=rows, num_pages=5, tail=3)
     k, v = jnp.nan_to_num(k), jnp.nan_to_num(v)
-    meta, flat, _ = gpu_check.xla_step_inputs(table, lens, 8, qs, q.shape[0])
+    meta, flat, _ = kernel_timings.xla_step_inputs(table, lens, 8, qs, q.shape[0])
     assert bool(meta.multi.any())  # the chunked path runs
-    out = gpu_check.xla_engine_attention()(q, k, v, jnp.int32(1), meta, flat)
+    out = kernel_timings.xla_engine_attention()(q, k, v, jnp.int32(1), meta, flat)
     ref = ragged_paged_attention_reference(q, k, v, 1, table, qs, lens)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), **attention_tolerance("float32"))
     np.testing.assert_allclose(np.asarray(out), np.asarray(engine_attention(q, k, v, meta, flat)),
@@ -233,13 +224,12 @@ def test_plain_llm_defaults_run_and_step_dump_saved(dry_run):
 
 
 def test_budget_is_checked_between_cases_and_variants():
-    gpu_check = load_gpu_check()
-    args = gpu_check.parse_args(["--dry-run", "--time-budget", "0"])
-    ctx = gpu_check.Ctx(args, gpu_check.DRY_PROFILE)
+    args = parse_args(["--dry-run", "--time-budget", "0"])
+    ctx = context.Ctx(args, profiles.DRY_PROFILE)
     calls = []
-    rows, skipped = gpu_check.run_cases(ctx, [(1,), (2,)], lambda c, k: calls.append(k), "x")
+    rows, skipped = context.run_cases(ctx, [(1,), (2,)], lambda c, k: calls.append(k), "x")
     assert rows == [] and skipped == [[1], [2]] and calls == []
-    res = gpu_check.bench_model(ctx, "m", type("M", (), {"config": _Config()})(), "src")
+    res = engine_bench.bench_model(ctx, "m", type("M", (), {"config": _Config()})(), "src")
     assert [v["skipped"] for v in res["variants"]] == ["time budget exceeded"] * 2
 
 
