@@ -37,7 +37,7 @@ FAMILIES = {
     "smollm-ish": (8, 2, 576, 1536, (1, 8, 32, 256, 1024)),
     "qwen3moe-ish": (128, 8, 512, 192, (1, 8, 64, 256)),
 }
-SMALL = {"tiny": (8, 2, 64, 128, (1, 8, 256))}  # a smoke run (tests/test_bench_scripts.py)
+SMALL = {"tiny": (8, 2, 64, 128, (1, 8, 256))}  # a smoke run (tests/scripts/test_bench_scripts.py)
 
 
 def main(argv=None):

@@ -4,7 +4,7 @@ The float32 model with a float32 cache is the teacher. Each variant is the same 
 whose attention reads K and V as a cache of that dtype stores them: bf16-rounded, or int8 codes
 times their per (token, KV head) scale (jaxserve/runtime/kv_quant.py's rule). The engine with
 `kv_cache_dtype="int8"` computes exactly these logits up to float summation order: its greedy
-tokens equal this dense model's (tests/test_kv_int8.py, on tiny models over every attention
+tokens equal this dense model's (tests/kernels/test_kv_int8.py, on tiny models over every attention
 path, and on SmolLM2 for the XLA path). Scored on the quality report's held-out text
 (scripts/quant_heldout.txt): KL(float KV || variant) and top-1 agreement at every position,
 perplexity, and KV bytes per token (scales included).

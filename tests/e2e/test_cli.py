@@ -20,7 +20,7 @@ HOST_CORES = [()] + ([("--host-cores", "1")] if hasattr(os, "sched_getaffinity")
 
 @pytest.mark.parametrize("cores", HOST_CORES, ids=lambda c: "host-cores-1" if c else "default")
 def test_generate_chat_answers_like_hf(smollm2_path, cores):
-    # HF transformers' greedy answer on the same file (tests/test_smollm2_parity.py).
+    # HF transformers' greedy answer on the same file (tests/e2e/test_smollm2_parity.py).
     proc = run_cli("generate", "--chat", "What is the capital of France?", "--max-tokens", "24",
                    "--max-model-len", "256", "--max-num-seqs", "4", *cores)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -1,6 +1,6 @@
 """The official `openai` client against the real SmolLM2 over HTTP: the path a user runs.
 
-tests/test_server.py checks the protocol on a tiny model; here the point is the real model's
+tests/server/test_server.py checks the protocol on a tiny model; here the point is the real model's
 answers through it, so the engine skips warm-up and compiles only what these requests use.
 """
 
@@ -36,7 +36,7 @@ def test_completion_stream_and_chat_answer_on_smollm2(client):
     streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw)
                        if c.choices)
     assert streamed == out.choices[0].text
-    # HF transformers' greedy answer (tests/test_cli.py, tests/test_smollm2_parity.py).
+    # HF transformers' greedy answer (tests/e2e/test_cli.py, tests/e2e/test_smollm2_parity.py).
     chat = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}],
         max_tokens=24, temperature=0)

@@ -1,7 +1,7 @@
 """Speculative decoding on SmolLM2: greedy output with speculation equals greedy output
 without it, token for token, for 16 prompts, n-gram (two k) and a W8A8 SmolLM2 draft, with
 preemption forced by a small KV pool. (The engine without speculation is checked against the
-dense forward and HF elsewhere: tests/test_smollm2_parity.py.)"""
+dense forward and HF elsewhere: tests/e2e/test_smollm2_parity.py.)"""
 
 import pytest
 

@@ -25,7 +25,7 @@ from pallas_kernels.ragged_paged_attention import (ragged_paged_attention,
                                                    ragged_paged_attention_reference)
 from tests.cuda_lowering import compile_for_h200, cuda_compiler_available, lower_for_h200
 from pallas_kernels.cases import attention_tolerance, paged_case, ragged_case
-from tests.test_ragged_attention_xla import make_case as xla_case
+from tests.runtime.test_ragged_attention_xla import make_case as xla_case
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:The Pallas Triton backend is deprecated:DeprecationWarning")

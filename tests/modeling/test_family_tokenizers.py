@@ -11,7 +11,7 @@ from models.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.hf_ref
 
-TEMPLATES = pathlib.Path(__file__).resolve().parent / "chat_templates"
+TEMPLATES = pathlib.Path(__file__).resolve().parents[1] / "chat_templates"
 TEXT = ("The capital of France is Paris. Think step by step: 2 + 2 = 4. "
         "Hello! How are you today? I am fine, thank you. def add(a, b): return a + b\n") * 4
 FAMILIES = [

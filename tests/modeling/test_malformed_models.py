@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 REPO = TESTS.parent
 # Far below what a "huge dimension" allocation would need, well above what loading a tiny file
 # takes (jax and numpy are imported in the child: the hf loader reads tensors through flax).

@@ -173,7 +173,7 @@ def test_moe_ffn_backends_match_per_expert_numpy(kind, e, k, n, skew):
 
 def test_moe_ffn_backends_run_int8_experts():
     """w8a16 experts through each backend equal ragged_dot's int8 path (itself tested against
-    the dequantized weights in tests/test_moe_support.py)."""
+    the dequantized weights in tests/modeling/test_moe_support.py)."""
     from jaxserve.quantization.paths import INT8_CHANNEL
     from jaxserve.quantization.rtn import rtn_weight
     rng = np.random.default_rng(5)

@@ -35,7 +35,7 @@ PROMPTS = [[5, 17, 42, 3, 200, 7, 7, 7, 1], list(range(1, 150, 3)), [9]]
 GREEDY_PROMPTS = [[(7 * j + 3 * i) % 200 + 1 for i in range(n)]
                   for j, n in enumerate([9, 23, 40, 17, 33, 5, 48, 29, 12])]
 MAX_NEW = 8
-ATOL = 2e-4  # the llama/qwen2 HF tests' float32 tolerance (tests/test_model_hf.py)
+ATOL = 2e-4  # the llama/qwen2 HF tests' float32 tolerance (tests/modeling/test_model_hf.py)
 
 
 @pytest.fixture(scope="module")

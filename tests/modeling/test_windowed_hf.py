@@ -2,7 +2,7 @@
 
 Tiny random models made by transformers (tests/windowed_models.py): windows of 12 positions,
 shorter than the prompts, local and global layers both present, GQA. The dense forward's logits
-must equal HF's within the float32 tolerance of tests/test_model_hf.py.
+must equal HF's within the float32 tolerance of tests/modeling/test_model_hf.py.
 """
 
 import numpy as np
@@ -13,7 +13,7 @@ from windowed_models import NAMES, PROMPTS, WINDOW, windowed_reference
 
 pytestmark = pytest.mark.hf_ref
 
-ATOL = 2e-4  # as tests/test_model_hf.py: fp32 vs fp32, summation order only
+ATOL = 2e-4  # as tests/modeling/test_model_hf.py: fp32 vs fp32, summation order only
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """Quantized paths on a sliding-window, soft-capped model (the Gemma 2 shape of
 tests/tp_worker.py, random weights): the paged engine equals a dense greedy loop over the same
-quantized params and linear backend, per path, as tests/test_quantized_engine.py checks for
-Llama. The window (6) is shorter than the prompts."""
+quantized params and linear backend, per path, as tests/quantization/test_quantized_engine.py
+checks for Llama. The window (6) is shorter than the prompts."""
 
 import pytest
 

@@ -16,7 +16,7 @@ import textwrap
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 CORE_MODULES = sorted(f"jaxserve.core.{p.stem}" for p in (ROOT / "jaxserve" / "core").glob("*.py")
                       if p.stem != "__init__")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import ast
 import pathlib
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+REPO = pathlib.Path(__file__).resolve().parents[2]
 PACKAGES = ("jaxserve", "models", "pallas_kernels")
 # Modules whose loading runs pickles (or arbitrary code from data).
 BANNED_MODULES = {"pickle", "cPickle", "_pickle", "dill", "cloudpickle", "shelve", "joblib",

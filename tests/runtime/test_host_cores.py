@@ -35,7 +35,8 @@ print(json.dumps({"host": sorted(cores.host), "device": sorted(cores.device),
 def run(code: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env=env, timeout=120, cwd=os.path.dirname(os.path.dirname(__file__)))
+                          env=env, timeout=120,
+                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
 
 
 @needs_two

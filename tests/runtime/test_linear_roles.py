@@ -18,7 +18,7 @@ from models.llama import LINEAR_ROLES, Linear, dense_linear
 from models.random_init import random_model
 from jaxserve.testing.tiny_models import TINY_GQA
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 INT4 = QuantSpec(bits=4, granularity="group", group_size=32)
 INT8 = QuantSpec(bits=8, granularity="channel", symmetric=True)
 

@@ -1,5 +1,5 @@
 """The branch-free sampler (the GPU step's: selects instead of lax.cond) samples exactly what
-the conditional one does, which tests/test_sampler.py checks against numpy references, for
+the conditional one does, which tests/runtime/test_sampler.py checks against numpy references, for
 every mix of rows that takes a branch: penalties, min_tokens bans, greedy and random rows,
 top-k / top-p / min-p (within the candidate window and through the bisection), logprobs."""
 

@@ -26,8 +26,8 @@ from models.random_init import random_model
 # The `runs` fixture's worker has its own 900 s limit; it counts toward the first test using it.
 pytestmark = pytest.mark.timeout(1000)
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-WORKER = pathlib.Path(__file__).resolve().parent / "tp_worker.py"
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+WORKER = pathlib.Path(__file__).resolve().parents[1] / "tp_worker.py"
 
 
 def run_worker(jobs: dict, timeout=900) -> dict:

@@ -2,7 +2,7 @@
 weights): the same greedy tokens on 1 and 2 devices with the XLA path (sharding annotations)
 and with the Pallas kernel per shard (shard_map: the layer's window crosses it as a replicated
 scalar), and both equal to the dense oracle (the window applied in models/llama.py, itself
-checked against HF in tests/test_windowed_hf.py)."""
+checked against HF in tests/modeling/test_windowed_hf.py)."""
 
 import numpy as np
 import pytest

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-SCRIPT = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "profile_step.py"
+SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "profile_step.py"
 
 
 @pytest.fixture(scope="module")

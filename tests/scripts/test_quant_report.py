@@ -14,7 +14,7 @@ from models.random_init import random_model
 # K = 192 (group 64, as SmolLM2's 576) and K = 256 (group 128); 3 query heads per KV head.
 TINY = ModelConfig(vocab_size=256, hidden_size=192, intermediate_size=256, num_layers=2,
                    num_heads=6, num_kv_heads=2, head_dim=32, max_position_embeddings=256)
-SCRIPT = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "quant_report.py"
+SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "quant_report.py"
 
 
 @pytest.fixture(scope="module")

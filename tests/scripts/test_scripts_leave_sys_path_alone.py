@@ -11,7 +11,7 @@ import pathlib
 
 import pytest
 
-SCRIPTS = sorted((pathlib.Path(__file__).resolve().parent.parent / "scripts").glob("*.py"))
+SCRIPTS = sorted((pathlib.Path(__file__).resolve().parents[2] / "scripts").glob("*.py"))
 
 
 def path_changes(tree: ast.Module) -> list[str]:

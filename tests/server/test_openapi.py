@@ -41,7 +41,7 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 
 # Bad inputs the schema cannot express: they depend on the served model (its vocabulary and
 # context), on two fields together, or on the body's bytes before it is JSON. The validator
-# alone refuses these; each is still a 4xx (tests/test_server.py::test_validation).
+# alone refuses these; each is still a 4xx (tests/server/test_server.py::test_validation).
 SEMANTIC_ONLY = {
     "bad-json": "not JSON at all", "unknown-model": "the served model's name",
     "token-id-over-vocab": "the vocabulary size", "prompt-too-long": "the context length",

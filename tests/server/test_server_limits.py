@@ -1,5 +1,5 @@
-"""Per-request limits: every bad input of the server's table (tests/test_server.py CASES) and a
-few more limits get a clear 4xx in the OpenAI error shape, naming the field, and no error
+"""Per-request limits: every bad input of the server's table (tests/server/test_server.py CASES)
+and a few more limits get a clear 4xx in the OpenAI error shape, naming the field, and no error
 message echoes more of the client's input than a short repr (errors.MAX_SHOWN_CHARS). Flask's
 test client; nothing here generates, so no step compiles."""
 

@@ -23,7 +23,7 @@ from pallas_kernels.paged_attention import paged_attention_reference
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
 from pallas_kernels.cases import attention_tolerance, paged_case, ragged_case
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+REPO = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "gpu_check.py"
 # SmolLM2 (the served model) before the costlier 8B model.
 SECTIONS = ["environment", "bandwidth", "kernel_correctness", "kernel_timings",

@@ -14,7 +14,7 @@ from models import checkpoint
 from jaxserve.testing.tiny_models import TINY_GQA
 from models.random_init import random_model
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+REPO = pathlib.Path(__file__).resolve().parents[2]
 TINY = TINY_GQA
 
 

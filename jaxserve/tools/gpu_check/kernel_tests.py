@@ -16,9 +16,9 @@ REPO = pathlib.Path(__file__).resolve().parents[3]  # the checkout: jaxserve/too
 
 # test_kv_int8.py: both attention kernels reading an int8 KV cache (codes + scales);
 # test_grouped_matmul.py: the MoE experts' grouped matmul kernel.
-KERNEL_TESTS = ("tests/test_paged_attention.py", "tests/test_ragged_paged_attention.py",
-                "tests/test_int4_matmul.py", "tests/test_kv_int8.py",
-                "tests/test_grouped_matmul.py")
+KERNEL_TESTS = ("tests/kernels/test_paged_attention.py",
+                "tests/kernels/test_ragged_paged_attention.py", "tests/kernels/test_int4_matmul.py",
+                "tests/kernels/test_kv_int8.py", "tests/kernels/test_grouped_matmul.py")
 
 
 def section_kernel_tests(ctx: Ctx) -> dict:

@@ -61,7 +61,7 @@ def xla_engine_attention():
     the XlaAttention backend runs) on the kernel's inputs, less its KV write (the kernel does
     not write either, and a write into a cache that is not donated would copy all of it).
     Returns fn(q, k, v, layer, meta, flat_index) -> the case's tokens' outputs `[N, H, Dh]`;
-    tests/test_gpu_check.py checks it against ragged_attention_xla itself."""
+    tests/tools/test_gpu_check.py checks it against ragged_attention_xla itself."""
     import jax
     import jax.numpy as jnp
     from jaxserve.runtime import attention

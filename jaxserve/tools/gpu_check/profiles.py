@@ -100,7 +100,7 @@ DRY_PROFILE = Profile(
     e2e_batches=(2,), e2e_variants=(None, "int4"), prompt_len=20, new_tokens=6,
     max_model_len=64, ragged_cases=(("smollm2", 16, 64, 4),),
     # The large-cache case at a few MiB: the same code path; the > 4 GiB indexing itself is
-    # compiled deviceless in tests/test_ragged_paged_attention.py.
+    # compiled deviceless in tests/kernels/test_ragged_paged_attention.py.
     ragged_extra_cases=(("smollm2", 16, 64, 2, "float32", 0.0),
                         ("llama3_8b", 16, 64, 2, "bfloat16", 1 / 256)),
     defaults_prompts=2)
