@@ -31,12 +31,8 @@ import time
 
 import jax
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # this checkout's project, not the installed one
-    sys.path.insert(0, str(REPO))
-
-from jaxserve import EngineConfig, LLMEngine  # noqa: E402
-from jaxserve.tools.workload import make_workload, run_workload  # noqa: E402
+from jaxserve import EngineConfig, LLMEngine
+from jaxserve.tools.workload import make_workload, run_workload
 
 NAME = "ablate_block_size"
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)

@@ -13,16 +13,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import pathlib
-import sys
 import time
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
-for path in (REPO, REPO / "scripts"):  # this checkout's project, not the installed one
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
-
-from bench_throughput import batch1_prompt  # noqa: E402
+from bench_throughput import batch1_prompt
 
 
 def main(argv=None):

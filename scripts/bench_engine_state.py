@@ -17,17 +17,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 import types
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from jaxserve.core.sampling_params import SamplingParams  # noqa: E402
-from jaxserve.core.scheduler import Scheduler, SchedulerConfig  # noqa: E402
-from jaxserve.core.sequence import Sequence  # noqa: E402
-from jaxserve.server.engine_state import StateSampler, snapshot  # noqa: E402
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.core.scheduler import Scheduler, SchedulerConfig
+from jaxserve.core.sequence import Sequence
+from jaxserve.server.engine_state import StateSampler, snapshot
 
 
 def fake_engine(num_blocks: int, seqs: int, tokens: int, block_size: int = 16):
@@ -74,7 +70,7 @@ def run_decode(engine, sampler: StateSampler | None, num_seqs: int, tokens: int)
 
 
 def step_ratio(args) -> None:
-    import engine_state_fixtures as fx
+    from jaxserve.testing import engine_state as fx
     engine = fx.tiny_engine()
     run_decode(engine, None, fx.MAX_NUM_SEQS, 8)  # first-use costs out of the way
     without, with_ = [], []

@@ -12,22 +12,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import pathlib
 import statistics
-import sys
 import time
 
 import numpy as np
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+import jax
+import jax.numpy as jnp
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-from jaxserve.native.float_matmul import float_matmul_cpu  # noqa: E402
-from models.llama import dense_linear, tied_head  # noqa: E402
+from jaxserve.native.float_matmul import float_matmul_cpu
+from models.llama import dense_linear, tied_head
 
 # (K, N, transposed): the q/gate/up and down projections as [K, N]; the tied head as [V, D].
 SHAPES = ((576, 1536, False), (1536, 576, False), (576, 49152, True))

@@ -39,8 +39,6 @@ import time
 import numpy as np
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 BLOCK_SIZE = 16
 # Fields of the engine's step record that describe the batch, not where time went.
@@ -101,7 +99,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def model_config(size: str, max_len: int):
-    """Tiny: tests/tiny_models.py's TINY_GQA shapes. Medium: ~8M parameters, a 5-20 ms
+    """Tiny: jaxserve/testing/tiny_models.py's TINY_GQA shapes. Medium: ~8M parameters, a 5-20 ms
     decode step at 64 sequences on a 2-core CPU (most of it the linears)."""
     from models.config import ModelConfig
     ctx = max(256, 1 << (max_len - 1).bit_length())

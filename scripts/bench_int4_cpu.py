@@ -14,25 +14,19 @@ from __future__ import annotations
 
 import argparse
 import os
-import pathlib
 import statistics
-import sys
 import time
 
 import numpy as np
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+import jax
+import jax.numpy as jnp
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-from jaxserve.native.quant_matmul import quant_matmul_cpu  # noqa: E402
-from jaxserve.quantization.cpu_packed import pack_weight  # noqa: E402
-from jaxserve.quantization.linear import quantize_activations  # noqa: E402
-from models.quantized import Int4Weight, Int8Weight  # noqa: E402
-from pallas_kernels.int4_matmul import int4_matmul_reference, quantize_int4  # noqa: E402
+from jaxserve.native.quant_matmul import quant_matmul_cpu
+from jaxserve.quantization.cpu_packed import pack_weight
+from jaxserve.quantization.linear import quantize_activations
+from models.quantized import Int4Weight, Int8Weight
+from pallas_kernels.int4_matmul import int4_matmul_reference, quantize_int4
 
 SHAPES = ((576, 1536), (1536, 576), (576, 49152))
 

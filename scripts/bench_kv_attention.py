@@ -11,20 +11,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import pathlib
-import sys
 import time
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-from jaxserve.native.attention import ragged_paged_attention_cpu  # noqa: E402
-from jaxserve.runtime import kv_quant  # noqa: E402
+from jaxserve.native.attention import ragged_paged_attention_cpu
+from jaxserve.runtime import kv_quant
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 

@@ -17,22 +17,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import pathlib
-import sys
 import time
 
-if __name__ == "__main__":
-    _path = pathlib.Path(__file__).resolve().parent.parent
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-from jaxserve.runtime.grouped_matmul import cpu_tile_rows, tiled_gmm  # noqa: E402
-from models.moe import moe_ffn, ragged_gmm  # noqa: E402
-from pallas_kernels.grouped_matmul import num_items  # noqa: E402
+from jaxserve.runtime.grouped_matmul import cpu_tile_rows, tiled_gmm
+from models.moe import moe_ffn, ragged_gmm
+from pallas_kernels.grouped_matmul import num_items
 
 # A tiled way whose gathered weights ([items, D, F] float32) pass this is not run: at tm = 1
 # and prefill sizes they take gigabytes (the machine is shared).
@@ -44,7 +37,7 @@ FAMILIES = {
     "smollm-ish": (8, 2, 576, 1536, (1, 8, 32, 256, 1024)),
     "qwen3moe-ish": (128, 8, 512, 192, (1, 8, 64, 256)),
 }
-SMALL = {"tiny": (8, 2, 64, 128, (1, 8, 256))}  # a smoke run (tests/test_bench_scripts.py)
+SMALL = {"tiny": (8, 2, 64, 128, (1, 8, 256))}  # a smoke run (tests/scripts/test_bench_scripts.py)
 
 
 def main(argv=None):

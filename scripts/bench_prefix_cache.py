@@ -29,8 +29,6 @@ import time
 
 import numpy as np
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 TOKEN_RANGE = (100, 40000)  # ordinary tokens, no specials
 
 

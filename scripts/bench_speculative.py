@@ -29,9 +29,6 @@ import statistics
 import sys
 import time
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
 CODE = '''def merge_sorted(a, b):
     out, i, j = [], 0, 0
     while i < len(a) and j < len(b):

@@ -33,8 +33,6 @@ import tempfile
 import time
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 MARKER = "BENCH_STARTUP_JSON "
 TARGET_WARM_S = 10.0

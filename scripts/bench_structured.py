@@ -12,8 +12,9 @@ requests run alternately in the same process, `--rounds` times each:
 
 Step time is the wall time of `LLMEngine.step()` over decode-only steps (all 16 decoding);
 "mask fill" is the host time llguidance spends filling the 16 rows' bitmasks per step.
-Compile time: a fresh compiler (no cache) compiles each of tests/structured_schemas.py's
-schemas in turn; the tokenizer's token trie is built once per engine and reported apart.
+Compile time: a fresh compiler (no cache) compiles each of
+jaxserve/testing/structured_schemas.py's schemas in turn; the tokenizer's token trie is built
+once per engine and reported apart.
 
     .venv/bin/python scripts/bench_structured.py --md docs/bench_structured.md \
         --out docs/bench_structured.json
@@ -31,13 +32,9 @@ import statistics
 import sys
 import time
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(1, str(REPO / "tests"))  # the schemas of the structured-output tests
-
-from jaxserve import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from jaxserve.core.grammar import GrammarCompiler  # noqa: E402
-from jaxserve.core.structured_outputs import StructuredOutputs  # noqa: E402
+from jaxserve import EngineConfig, LLMEngine, SamplingParams
+from jaxserve.core.grammar import GrammarCompiler
+from jaxserve.core.structured_outputs import StructuredOutputs
 
 LONG_STRING = {"type": "object", "required": ["story"], "additionalProperties": False,
                "properties": {"story": {"type": "string", "minLength": 2000}}}
@@ -113,7 +110,7 @@ def sampler_cost(vocab: int, rows: int, iters: int = 30) -> dict:
 
 
 def compile_times(engine: LLMEngine) -> dict:
-    from structured_schemas import SCHEMAS
+    from jaxserve.testing.structured_schemas import SCHEMAS
     tok = engine.model.tokenizer
     t = time.perf_counter()
     fresh = GrammarCompiler(tok.to_json(), vocab_size=engine.model.config.vocab_size,
@@ -191,8 +188,8 @@ def markdown(r: dict) -> str:
               f"({sm['with mask'] / sm['without mask']:.2f}x)."]
     c = r["compile"]
     lines += ["", f"Grammar compile (llguidance, {c['schemas']} JSON schemas of "
-              f"tests/structured_schemas.py, no cache): mean {c['mean_ms']:.2f} ms, median "
-              f"{c['median_ms']:.2f} ms, max {c['max_ms']:.2f} ms; a cached schema "
+              f"jaxserve/testing/structured_schemas.py, no cache): mean {c['mean_ms']:.2f} ms, "
+              f"median {c['median_ms']:.2f} ms, max {c['max_ms']:.2f} ms; a cached schema "
               f"{c['cached_ms']:.3f} ms; the token trie, once per engine: {c['trie_s']:.2f} s.",
               "", "Command: `" + " ".join(["scripts/bench_structured.py"] + sys.argv[1:]) + "`",
               ""]

@@ -28,14 +28,10 @@ import time
 
 import numpy as np
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
-# This checkout's jaxserve, not whichever one the environment's editable install points at: a
-# benchmark run from a worktree of an old commit must measure that commit.
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from jaxserve.config import KV_CACHE_DTYPES
+from jaxserve.tools.workload import TOKEN_RANGE, make_workload  # as `jaxserve bench`
 
-from jaxserve.config import KV_CACHE_DTYPES  # noqa: E402
-from jaxserve.tools.workload import TOKEN_RANGE, make_workload  # noqa: E402  (as `jaxserve bench`)
+REPO = pathlib.Path(__file__).resolve().parent.parent
 LLAMA_CPP_PAPER_FIGURE = 71.3  # docs/peers.md: default build of llama-cpp-python 0.3.36, batch 1
 
 

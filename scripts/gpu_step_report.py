@@ -23,12 +23,9 @@ import os
 import pathlib
 import sys
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # this checkout's project, not the installed one
-    sys.path.insert(0, str(REPO))
-PLUGIN = REPO / ".cuda-plugin"  # scripts/setup.sh --test installs the compiler plugin here
-if PLUGIN.is_dir():
-    sys.path.insert(0, str(PLUGIN))
+from jaxserve.tools import cuda_plugin
+
+cuda_plugin.use_setup_plugin()  # before jax is imported: jax looks for plugins then
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only: no GPU needed (or used)
 
 import warnings  # noqa: E402

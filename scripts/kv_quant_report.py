@@ -4,12 +4,12 @@ The float32 model with a float32 cache is the teacher. Each variant is the same 
 whose attention reads K and V as a cache of that dtype stores them: bf16-rounded, or int8 codes
 times their per (token, KV head) scale (jaxserve/runtime/kv_quant.py's rule). The engine with
 `kv_cache_dtype="int8"` computes exactly these logits up to float summation order: its greedy
-tokens equal this dense model's (tests/test_kv_int8.py, on tiny models over every attention
+tokens equal this dense model's (tests/kernels/test_kv_int8.py, on tiny models over every attention
 path, and on SmolLM2 for the XLA path). Scored on the quality report's held-out text
 (scripts/quant_heldout.txt): KL(float KV || variant) and top-1 agreement at every position,
 perplexity, and KV bytes per token (scales included).
 
-    PYTHONPATH=$PWD .venv/bin/python scripts/kv_quant_report.py     # docs/kv_quant_report.*
+    .venv/bin/python scripts/kv_quant_report.py     # docs/kv_quant_report.*
 """
 
 from __future__ import annotations
@@ -21,20 +21,17 @@ import shlex
 import sys
 import time
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.quantization.calibration import from_text
+from jaxserve.runtime import kv_quant
+from jaxserve.runtime.kv_cache import bytes_per_token
+from models.llama import Llama, dense_causal_attention
+from quant_report import HELDOUT, batch_metrics, environment  # scripts/quant_report.py
+
 REPO = pathlib.Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-from jaxserve.quantization.calibration import from_text  # noqa: E402
-from jaxserve.runtime import kv_quant  # noqa: E402
-from jaxserve.runtime.kv_cache import bytes_per_token  # noqa: E402
-from models.llama import Llama, dense_causal_attention  # noqa: E402
-from scripts.quant_report import HELDOUT, batch_metrics, environment  # noqa: E402
-
 KV_DTYPES = ("float32", "bfloat16", "int8")
 
 

@@ -26,13 +26,9 @@ import threading
 import time
 from pathlib import Path
 
+import requests
+
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # this checkout's project, not the installed one
-    sys.path.insert(0, str(REPO))
-sys.path.insert(1, str(REPO / "tests"))  # tiny_chat: the random model with a real tokenizer
-
-import requests  # noqa: E402
-
 LISTENING = re.compile(r"listening on (http://\S+)")
 
 
@@ -142,7 +138,7 @@ def _build_engine(args):
     if args.model != "tiny":
         return LLMEngine(EngineConfig(model=args.model, **common)), args.model
     from models.model import enable_compilation_cache
-    from tiny_chat import tiny_chat_model
+    from jaxserve.testing.tiny_chat import tiny_chat_model
     enable_compilation_cache()  # load_model does this for named models; a restart reuses it
     model = tiny_chat_model(seed=0)
     kv = 4 * args.max_num_seqs * args.max_model_len * model.config.kv_bytes_per_token(4)

@@ -27,13 +27,7 @@ import os
 import pathlib
 import pstats
 import statistics
-import sys
 import time
-
-REPO = pathlib.Path(__file__).resolve().parent.parent
-for _path in (REPO, REPO / "scripts"):
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
 
 
 def engine_in_steady_decode(n: int, steps: int, output_kind: str = "CUMULATIVE"):

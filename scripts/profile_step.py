@@ -23,18 +23,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import pathlib
 import statistics
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-REPO = pathlib.Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # this checkout's project, not the installed one
-    sys.path.insert(0, str(REPO))
 
 from jaxserve.runtime import buckets, step_layout
 from jaxserve.runtime.attention import write_kv

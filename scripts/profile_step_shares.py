@@ -30,17 +30,11 @@ import os
 import pathlib
 import re
 import statistics
-import sys
 import tempfile
 import time
 
 import jax
 import numpy as np
-
-REPO = pathlib.Path(__file__).resolve().parent.parent
-for p in (str(REPO), str(REPO / "scripts")):
-    if p not in sys.path:  # this checkout's project and profile_step, not the installed ones
-        sys.path.insert(0, p)
 
 import profile_step  # noqa: E402
 from jaxserve.quantization.paths import prepare_model  # noqa: E402

@@ -30,22 +30,19 @@ import shlex
 import sys
 import time
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-from jaxserve.quantization import QuantSpec, dequantize_weight, is_quantized  # noqa: E402
-from jaxserve.quantization.awq import awq_scale  # noqa: E402
-from jaxserve.quantization.calibration import Calibration, from_text, load_calibration  # noqa
-from jaxserve.quantization.gptq import GPTQConfig, gptq_quantize  # noqa: E402
-from jaxserve.quantization.layerwise import (LINEARS, LayerForward, embed, layer_slice,  # noqa
+from jaxserve.quantization import QuantSpec, dequantize_weight, is_quantized
+from jaxserve.quantization.awq import awq_scale
+from jaxserve.quantization.calibration import Calibration, from_text, load_calibration
+from jaxserve.quantization.gptq import GPTQConfig, gptq_quantize
+from jaxserve.quantization.layerwise import (LINEARS, LayerForward, embed, layer_slice,
                                              rtn_params, spec_for)
-from models.llama import Llama, dense_linear  # noqa: E402
+from models.llama import Llama, dense_linear
 
+REPO = pathlib.Path(__file__).resolve().parent.parent
 HELDOUT = REPO / "scripts" / "quant_heldout.txt"
 INT4 = QuantSpec(4, "group", 128)               # asymmetric, zero point per group
 INT8 = QuantSpec(8, "channel", symmetric=True)  # what int8 x int8 dots want (no zero point)

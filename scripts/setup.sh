@@ -75,7 +75,7 @@ if [ "$WITH_TEST" = 1 ]; then
     if [ -d .cuda-plugin/jax_plugins ]; then echo "$JAXVER" > .cuda-plugin/.version
     else echo "setup: CUDA compiler plugin unavailable; the deviceless compile tests will skip" >&2; fi
   fi
-  # Headless Chromium for the web page's browser tests (tests/test_webui.py), driven by
+  # Headless Chromium for the web page's browser tests (tests/server/test_webui.py), driven by
   # Playwright (installed with .[dev]): Debian's package, as Playwright's own browser download
   # is not reachable from every machine.
   if [ ! -x /usr/bin/chromium ]; then

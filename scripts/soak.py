@@ -29,16 +29,11 @@ import threading
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # this checkout's project, not the installed one
-    sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import numpy as np
+import psutil
 
-import numpy as np  # noqa: E402
-import psutil  # noqa: E402
-
-from load_client import random_prompt, stream_completion  # noqa: E402
-from loopback_server import ServerSpec, engine_gauges, start, wait_idle  # noqa: E402
+from load_client import random_prompt, stream_completion
+from loopback_server import ServerSpec, engine_gauges, start, wait_idle
 
 COLUMNS = ("t_s", "rss_mib", "kv_blocks_in_use", "running", "waiting", "client_in_flight",
            "completed", "failed", "p50_s", "p99_s")

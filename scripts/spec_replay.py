@@ -20,16 +20,11 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import sys
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "scripts"))
-sys.path.insert(0, str(REPO))
-
-from jaxserve.core.sequence import Sequence  # noqa: E402
-from jaxserve.core.spec_decode.config import SpeculativeConfig  # noqa: E402
-from jaxserve.core.spec_decode.speculator import Speculator  # noqa: E402
-from jaxserve.spec_engine import ngram_batch_proposer  # noqa: E402
+from jaxserve.core.sequence import Sequence
+from jaxserve.core.spec_decode.config import SpeculativeConfig
+from jaxserve.core.spec_decode.speculator import Speculator
+from jaxserve.spec_engine import ngram_batch_proposer
 
 
 class _Params:

@@ -13,18 +13,13 @@ postprocess and wait ms (StepStats). Overrides are strings: `layer_loop=unrolled
 from __future__ import annotations
 
 import os
-import pathlib
 import statistics
 import sys
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "scripts"))
-sys.path.insert(0, str(REPO))
-
-import bench_speculative as bs  # noqa: E402
-from jaxserve import LLM, SamplingParams  # noqa: E402
-from jaxserve.telemetry.step_stats import timed_steps  # noqa: E402
-from models import load_model  # noqa: E402
+import bench_speculative as bs
+from jaxserve import LLM, SamplingParams
+from jaxserve.telemetry.step_stats import timed_steps
+from models import load_model
 
 
 def main(argv: list[str]) -> None:

@@ -29,13 +29,8 @@ import threading
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # this checkout's project, not the installed one
-    sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from load_client import WORDS, random_prompt, stream_completion  # noqa: E402
-from loopback_server import ServerSpec, start, wait_idle  # noqa: E402
+from load_client import WORDS, random_prompt, stream_completion
+from loopback_server import ServerSpec, start, wait_idle
 
 
 def make_body(rng: random.Random, model: str, max_tokens: int) -> dict:

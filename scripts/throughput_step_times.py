@@ -12,18 +12,13 @@ from __future__ import annotations
 
 import collections
 import os
-import pathlib
 import sys
 import time
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "scripts"))
-sys.path.insert(0, str(REPO))
-
-import bench_throughput as bt  # noqa: E402
-from jaxserve import SamplingParams  # noqa: E402
-from jaxserve.telemetry.step_stats import timed_steps  # noqa: E402
-from jaxserve.tools.workload import make_workload  # noqa: E402
+import bench_throughput as bt
+from jaxserve import SamplingParams
+from jaxserve.telemetry.step_stats import timed_steps
+from jaxserve.tools.workload import make_workload
 
 
 def rows_bucket(rows: int) -> str:

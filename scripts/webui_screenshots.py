@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import threading
 import time
 from pathlib import Path
@@ -20,13 +19,9 @@ from pathlib import Path
 import requests
 from playwright.sync_api import sync_playwright
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from jaxserve import EngineConfig, LLMEngine  # noqa: E402
-from jaxserve.server import EngineLoop, ServerConfig, create_app, make_server  # noqa: E402
-from models.registry import model_path  # noqa: E402
+from jaxserve import EngineConfig, LLMEngine
+from jaxserve.server import EngineLoop, ServerConfig, create_app, make_server
+from models.registry import model_path
 
 SYSTEM = ("You are a helpful assistant for engineers who run language models. Answer in two "
           "or three short sentences, plainly, without lists. Prefer concrete numbers.")

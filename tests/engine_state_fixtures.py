@@ -1,5 +1,5 @@
-"""A tiny engine with several KV blocks per request and prefix caching, served over HTTP with
-an API key: shared by the engine-state endpoint tests and the browser tests of the web page."""
+"""The tiny engine of jaxserve/testing/engine_state.py served over HTTP with an API key:
+shared by the engine-state endpoint tests and the browser tests of the web page."""
 
 from __future__ import annotations
 
@@ -9,28 +9,15 @@ import time
 
 import requests
 
-from jaxserve import EngineConfig, LLMEngine
 from jaxserve.server import EngineLoop, ServerConfig
+# The engine and its sizes, as the tests read them (fx.tiny_engine, fx.BLOCK_SIZE, ...).
+from jaxserve.testing.engine_state import BLOCK_SIZE, MAX_NUM_SEQS, tiny_engine  # noqa: F401
 from http_server import serving
-from tiny_chat import tiny_chat_model
-from tiny_models import TINY_CHAT
 
 MODEL = "tiny-chat"
 KEY = "state-key"
-MAX_NUM_SEQS = 4
-MAX_MODEL_LEN = 128
-BLOCK_SIZE = 16  # 8 blocks for a full-length request: a block map with something to show
 # A prompt of several full blocks: a second request with it hits the prefix cache.
 SHARED_PREFIX = " ".join(["the quick brown fox jumps over the lazy dog"] * 3)
-
-
-def tiny_engine() -> LLMEngine:
-    model = tiny_chat_model(seed=0)
-    kv = 3 * MAX_NUM_SEQS * MAX_MODEL_LEN * TINY_CHAT.kv_bytes_per_token(4)
-    return LLMEngine(EngineConfig(model=model.source, warmup=True, max_num_seqs=MAX_NUM_SEQS,
-                                  max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=64,
-                                  block_size=BLOCK_SIZE, kv_cache_memory=kv,
-                                  enable_prefix_caching=True), model=model)
 
 
 def start_loop(engine, **kw) -> EngineLoop:

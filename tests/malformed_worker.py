@@ -1,6 +1,6 @@
 """Loads each model file named on stdin and prints what happened, one JSON line per file.
 
-Run by tests/test_malformed_models.py in a child process under an address-space cap
+Run by tests/modeling/test_malformed_models.py in a child process under an address-space cap
 (RLIMIT_AS, set by the parent before this starts): a loader that tries a huge allocation gets a
 MemoryError here instead of swapping the machine, a crash shows as the child's exit status,
 and a hang as its timeout. Input: JSON list of {"kind": "gguf" | "hf" | "config", "path"}.

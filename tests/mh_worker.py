@@ -1,4 +1,4 @@
-"""One of two processes of a multi-host run on loopback (tests/test_tensor_parallel.py).
+"""One of two processes of a multi-host run on loopback (tests/runtime/test_tensor_parallel.py).
 
 `python tests/mh_worker.py PROCESS_ID PORT`: each process has one CPU device; the two form a
 tensor-parallel mesh of 2 through jax.distributed (gloo collectives). Process 0 schedules and

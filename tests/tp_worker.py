@@ -1,4 +1,5 @@
-"""Tensor-parallel runs in a fresh process with 8 host devices (tests/test_tensor_parallel.py).
+"""Tensor-parallel runs in a fresh process with 8 host devices
+(tests/runtime/test_tensor_parallel.py).
 
 XLA's device count is fixed when JAX starts, and the rest of the suite runs with one device, so
 the tests start this script, which runs the cases it is given and prints one JSON line.
@@ -30,7 +31,7 @@ MOE = ModelConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_la
                   num_heads=16, num_kv_heads=8, head_dim=64, max_position_embeddings=256,
                   architecture="mixtral", num_experts=4, num_experts_per_tok=2,
                   moe_intermediate_size=128, norm_topk_prob=True)
-# Gemma 2's attention (tests/test_windowed_tp.py): a local layer with a window shorter than
+# Gemma 2's attention (tests/runtime/test_windowed_tp.py): a local layer with a window shorter than
 # the prompts, a global one, soft-caps and query_pre_attn_scalar; head_dim 64 for the kernel.
 GEMMA2 = ModelConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=2,
                      num_heads=4, num_kv_heads=2, head_dim=64, max_position_embeddings=256,

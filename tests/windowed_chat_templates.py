@@ -1,5 +1,6 @@
 """The real chat templates of the windowed families (as their tokenizer_config.json files ship
-them) and the special tokens they use, for tiny test tokenizers (tests/test_windowed_chat.py).
+them) and the special tokens they use, for tiny test tokenizers
+(tests/modeling/test_windowed_chat.py).
 
 Gemma 2 (google/gemma-2-*-it, the same as gemma-7b-it), Gemma 3 (google/gemma-3-*-it: system
 text folded into the first user turn, content lists of parts), Mistral 7B Instruct v0.1.

@@ -32,7 +32,7 @@ HTTP_ERROR_TYPES = {404: "not_found_error", 405: "invalid_request_error",
                     413: "invalid_request_error"}
 # The only routes served without the API key when one is set: liveness for a supervisor and
 # the web page's static files (which hold no data). Every other route, including any added
-# later, needs the key: default deny (tests/test_server_security.py walks the url_map).
+# later, needs the key: default deny (tests/server/test_server_security.py walks the url_map).
 OPEN_ENDPOINTS = frozenset({"health", "index", "ui_file"})
 
 

@@ -5,7 +5,7 @@ draft 2020-12, which OpenAPI 3.1 uses as is), and it is already what the OpenAI 
 library describes these bodies with. These models describe; they do not validate requests.
 server/protocol.py stays the authority for what a request means (it checks what a schema
 cannot: prompt length against the model, token ids against the vocabulary, cross-field
-rules), and tests/test_openapi.py checks that the two agree on the bad-input table.
+rules), and tests/server/test_openapi.py checks that the two agree on the bad-input table.
 
 Unknown fields are allowed (OpenAI clients send fields this server ignores), so every model is
 `extra="allow"`. Limits come from the same constants the validator reads.

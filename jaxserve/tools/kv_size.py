@@ -20,7 +20,7 @@ from models.config import ModelConfig
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8": 1, "int8": 1}
 # Bytes per (token, KV head) of K and again of V besides the elements: the int8 cache's float32
 # scales (jaxserve/runtime/kv_quant.py SCALE_BYTES; no jax here, so the number is repeated and
-# tests/test_kv_int8.py checks the two agree).
+# tests/kernels/test_kv_int8.py checks the two agree).
 SCALE_BYTES = {"int8": 4}
 
 

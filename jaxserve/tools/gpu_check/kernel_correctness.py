@@ -1,0 +1,98 @@
+"""Section `kernel_correctness`: paged attention (decode and ragged) and the int4 matmul on the
+device against their jax.numpy references, within the kernel tests' tolerances; plus an f32
+ragged step and one over a > 4 GiB cache (Pallas indexes it with 64-bit offsets)."""
+
+from __future__ import annotations
+
+import gc
+
+from jaxserve.tools.gpu_check.context import Ctx, run_cases
+from jaxserve.tools.gpu_check.kernel_inputs import attention_case, int4_case, ragged_step_case
+from pallas_kernels.cases import ATTENTION_TOLERANCE, INT4_TOLERANCE
+
+
+def check_attention(ctx: Ctx, model: str, block: int, batch: int) -> dict:
+    import jax.numpy as jnp
+    import numpy as np
+    from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
+    c = attention_case(ctx, model, block, batch)
+    layer = jnp.int32(c["layers"] - 1)
+    args = (c["q"], c["k"], c["v"], layer, c["page_table"], c["context_lens"])
+    out = np.asarray(paged_attention(*args, interpret=ctx.prof.interpret), np.float32)
+    ref = np.asarray(paged_attention_reference(*args), np.float32)
+    tol = ATTENTION_TOLERANCE["bfloat16"]
+    err = np.abs(out - ref)
+    finite = bool(np.isfinite(out).all())
+    ok = finite and bool(np.all(err <= tol["atol"] + tol["rtol"] * np.abs(ref)))
+    return {**c["desc"], "dtype": "bfloat16", "finite": finite,
+            "max_abs_err": float(np.nanmax(err)) if finite else float("nan"),
+            "max_rel_err": float(np.nanmax(err / np.maximum(np.abs(ref), tol["atol"]))),
+            "max_abs_ref": float(np.max(np.abs(ref))), "tolerance": tol, "within_tol": ok}
+
+
+def check_ragged(ctx: Ctx, model: str, block: int, max_ctx: int, decode: int,
+                 dtype: str = "bfloat16", cache_gib: float = 0.0) -> dict:
+    """The kernel vs its reference on one step; cache_gib > 0 builds a cache over that size
+    (Pallas indexes it with 64-bit offsets above 4 GiB) and frees it afterwards."""
+    import jax.numpy as jnp
+    import numpy as np
+    from pallas_kernels.ragged_paged_attention import (ragged_paged_attention,
+                                                       ragged_paged_attention_reference)
+    c = ragged_step_case(ctx, model, block, max_ctx, decode, dtype, cache_gib)
+    q, k, v, table, qs, lens = c["args"]
+    args = (q, k, v, jnp.int32(c["layers"] - 1), table, qs, lens)
+    out = np.asarray(ragged_paged_attention(*args, interpret=ctx.prof.interpret), np.float32)
+    ref = np.asarray(ragged_paged_attention_reference(*args), np.float32)
+    ragged_desc = c["desc"]
+    del c, q, k, v, args
+    tol = ATTENTION_TOLERANCE[dtype]
+    err = np.abs(out - ref)
+    finite = bool(np.isfinite(out).all())
+    ok = finite and bool(np.all(err <= tol["atol"] + tol["rtol"] * np.abs(ref)))
+    return {**ragged_desc, "dtype": dtype, "finite": finite,
+            "max_abs_err": float(np.nanmax(err)) if finite else float("nan"),
+            "max_rel_err": float(np.nanmax(err / np.maximum(np.abs(ref), tol["atol"]))),
+            "max_abs_ref": float(np.max(np.abs(ref))), "tolerance": tol, "within_tol": ok}
+
+
+def check_int4(ctx: Ctx, model: str, k: int, n: int, m: int) -> dict:
+    import jax.numpy as jnp
+    import numpy as np
+    from pallas_kernels.int4_matmul import int4_matmul, int4_matmul_reference
+    from pallas_kernels.cases import int4_error_bound
+    c = int4_case(ctx, model, k, n, m)
+    packed, scales, offsets = c["weights"][0]
+    g = c["group_size"]
+    y = np.asarray(int4_matmul(c["x"], packed, scales, offsets, group_size=g,
+                               interpret=ctx.prof.interpret).astype(jnp.float32))
+    ref = np.asarray(int4_matmul_reference(c["x"].astype(jnp.float32), packed, scales, offsets,
+                                           group_size=g))
+    tol = INT4_TOLERANCE["bfloat16"]
+    scale = float(np.max(np.abs(ref)))
+    err = np.abs(y - ref)
+    finite = bool(np.isfinite(y).all())
+    ok = finite and bool(np.all(err < int4_error_bound(ref, jnp.bfloat16)))
+    return {**c["desc"], "dtype": "bfloat16", "finite": finite,
+            "max_abs_err": float(err.max()), "max_rel_err": float(err.max() / scale),
+            "rel_err_note": "normalised by max|reference|", "tolerance": tol, "within_tol": ok}
+
+
+def section_kernel_correctness(ctx: Ctx) -> dict:
+    attn, s1 = run_cases(ctx, ctx.prof.attn_cases, check_attention, "attention")
+    int4, s2 = run_cases(ctx, ctx.prof.int4_cases, check_int4, "int4")
+    ragged, s3 = run_cases(ctx, ctx.prof.ragged_cases, check_ragged, "ragged attention")
+    # An f32 step (the kernel's other dtype) and a cache over 4 GiB (64-bit offsets).
+    extra, s4 = run_cases(ctx, ctx.prof.ragged_extra_cases, check_ragged, "ragged extra")
+    gc.collect()
+    rows = attn + int4 + ragged + extra
+    bad = [r for r in rows if "error" in r or not r.get("within_tol")]
+    res = {"paged_attention": attn, "int4_matmul": int4, "ragged_attention": ragged,
+           "ragged_extra": extra, "num_cases": len(rows), "num_bad": len(bad)}
+    s3 = s3 + s4
+    if s1 or s2 or s3:
+        res["skipped_cases"] = s1 + s2 + s3
+    if bad:
+        res["_status"] = "failed"
+    elif s1 or s2 or s3:
+        res["_status"], res["_reason"] = "partial", "time budget exceeded"
+    return res
