@@ -6,7 +6,7 @@ Each path: one LLM (`--dtype`, float32 by default; bench_throughput.py's engine 
 seeded 32-token prompt -> `--new-tokens` greedy tokens, EOS ignored, best of `--repeats`.
 Prints wall tok/s and tokens per second of process CPU time (steadier than wall time on a
 shared machine: compare both), the load average, and compiles after warm-up. See
-docs/performance.md, "CPU int4 weights".
+docs/performance.md, "Where a step's time goes (CPU)".
 """
 
 from __future__ import annotations

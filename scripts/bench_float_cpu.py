@@ -5,7 +5,7 @@
 Prints one line per (shape, weight dtype, rows): median microseconds per call of XLA's dot
 (models/llama.py's dense_linear; for the head the tied einsum x @ E^T) and of
 cpu_float_matmul.cc, and the weight bytes per call over the native time (GB/s).
-See docs/performance.md, "Native float matmul".
+See docs/performance.md, "Where a step's time goes (CPU)".
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ bare column says whether it landed there.
 
     .venv/bin/python scripts/bench_host_overhead.py                      # tiny, 1/16/64/256
     .venv/bin/python scripts/bench_host_overhead.py --model-size medium \
-        --out docs/bench_host_overhead_medium
+        --out docs/results/bench_host_overhead_medium
     .venv/bin/python scripts/bench_host_overhead.py --quick --out /tmp/host  # smoke run
 
 Uses only LLMEngine/EngineConfig and the runner's public `before_call` / `run`, so it runs

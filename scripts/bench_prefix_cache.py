@@ -12,8 +12,8 @@ All requests are submitted at once and the KV cache holds them all, so the sched
 preempts and the peak of blocks in use is the memory each way needs. "KV saving" is
 1 - peak(shared) / peak(unshared); the vLLM paper reports up to 55% for parallel sampling.
 
-    .venv/bin/python scripts/bench_prefix_cache.py --md docs/bench_prefix_cache.md \
-        --out docs/bench_prefix_cache.json
+    .venv/bin/python scripts/bench_prefix_cache.py --md docs/results/bench_prefix_cache.md \
+        --out docs/results/bench_prefix_cache.json
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ alternate the ways prompt by prompt, so load from other jobs falls on all of the
 is the median over rounds of generated tokens / wall time. The load average is printed with the table. It
 also times the n-gram drafter alone per step at 1, 16 and 64 sequences.
 
-    .venv/bin/python scripts/bench_speculative.py --md docs/bench_speculative.md \
-        --out docs/bench_speculative.json
+    .venv/bin/python scripts/bench_speculative.py --md docs/results/bench_speculative.md \
+        --out docs/results/bench_speculative.json
 """
 
 from __future__ import annotations

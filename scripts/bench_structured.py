@@ -16,8 +16,8 @@ Compile time: a fresh compiler (no cache) compiles each of
 jaxserve/testing/structured_schemas.py's schemas in turn; the tokenizer's token trie is built
 once per engine and reported apart.
 
-    .venv/bin/python scripts/bench_structured.py --md docs/bench_structured.md \
-        --out docs/bench_structured.json
+    .venv/bin/python scripts/bench_structured.py --md docs/results/bench_structured.md \
+        --out docs/results/bench_structured.json
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ deterministic subset of the same workload as static batches of 16 in a subproces
 Batch-1 decode: one 32-token prompt -> 128 new tokens on every system.
 
     .venv/bin/python scripts/bench_throughput.py --quick
-    .venv/bin/python scripts/bench_throughput.py --md docs/bench_throughput.md \
-        --out docs/bench_throughput.json
+    .venv/bin/python scripts/bench_throughput.py --md docs/results/bench_throughput.md \
+        --out docs/results/bench_throughput.json
 
 See docs/peers.md for the method and the peers.
 """

@@ -1,4 +1,4 @@
-"""Can host work hide behind the device step on this machine? (docs/performance.md, third pass)
+"""Can host work hide behind the device step on this machine? (docs/performance.md, "The engine loop")
 
 Tiny random model, N sequences in steady decode (bench_host_overhead.py's set-up). Modes:
   util     the bare device loop's cores busy: process CPU time / wall while the captured step

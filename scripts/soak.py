@@ -1,6 +1,6 @@
 """Soak test: steady Poisson load on a loopback server for M minutes, watching for leaks.
 
-    .venv/bin/python scripts/soak.py --minutes 30 --rate 2 --out-dir docs/soak
+    .venv/bin/python scripts/soak.py --minutes 30 --rate 2 --out-dir docs/results/soak_30min
 
 Starts a server in a child process (scripts/loopback_server.py; the tiny random model unless
 `--model`), sends streaming completions arriving as a Poisson process at `--rate` requests/s

@@ -1,4 +1,4 @@
-"""Screenshots of the built-in web page (docs/webui_chat.png, docs/webui_engine.png).
+"""Screenshots of the built-in web page (docs/images/webui_chat.png, docs/images/webui_engine.png).
 
 Serves SmolLM2-135M-Instruct on CPU in this process, opens the page in headless Debian chromium
 (Playwright), has a short chat, then starts a burst of requests that share a long system
