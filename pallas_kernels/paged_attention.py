@@ -1,5 +1,9 @@
 """Paged-attention decode kernel (Pallas, Triton GPU backend) and its jax.numpy reference.
 
+The engine's step runs the ragged kernel (ragged_paged_attention.py); this decode-only kernel
+stays as the baseline the GPU check times the ragged one against on decode steps, and as the
+home of the int8 cache helpers both kernels share (check_scales, dequantize_cache).
+
 One query token per sequence attends over that sequence's pages of the engine's KV cache
 `[L, NB, BS, K, Dh]` (all layers; block-major; block 0 is the null block). The kernel reads pages
 straight from the full cache in global memory with indices computed from `layer`, the page table
