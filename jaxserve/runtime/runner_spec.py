@@ -14,7 +14,7 @@ from a RunnerSpec through `runner_factory.build_runner`.
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal, get_args
+from typing import Literal
 
 import jax.numpy as jnp
 import numpy as np
