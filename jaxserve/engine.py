@@ -203,6 +203,7 @@ class LLMEngine:
         if state is None:
             return False
         self._end_sequences(state, SequenceStatus.FINISHED_ABORTED)
+        self._release_idle_slots()
         return True
 
     def _forget(self, request_id: str) -> RequestStateProtocol | None:
@@ -284,11 +285,16 @@ class LLMEngine:
                     done, wait_now = self._finish(launched, committed=False)
                     outputs += done
                     wait += wait_now
-            if self._released and self._inflight is None:
-                self.runner.release(self._released)  # nothing in flight: no plan to carry them
-                self._released = []
+            self._release_idle_slots()
         self.profiler.on_step()
         return outputs
+
+    def _release_idle_slots(self) -> None:
+        """With no step in flight, no next plan may come soon to carry the released slots:
+        they are freed now (the runner frees every slot, here or at a plan's start)."""
+        if self._released and self._inflight is None:
+            self.runner.release(self._released)
+            self._released = []
 
     def _launch(self, out: SchedulerOutput, drafts: dict[str, int],
                 outputs: list[RequestOutput], schedule_s: float) -> _InFlight | None:

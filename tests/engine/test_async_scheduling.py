@@ -318,3 +318,24 @@ def test_requests_that_wait_for_ids_are_forgotten_when_they_end(model, async_sch
         finished |= {o.request_id for o in engine.step() if o.finished}
     assert finished == {"n2", "beam"}
     assert engine.requests.waiting_for_ids() == set()
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_an_aborted_sequence_gives_its_slot_back(model, async_scheduling):
+    """The runner frees slots only as the engine hands them over: with a step in flight the
+    aborted sequence keeps its slot until the next plan (that step still writes it); with none
+    in flight it is freed at once, so an idle engine holds no slot."""
+    engine = make_engine(model, async_scheduling)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    engine.add_request("a", [5, 6, 7], params)
+    engine.add_request("b", [8, 9], params)
+    engine.step()
+    assert set(engine.runner.slot_of) == {"a", "b"}
+    engine.abort("a")
+    assert set(engine.runner.slot_of) == ({"a", "b"} if async_scheduling else {"b"})
+    engine.step()  # the next plan carries the release
+    assert set(engine.runner.slot_of) == {"b"}
+    engine.abort("b")
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert not engine.runner.slot_of
