@@ -140,8 +140,8 @@ class RunnerSpec:
     def from_config(cls, config: EngineConfig, *, num_blocks: int, max_model_len: int,
                     eos_ids=(), program: StepProgram | None = None) -> RunnerSpec:
         """`config`'s shapes with the engine's KV plan (num_blocks, max_model_len) and the
-        model's stop ids. program: None is StepProgram.from_config(config) (a model without
-        quantized weights, a tokenizer, tensor parallelism or fault injection)."""
+        model's stop ids. program: None is StepProgram.from_config(config) (one device, no
+        weights to repack, no fault injection)."""
         return cls(max_num_seqs=config.max_num_seqs,
                    max_num_batched_tokens=config.max_num_batched_tokens,
                    block_size=config.block_size, num_blocks=num_blocks,

@@ -83,6 +83,10 @@ def test_native_linears_pick_the_loop_before_the_weights_are_repacked():
     assert program.linear_backend == "cpu" and program.unroll_layers
     prepared = prepare_weights(quantized, dataclasses.replace(program, unroll_layers=False))
     assert backends.has_packed(prepared.params)  # the prediction held
+    # Int8 with a scale per channel stays XLA's int8 dot, unpacked: the scan.
+    per_channel, _ = prepare_model(random_model(TINY_TIED), "w8a16")
+    assert not StepProgram.from_config(c, params=per_channel.params).unroll_layers
+    assert not backends.has_packed(prepare_weights(per_channel, program).params)
     # Float weights keep the scan; tensor parallel runs XLA's linears on the stored weights.
     assert not StepProgram.from_config(c, params=random_model(TINY_TIED).params).unroll_layers
     tp = StepProgram.from_config(c, params=quantized.params, tensor_parallel=True)
