@@ -103,6 +103,12 @@ class LLMEngine:
             if deferred:
                 self.structured.compile_masked_programs(self.runner.masked_warmup())
 
+    @property
+    def grammar(self) -> GrammarCompiler | None:
+        """The grammar compiler of structured output (the server checks a request's
+        constraint compiles before accepting it); None when the engine does not serve it."""
+        return self.structured.compiler if self.structured is not None else None
+
     def _draft_proposer(self):
         """The draft model's proposer (speculative_config's "draft_model" method)."""
         from jaxserve.runtime.draft_model import draft_proposer

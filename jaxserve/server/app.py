@@ -45,7 +45,7 @@ class ServerState:
                               engine.max_model_len)
         self.capacity = engine.config.max_num_seqs + config.max_waiting_requests
         # Thread-safe: handlers compile constraints through it (None: no structured outputs).
-        self.grammar = getattr(engine, "grammar", None)
+        self.grammar = engine.grammar
         self._lock = threading.Lock()
         self._active = 0  # responses being produced (a drain waits for them)
 

@@ -379,6 +379,7 @@ class _FailingEngine:
     def __init__(self, real):
         self.model, self.max_model_len, self.config = real.model, real.max_model_len, \
             real.config
+        self.grammar = None  # serves no structured outputs
         self._pending = False
 
     def stats(self):

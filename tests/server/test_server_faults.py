@@ -133,6 +133,7 @@ class _StandIn:
     def __init__(self, real, step):
         self.model, self.max_model_len, self.config = real.model, real.max_model_len, \
             real.config
+        self.grammar = None  # serves no structured outputs
         self.added, self._step = [], step
 
     def stats(self):
