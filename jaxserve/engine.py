@@ -359,15 +359,13 @@ class LLMEngine:
                 outputs += self.spec.accept(step.plan.schedule, items, samples,
                                             step.plan.drafts, self._apply_round)
             else:
-                outputs += self._postprocess(step.plan.schedule, items,
-                                             {sid: r[0] for sid, r in samples.items()},
-                                             committed)
+                outputs += self._postprocess(step.plan.schedule, items, samples, committed)
         t2 = time.perf_counter()
         self._record_step(step, len(samples), wait_s=t1 - t0, postprocess_s=t2 - t1)
         return outputs, t1 - t0
 
     def _apply_round(self, out: SchedulerOutput, items: dict[str, ScheduledSeq],
-                     sampled: dict[str, SampleResult]) -> list[RequestOutput]:
+                     sampled: dict[str, list[SampleResult]]) -> list[RequestOutput]:
         """One round of a verification step's tokens (spec_engine.Apply)."""
         return self._postprocess(out, items, sampled, committed=False)
 
@@ -414,21 +412,23 @@ class LLMEngine:
             errors.append(state.output())
         return errors
 
-    def _postprocess(self, out: SchedulerOutput, items: dict[str, ScheduledSeq], sampled,
+    def _postprocess(self, out: SchedulerOutput, items: dict[str, ScheduledSeq],
+                     sampled: dict[str, list[SampleResult]],
                      committed: bool) -> list[RequestOutput]:
-        """items: `out`'s scheduled items by sequence id; sampled: their results to apply."""
+        """items: `out`'s scheduled items by sequence id; sampled: their samples, of which the
+        first is applied (a verification step's others come as later rounds)."""
         step, progressed, failed = Decision(), {}, {}
         requests = self.requests
         owner = requests.owner
         new_id = self._new_seq_id  # one bound method for the step, not one per request
-        for sid, result in sampled.items():
+        for sid, results in sampled.items():
             state = owner[sid]
             rid = state.request_id
             if rid in failed:
                 continue
             progressed[rid] = state
             try:
-                state.on_sampled(items[sid], result, new_id, into=step)
+                state.on_sampled(items[sid], results[0], new_id, into=step)
             except Exception as e:  # noqa: BLE001 - detokenizer, grammar: this request's alone
                 log.exception("request %r failed applying its token", rid)
                 failed[rid] = f"{type(e).__name__}: {e}"

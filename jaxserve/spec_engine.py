@@ -38,8 +38,8 @@ def ngram_batch_proposer(config: SpeculativeConfig) -> BatchProposer:
 
 
 # The engine's way to apply a step's sampled ids (one round of a verification step):
-# (schedule, items by sequence id, sequence id -> result) -> the outputs of that round.
-Apply = Callable[[SchedulerOutput, dict[str, ScheduledSeq], dict[str, SampleResult]],
+# (schedule, items by sequence id, sequence id -> [its sample]) -> the outputs of that round.
+Apply = Callable[[SchedulerOutput, dict[str, ScheduledSeq], dict[str, list[SampleResult]]],
                  list[RequestOutput]]
 
 
@@ -104,12 +104,12 @@ class EngineSpeculation:
         first, extra, rows = {}, {}, []
         for sid, result in samples.items():
             if sid not in drafts:
-                first[sid] = result[0]
+                first[sid] = result
                 continue
             item = items[sid]
             metrics = self.requests.owner[sid].metrics
             a = self.speculator.verify(item.seq, [r.token for r in result], metrics)
-            first[sid], extra[sid] = result[0], result[1:a + 1]
+            first[sid], extra[sid] = result[:1], result[1:a + 1]
             # The row as the decode of the sequence's last token; the accepted drafts' KV is
             # written, and each later round decodes one of them.
             items[sid] = ScheduledSeq(item.seq, 1, item.start_pos, False, True)
@@ -122,7 +122,7 @@ class EngineSpeculation:
         outputs = apply(out, items, first)
         owner = self.requests.owner
         for j in range(max((len(e) for e in extra.values()), default=0)):
-            live = {sid: e[j] for sid, e in extra.items() if len(e) > j and sid in owner
+            live = {sid: [e[j]] for sid, e in extra.items() if len(e) > j and sid in owner
                     and items[sid].seq.status is SequenceStatus.RUNNING}
             if not live:
                 break
