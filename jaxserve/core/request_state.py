@@ -178,12 +178,12 @@ class RequestState:
 
     @property
     def waits_for_ids(self) -> bool:
-        return bool(self.constrained or self.params.n - len(self.branches))
+        return bool(self.constrained or self.num_pending_forks)
 
     @property
     def speculates(self) -> bool:
         # A masked step has no verification variant; forks copy the prompt's state first.
-        return not self.constrained and self.params.n == len(self.branches)
+        return not self.constrained and not self.num_pending_forks
 
     def _fork_sequences(self, new_id: NewId) -> list[Sequence]:
         """Sequences for branches 1..n-1: copies of the prompt."""

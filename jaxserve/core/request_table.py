@@ -34,9 +34,6 @@ class RequestTable:
     def __len__(self) -> int:
         return len(self._states)
 
-    def get(self, request_id: str) -> RequestStateProtocol | None:
-        return self._states.get(request_id)
-
     def in_use(self, seq_or_request_id: str) -> bool:
         """Whether a live request or sequence has this id."""
         return seq_or_request_id in self.owner or seq_or_request_id in self._states

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from jaxserve.core.outputs import SampleResult
-from jaxserve.core.scheduler import ScheduledSeq, SchedulerOutput
+from jaxserve.core.scheduler import SchedulerOutput
 
 # Writes each (matcher, row)'s next-token bitmask into mask[row] (mask [R, W] int32):
 # core/grammar.py GrammarCompiler.fill.
@@ -53,10 +53,6 @@ class StepPlan:
     drafts: Mapping[str, int] = dataclasses.field(default_factory=dict)
     grammar: GrammarRows | None = None
     poison: Mapping[str, float] | None = None
-
-    @property
-    def rows(self) -> list[ScheduledSeq]:
-        return self.schedule.scheduled
 
 
 @dataclasses.dataclass(frozen=True)

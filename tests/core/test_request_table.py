@@ -32,7 +32,7 @@ def row(rid: str) -> ScheduledSeq:
 def test_requests_and_their_sequences():
     table, a = RequestTable(), state("a", n=2, temperature=1.0, seed=3)
     table.add(a)
-    assert "a" in table and len(table) == 1 and list(table) == ["a"] and table.get("a") is a
+    assert "a" in table and len(table) == 1 and list(table) == ["a"]
     table.add_sequence("a#1", of="a")
     assert table.owner["a#1"] is a and table.sequences_of(a) == ["a", "a#1"]
     assert table.in_use("a#1") and table.in_use("a") and not table.in_use("b")
