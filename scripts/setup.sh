@@ -64,6 +64,13 @@ if [ "$WITH_TEST" = 1 ]; then
     .venv-ref/bin/python -c "import torch, transformers, gguf" || { echo "setup: reference install failed" >&2; exit 1; }
     stamp tests/requirements-ref.txt > .venv-ref/.jaxserve-stamp
   fi
+  # Ray Serve for the replica and multi-host-launch tests (the [ray] extra; the main job
+  # does not need it).
+  if [ "$(cat .venv/.jaxserve-ray-stamp 2>/dev/null)" != "$(stamp)" ]; then
+    .venv/bin/python -m pip install --quiet -c constraints.txt -e '.[dev,ray]' 2>&1 | grep -v "is ignored" || true
+    .venv/bin/python -c "import ray.serve" || { echo "setup: ray[serve] install failed" >&2; exit 1; }
+    stamp > .venv/.jaxserve-ray-stamp
+  fi
   # The CUDA compiler plugin at jax's version, for deviceless sm_90 compiles of the Pallas
   # kernels. Kept out of .venv (tests/conftest.py adds it to sys.path): installed there, every
   # jax start on a machine without CUDA would print a plugin error.
