@@ -144,6 +144,8 @@ def _cmd_serve(args) -> int:
                               api_key=args.api_key, threads=args.threads,
                               **_admission(engine_config),
                               watchdog_timeout_s=args.watchdog_timeout)
+        if args.data_parallel_size is not None:
+            return _serve_replicas(args, engine_config, config)
         _init_distributed(args)
         _reserve_host_cores(args)
         from jaxserve import LLMEngine
@@ -159,6 +161,28 @@ def _cmd_serve(args) -> int:
     finally:
         if engine.channel is not None:
             engine.channel.stop()
+
+
+def _serve_replicas(args, engine_config: EngineConfig, config) -> int:
+    """--data-parallel-size N: N engine replicas on Ray Serve behind this process's HTTP app."""
+    if args.coordinator_address is not None or args.process_id is not None:
+        raise ValueError("--data-parallel-size runs each replica in its own Ray actor; it does "
+                         "not take --coordinator-address / --process-id")
+    if args.profile_dir is not None:
+        raise ValueError("--profile-dir profiles one engine process; with "
+                         "--data-parallel-size there is none in this process")
+    from jaxserve.distributed.launch import ReplicaOptions, start_pool, stop_pool
+    from jaxserve.distributed.ray_cluster import RayCluster
+    from jaxserve.server.serve import serve_backend
+    options = ReplicaOptions(num_replicas=args.data_parallel_size, router=args.router,
+                             num_cpus=args.replica_cpus)
+    capacity = engine_config.max_num_seqs + config.max_waiting_requests
+    with RayCluster(args.ray_address):
+        pool = start_pool(_engine_kwargs(args), options, capacity)
+        try:
+            return serve_backend(pool, args.host, args.port, config)
+        finally:
+            stop_pool(pool)
 
 
 def _cmd_bench(args) -> int:
@@ -319,6 +343,18 @@ def _add_serve_parser(sub) -> None:
     p.add_argument("--watchdog-timeout", type=float, default=None, metavar="SECONDS",
                    help="mark the engine failed (health 503, exit 1) when it has unfinished "
                         "work and makes no progress for this long (default: off)")
+    g = p.add_argument_group("replicas (Ray Serve; pip install 'jaxserve[ray]')")
+    g.add_argument("--data-parallel-size", type=int, default=None, metavar="N",
+                   help="serve N engine replicas as Ray Serve deployments behind this "
+                        "endpoint (even N=1 goes through Ray); default: one engine in this "
+                        "process, no Ray")
+    g.add_argument("--router", default="prefix", choices=("prefix", "round_robin",
+                                                         "least_loaded"),
+                   help="how requests pick a replica: the one most likely to hold the "
+                        "prompt's prefix in its KV cache, balanced against load (default), "
+                        "or round-robin / least-loaded")
+    g.add_argument("--replica-cpus", type=float, default=1.0,
+                   help="Ray CPUs each replica reserves (default 1)")
     _add_engine_args(p)
     _add_profile_args(p, serve_like=True)
     p.set_defaults(func=lambda a: _cmd_serve(_with_model(a)))
@@ -331,6 +367,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--coordinator-address", default=None, help="HOST:PORT of process 0")
     g.add_argument("--num-processes", type=int, default=None)
     g.add_argument("--process-id", type=int, default=None, help="0 schedules and serves")
+    g.add_argument("--ray-address", default=None,
+                   help="join this Ray cluster (ray://HOST:PORT or HOST:PORT) for replicas or "
+                        "a Ray-launched multi-host run; default: a local cluster started for "
+                        "the command and stopped with it")
     p.add_argument("--host-cores", type=int, default=0, metavar="N",
                    help="CPUs kept for the engine's host loop, apart from XLA's CPU thread pool "
                         "(Linux). Pays on a CPU backend when the host work per step is like "

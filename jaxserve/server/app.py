@@ -1,6 +1,7 @@
-"""The Flask app factory: OpenAI-compatible routes over one EngineLoop.
+"""The Flask app factory: OpenAI-compatible routes over a backend (server/backend.py): the
+engine thread of this process, or a pool of engine replicas.
 
-`create_app(engine_loop, config)` builds an app with its own state (no globals): the loop,
+`create_app(backend, config)` builds an app with its own state (no globals): the backend,
 the config, a per-app Prometheus registry and a count of responses still being written (so a
 drain can wait for them).
 """
@@ -16,7 +17,7 @@ from flask import Flask, Response, jsonify, request
 from werkzeug.exceptions import HTTPException
 
 from jaxserve.server.config import ServerConfig
-from jaxserve.server.engine_loop import EngineLoop
+from jaxserve.server.backend import Backend
 from jaxserve.server.errors import ApiError, invalid, shown, unavailable
 from jaxserve.server.generation import ClientGone, Generation
 from jaxserve.server.metrics import ServerMetrics
@@ -34,18 +35,19 @@ HTTP_ERROR_TYPES = {404: "not_found_error", 405: "invalid_request_error",
 # the web page's static files (which hold no data). Every other route, including any added
 # later, needs the key: default deny (tests/server/test_server_security.py walks the url_map).
 OPEN_ENDPOINTS = frozenset({"health", "index", "ui_file"})
+# Names the engine replica that served a response (absent with one engine in this process).
+REPLICA_HEADER = "x-jaxserve-replica"
 
 
 class ServerState:
-    def __init__(self, loop: EngineLoop, config: ServerConfig):
+    def __init__(self, loop: Backend, config: ServerConfig):
         self.loop, self.config = loop, config
         self.metrics = ServerMetrics(loop)
-        engine = loop.engine
-        self.info = ModelInfo(engine.model.tokenizer, engine.model.config.vocab_size,
-                              engine.max_model_len)
-        self.capacity = engine.config.max_num_seqs + config.max_waiting_requests
+        model = loop.model
+        self.info = ModelInfo(model.tokenizer, model.vocab_size, model.max_model_len)
+        self.capacity = model.max_num_seqs + config.max_waiting_requests
         # Thread-safe: handlers compile constraints through it (None: no structured outputs).
-        self.grammar = engine.grammar
+        self.grammar = model.grammar
         self._lock = threading.Lock()
         self._active = 0  # responses being produced (a drain waits for them)
 
@@ -102,7 +104,7 @@ def _generate(state: ServerState, chat: bool) -> Response:
         raise ApiError(404, f"model {shown(model)} does not exist; this server serves {name!r}",
                        type="not_found_error", param="model", code="model_not_found")
     req = (parse_chat if chat else parse_completion)(body, state.config, state.info)
-    slots = state.loop.engine.config.max_num_seqs
+    slots = state.loop.model.max_num_seqs
     if req.n > slots:  # each branch holds a batch slot for the whole request
         raise invalid(f"'n' must be at most {slots} on this server (the sequences it runs at "
                       f"once), got {req.n}", "n")
@@ -117,12 +119,16 @@ def _generate(state: ServerState, chat: bool) -> Response:
     try:
         gen.wait_accepted()
         responder = Responder(gen, state.config.served_model_name, state.decode)
+        replica = {REPLICA_HEADER: gen.replica} if gen.replica is not None else {}
         if not req.stream:
-            return jsonify(responder.full())
+            response = jsonify(responder.full())
+            response.headers.update(replica)
+            return response
         body = _Stream(responder, state)
         handed_over = True
         return Response(body, mimetype="text/event-stream",
-                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                                 **replica})
     finally:
         if not handed_over:
             gen.close()
@@ -173,7 +179,7 @@ def _register_routes(app: Flask, state: ServerState) -> None:
             raise unavailable("the engine loop is not running", "engine_unavailable")
         if state.loop.draining:
             raise unavailable("the server is shutting down", "server_draining")
-        return jsonify({"status": "ok"})
+        return jsonify(state.loop.health())
 
     @app.get("/metrics")
     def metrics():
@@ -205,10 +211,10 @@ def _register_errors(app: Flask, state: ServerState) -> None:
                                state)
 
 
-def create_app(engine_loop: EngineLoop, config: ServerConfig | None = None) -> Flask:
-    """An OpenAI-compatible Flask app serving `engine_loop` (which must be started)."""
+def create_app(backend: Backend, config: ServerConfig | None = None) -> Flask:
+    """An OpenAI-compatible Flask app serving `backend` (an EngineLoop, started, or a pool)."""
     config = config or ServerConfig()
-    state = ServerState(engine_loop, config)
+    state = ServerState(backend, config)
     app = Flask("jaxserve", static_folder=None)  # the page's files are served by ui_routes
     app.config["MAX_CONTENT_LENGTH"] = config.max_body_bytes
     app.json.sort_keys = False

@@ -19,6 +19,7 @@ import time
 from jaxserve.core.admission import EngineOverloaded
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.server.backend import Accepted, ServedModel
 from jaxserve.server.engine_state import StateSampler
 from jaxserve.faults import EngineThreadDeath
 from jaxserve.server.errors import ApiError, invalid, overloaded, unavailable
@@ -45,8 +46,6 @@ class Event:
     error: Exception | None = None
 
 
-ACCEPTED = "accepted"  # first item on a group's queue once all its sub-requests are queued
-
 
 class WatchdogTimeout(RuntimeError):
     """The engine had unfinished work and made no progress for the watchdog's timeout."""
@@ -56,6 +55,7 @@ class EngineLoop:
     def __init__(self, engine, idle_poll_s: float = 0.05, state_interval_s: float = 0.2,
                  watchdog_timeout_s: float | None = None):
         self.engine = engine
+        self.model = ServedModel.of(engine)
         self._watchdog_s = watchdog_timeout_s
         self._beat = time.monotonic()  # the engine thread's last progress (or idleness)
         self._queued_tokens = 0  # prompt tokens of accepted sub-requests not yet prefilled
@@ -110,6 +110,10 @@ class EngineLoop:
         with self._lock:
             return self._in_flight
 
+    def health(self) -> dict:
+        """What GET /health reports (the caller turns a dead or draining loop into a 503)."""
+        return {"status": "ok"}
+
     def stats(self) -> dict:
         """The engine's stats as of the end of its last step (a copy)."""
         return dict(self._stats)
@@ -119,8 +123,9 @@ class EngineLoop:
         return self.state.latest()
 
     def submit(self, subs: list[SubRequest], capacity: int,
-               max_queued_tokens: int | None = None) -> queue.SimpleQueue:
-        """Queues a group of sub-requests; their events arrive on the returned queue.
+               max_queued_tokens: int | None = None, out=None) -> queue.SimpleQueue:
+        """Queues a group of sub-requests; their events arrive on the returned queue (or on
+        `out`, anything with a thread-safe `put`: a replica forwards them to its caller).
 
         `capacity` bounds accepted, unfinished sub-requests (running + waiting);
         `max_queued_tokens` the prompt tokens of accepted ones not yet prefilled. Raises
@@ -143,7 +148,7 @@ class EngineLoop:
             self._queued_tokens += tokens
             for s in subs:
                 self._unprefilled[s.request_id] = len(s.prompt_token_ids)
-        out: queue.SimpleQueue = queue.SimpleQueue()
+        out = queue.SimpleQueue() if out is None else out
         self._inbox.put(("submit", subs, out))
         return out
 
@@ -238,7 +243,7 @@ class EngineLoop:
                 err = invalid(str(e), getattr(e, "param", "prompt"))  # names its field
             out.put(Event(-1, None, time.monotonic(), error=err))
             return
-        out.put(ACCEPTED)
+        out.put(Accepted())
 
     def _prefilled(self, request_id: str) -> None:
         """The sub-request's prompt is no longer queued (it produced output or ended)."""

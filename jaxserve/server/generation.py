@@ -15,7 +15,8 @@ import uuid
 from typing import Callable, Iterator
 
 from jaxserve.core.sampling_params import RequestOutputKind
-from jaxserve.server.engine_loop import ACCEPTED, EngineLoop, Event, SubRequest
+from jaxserve.server.backend import Accepted, Backend
+from jaxserve.server.engine_loop import Event, SubRequest
 from jaxserve.server.errors import ApiError, unavailable
 from jaxserve.server.formatting import Choice
 from jaxserve.server.metrics import ServerMetrics
@@ -46,13 +47,14 @@ def _sub_requests(req: GenerationRequest, base: str) -> list[SubRequest]:
 
 
 class Generation:
-    def __init__(self, loop: EngineLoop, metrics: ServerMetrics, req: GenerationRequest,
+    def __init__(self, loop: Backend, metrics: ServerMetrics, req: GenerationRequest,
                  capacity: int, poll_s: float, disconnected: Callable[[], bool],
                  max_queued_tokens: int | None = None):
         self.t0 = time.monotonic()
         self.req, self._loop, self._metrics = req, loop, metrics
         self._poll_s, self._disconnected = poll_s, disconnected
         self.id = uuid.uuid4().hex
+        self.replica: str | None = None  # the engine replica serving it, once accepted
         self._subs = _sub_requests(req, self.id)
         self.choices = [Choice(i) for i in range(len(req.prompts) * req.n)]
         self._last_token_time: dict[int, float] = {}
@@ -68,7 +70,7 @@ class Generation:
     def completion_tokens(self) -> int:
         return sum(len(c.token_ids) for c in self.choices)
 
-    def _next(self) -> Event | str:
+    def _next(self) -> Event | Accepted:
         while True:
             try:
                 return self._queue.get(timeout=self._poll_s)
@@ -85,7 +87,8 @@ class Generation:
         if isinstance(item, Event):
             self._open.clear()  # the loop already took back whatever it had queued
             raise item.error
-        assert item == ACCEPTED, item
+        assert isinstance(item, Accepted), item
+        self.replica = item.replica
 
     def deltas(self) -> Iterator[Delta]:
         """Yields what each choice gained, as the engine produces it, until all finish."""

@@ -16,7 +16,7 @@ from jaxserve.server.errors import ApiError, invalid
 
 
 def _profiler(state):
-    profiler = getattr(state.loop.engine, "profiler", None)
+    profiler = state.loop.model.profiler  # None: no single process to profile (replicas)
     if profiler is None or profiler.directory is None:
         raise ApiError(404, "profiling is off: start the server with --profile-dir DIR",
                        type="not_found_error", code="profiling_disabled")

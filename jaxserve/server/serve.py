@@ -14,6 +14,7 @@ import time
 import waitress
 
 from jaxserve.server.app import create_app
+from jaxserve.server.backend import Backend
 from jaxserve.server.config import ServerConfig
 from jaxserve.server.engine_loop import EngineLoop
 
@@ -39,7 +40,7 @@ def page_url(server) -> str:
     return f"http://{host}:{server.effective_port}/"
 
 
-def drain(loop: EngineLoop, state, timeout: float) -> bool:
+def drain(loop: Backend, state, timeout: float) -> bool:
     """Refuses new requests and waits for in-flight ones; True if all finished in time."""
     loop.begin_drain()
     deadline = time.monotonic() + timeout
@@ -56,6 +57,12 @@ def serve(engine, host: str = "127.0.0.1", port: int = 8000,
     """Serves `engine` until SIGTERM or SIGINT, then drains. Returns an exit code."""
     config = config or ServerConfig()
     loop = EngineLoop(engine, watchdog_timeout_s=config.watchdog_timeout_s).start()
+    return serve_backend(loop, host, port, config)
+
+
+def serve_backend(loop: Backend, host: str, port: int, config: ServerConfig) -> int:
+    """Serves a started backend (an engine loop, a pool of replicas) until SIGTERM or SIGINT,
+    then drains and stops it. Returns an exit code."""
     app = create_app(loop, config)
     server = make_server(app, host, port, config)
     stop = threading.Event()

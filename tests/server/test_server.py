@@ -380,6 +380,7 @@ class _FailingEngine:
         self.model, self.max_model_len, self.config = real.model, real.max_model_len, \
             real.config
         self.grammar = None  # serves no structured outputs
+        self.profiler = None  # nor profiles
         self._pending = False
 
     def stats(self):

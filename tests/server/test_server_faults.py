@@ -134,6 +134,7 @@ class _StandIn:
         self.model, self.max_model_len, self.config = real.model, real.max_model_len, \
             real.config
         self.grammar = None  # serves no structured outputs
+        self.profiler = None  # nor profiles
         self.added, self._step = [], step
 
     def stats(self):

@@ -1,0 +1,207 @@
+"""Two engine replicas on a local Ray Serve cluster behind the HTTP app (jaxserve/distributed/).
+
+One module, one cluster, one pool (their start-up is most of the cost): greedy outputs equal
+one engine's, both replicas serve, shared prefixes stick to the replica that cached them, and a
+replica killed mid-stream fails only its own streams, comes back and serves again, with no KV
+block leaked anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+import requests
+
+ray = pytest.importorskip("ray")
+
+from http_server import serving  # noqa: E402
+from jaxserve.config import EngineConfig  # noqa: E402
+from jaxserve.core.sampling_params import SamplingParams  # noqa: E402
+from jaxserve.distributed.launch import ReplicaOptions, start_pool, stop_pool  # noqa: E402
+from jaxserve.distributed.ray_cluster import RayCluster  # noqa: E402
+from jaxserve.engine import LLMEngine  # noqa: E402
+from jaxserve.server import ServerConfig  # noqa: E402
+from jaxserve.testing.tiny_chat import tiny_chat_model  # noqa: E402
+from models.checkpoint import save as save_orbax  # noqa: E402
+
+pytestmark = [pytest.mark.subprocess, pytest.mark.timeout(900)]
+
+MODEL = "tiny-chat"
+BLOCK = 16
+ENGINE = {"max_num_seqs": 4, "max_model_len": 256, "block_size": BLOCK, "warmup": False,
+          "structured_outputs": False}
+RESTART_TIMEOUT_S = 240
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return str(save_orbax(tiny_chat_model(seed=0), tmp_path_factory.mktemp("tiny") / "ckpt"))
+
+
+@pytest.fixture(scope="module")
+def pool(ckpt):
+    config = ServerConfig(served_model_name=MODEL)
+    with RayCluster(num_cpus=2):
+        p = start_pool({"model": ckpt, **ENGINE},
+                       ReplicaOptions(num_replicas=2, num_cpus=0.5, health_check_period_s=1.0),
+                       capacity=ENGINE["max_num_seqs"] + config.max_waiting_requests)
+        try:
+            _wait(lambda: all(r["pid"] for r in p.replicas().values()), 60, "first polls")
+            with serving(p, config) as server:
+                yield p, server
+        finally:
+            stop_pool(p)
+
+
+@pytest.fixture(scope="module")
+def reference(ckpt):
+    """One engine in this process, same checkpoint and limits: the outputs to match."""
+    engine = LLMEngine(EngineConfig(model=ckpt, **ENGINE))
+
+    def greedy(prompts: list[list[int]], max_tokens: int) -> list[list[str]]:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        for i, ids in enumerate(prompts):
+            engine.add_request(f"ref-{time.monotonic_ns()}-{i}", ids, params)
+        done = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs[0].token_ids
+        tok = engine.model.tokenizer
+        return [[tok.decode([t]) for t in done[k]]
+                for k in sorted(done, key=lambda k: int(k.rsplit("-", 1)[1]))]
+    return greedy
+
+
+def _wait(cond, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.2)
+
+
+def _complete(url: str, prompt: list[int], max_tokens: int = 8) -> tuple[list[str], str]:
+    """The generated tokens (as the server names them in logprobs) and the serving replica."""
+    r = requests.post(url + "/v1/completions", timeout=120, json={
+        "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        "ignore_eos": True, "logprobs": 0})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["logprobs"]["tokens"], r.headers["x-jaxserve-replica"]
+
+
+def _prompt(seed: int, n: int, prefix: list[int] = ()) -> list[int]:
+    return list(prefix) + [(seed * 37 + 11 * i) % 200 + 20 for i in range(n)]
+
+
+def _replica_stats(pool) -> dict[str, dict]:
+    return pool.stats()["replicas"]
+
+
+# ---- tests ---------------------------------------------------------------------------------
+
+def test_outputs_equal_one_engine_and_both_replicas_serve(pool, reference):
+    _, server = pool
+    prompts = [_prompt(seed, 20) for seed in range(6)]
+    got = [_complete(server.url, p) for p in prompts]
+    assert [tokens for tokens, _ in got] == reference(prompts, 8)
+    assert {replica for _, replica in got} == {"replica-0", "replica-1"}
+
+
+def test_shared_prefixes_land_on_the_replica_that_cached_them(pool):
+    p, server = pool
+    before = {n: s["prefix_cache_hits_blocks"] for n, s in _replica_stats(p).items()}
+    prefixes = {name: _prompt(100 + i, 4 * BLOCK) for i, name in enumerate("ab")}
+    first = {name: _complete(server.url, _prompt(0, 5, prefix))[1]
+             for name, prefix in prefixes.items()}
+    placed = {name: [_complete(server.url, _prompt(user, 5, prefix))[1] for user in (1, 2, 3)]
+              for name, prefix in prefixes.items()}
+    for name in prefixes:
+        assert placed[name] == [first[name]] * 3, (name, first, placed)
+    time.sleep(1.5)  # the pool's pollers refresh each replica's stats
+    after = {n: s["prefix_cache_hits_blocks"] for n, s in _replica_stats(p).items()}
+    for name in prefixes:  # three later users of each prefix hit its 4 cached blocks
+        replica = first[name]
+        others = sum(1 for n in prefixes if first[n] == replica)
+        assert after[replica] - before[replica] >= 3 * 4 * others
+
+
+def _stream(url: str, prompt: list[int], result: dict, started: threading.Event) -> None:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 120, "temperature": 0,
+            "ignore_eos": True, "stream": True, "logprobs": 0}
+    events = []
+    try:
+        with requests.post(url + "/v1/completions", json=body, stream=True, timeout=180) as r:
+            result["status"], result["replica"] = r.status_code, \
+                r.headers.get("x-jaxserve-replica")
+            for line in r.iter_lines():
+                if line.startswith(b"data: "):
+                    events.append(line[6:])
+                    started.set()
+    except requests.RequestException as e:
+        result["exception"] = repr(e)
+    started.set()
+    result["events"] = events
+
+
+def _tokens(events: list[bytes]) -> list[str]:
+    out = []
+    for e in events:
+        if e != b"[DONE]" and "error" not in json.loads(e):
+            lp = json.loads(e)["choices"][0]["logprobs"]
+            out.extend(lp["tokens"] if lp else [])
+    return out
+
+
+def test_a_killed_replica_fails_only_its_streams_and_comes_back(pool, reference):
+    p, server = pool
+    prefixes = [_prompt(300 + i, 2 * BLOCK) for i in range(2)]
+    homes = [_complete(server.url, prefix + [5])[1] for prefix in prefixes]
+    if homes[0] == homes[1]:
+        pytest.skip("both warm-up prompts went to one replica")  # the router balances them
+    prompts = [prefix + [7 + i] for prefix in prefixes for i in range(2)]
+    results = [{} for _ in prompts]
+    started = [threading.Event() for _ in prompts]
+    threads = [threading.Thread(target=_stream, args=(server.url, q, r, s))
+               for q, r, s in zip(prompts, results, started)]
+    for t in threads:
+        t.start()
+    for s in started:
+        assert s.wait(120)
+    victim = homes[0]
+    os.kill(p.replicas()[victim]["pid"], signal.SIGKILL)
+    for t in threads:
+        t.join(200)
+        assert not t.is_alive(), "a stream hung"
+    assert sorted(r["replica"] == victim for r in results) == [False, False, True, True]
+    expected = reference(prompts, 120)
+    for prompt, result, want in zip(prompts, results, expected):
+        assert result["status"] == 200 and "exception" not in result, result
+        if result["replica"] == victim:
+            last = json.loads(result["events"][-1])
+            assert last["error"]["code"] == "replica_unavailable", last
+        else:
+            assert result["events"][-1] == b"[DONE]"
+            assert _tokens(result["events"]) == want
+    # While the victim restarts: the pool is healthy and routes around it.
+    health = requests.get(server.url + "/health", timeout=10)
+    assert health.status_code == 200
+    tokens, replica = _complete(server.url, _prompt(7, 10))
+    assert replica != victim or p.replicas()[victim]["healthy"]
+    _wait(lambda: p.replicas()[victim]["healthy"], RESTART_TIMEOUT_S, "the replica's restart")
+    assert requests.get(server.url + "/health", timeout=10).json()["replicas"] == {
+        "replica-0": "healthy", "replica-1": "healthy"}
+    served = set()
+    for seed in range(8):  # the router spreads unrelated prompts over both again
+        served.add(_complete(server.url, _prompt(400 + seed, 12))[1])
+    assert victim in served
+    # No blocks leaked: every replica's cache is all free once nothing runs.
+    time.sleep(1.5)
+    for name, s in _replica_stats(p).items():
+        assert (s["running"], s["waiting"]) == (0, 0), name
+        assert s["kv_blocks_in_use"] == 0, (name, s["kv_blocks_in_use"])
