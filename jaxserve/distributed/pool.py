@@ -65,6 +65,7 @@ class ReplicaPool:
         self._stopped = threading.Event()
         self._stats: dict[str, dict] = {}     # replica -> its engine's latest stats
         self._pids: dict[str, int] = {}
+        self._snapshot_error: Exception | None = None  # the last failed engine_state fetch
         self._pollers = [threading.Thread(target=self._poll, args=(name,), daemon=True,
                                           name=f"poll-{name}") for name in handles]
 
@@ -116,15 +117,22 @@ class ReplicaPool:
                                              for n, r in replicas.items()}}
 
     def engine_state(self) -> dict | None:
-        """The engine view of the first healthy replica (fetched now)."""
+        """The engine view of the first healthy replica (fetched now), with its name."""
         for name, r in self._router.snapshot().items():
             if r["healthy"]:
                 try:
-                    return self._handles[name].engine_state.remote().result(
+                    snap = self._handles[name].engine_state.remote().result(
                         timeout_s=self._timeout)
-                except Exception:  # noqa: BLE001 - a view, never an error of the request
+                except Exception as e:  # noqa: BLE001 - a view, never a request's error
+                    self._snapshot_error = e
                     return None
+                return None if snap is None else {**snap, "replica": name}
+        self._snapshot_error = RuntimeError("no engine replica is healthy")
         return None
+
+    @property
+    def snapshot_error(self) -> Exception | None:
+        return self._snapshot_error
 
     def submit(self, subs: list[SubRequest], capacity: int,
                max_queued_tokens: int | None = None) -> queue.SimpleQueue:

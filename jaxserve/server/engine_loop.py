@@ -11,6 +11,7 @@ word. A watchdog (optional) fails the loop when it has work and makes no progres
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import queue
 import threading
@@ -55,7 +56,6 @@ class EngineLoop:
     def __init__(self, engine, idle_poll_s: float = 0.05, state_interval_s: float = 0.2,
                  watchdog_timeout_s: float | None = None):
         self.engine = engine
-        self.model = ServedModel.of(engine)
         self._watchdog_s = watchdog_timeout_s
         self._beat = time.monotonic()  # the engine thread's last progress (or idleness)
         self._queued_tokens = 0  # prompt tokens of accepted sub-requests not yet prefilled
@@ -77,6 +77,11 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
     # ---- any thread ------------------------------------------------------------------------
+
+    @functools.cached_property
+    def model(self) -> ServedModel:
+        """The served model's facts (read once, when an app is built over this loop)."""
+        return ServedModel.of(self.engine)
 
     def start(self) -> "EngineLoop":
         self._thread.start()
@@ -121,6 +126,11 @@ class EngineLoop:
     def engine_state(self) -> dict | None:
         """The latest engine snapshot (a dict nobody mutates; see engine_state.py)."""
         return self.state.latest()
+
+    @property
+    def snapshot_error(self) -> Exception | None:
+        """Why there is no snapshot (the first failure to build one), if one failed."""
+        return self.state.error
 
     def submit(self, subs: list[SubRequest], capacity: int,
                max_queued_tokens: int | None = None, out=None) -> queue.SimpleQueue:

@@ -57,10 +57,11 @@ def register_ui_routes(app: Flask, state) -> None:
         if not state.loop.alive:
             raise unavailable("the engine loop is not running", "engine_unavailable")
         if snap is None:
-            raise unavailable(f"no engine state snapshot: {state.loop.state.error!r}",
+            raise unavailable(f"no engine state snapshot: {state.loop.snapshot_error!r}",
                               "engine_state_unavailable")
         body = dict(snap)  # shallow: the snapshot itself is shared and never mutated
-        body["age_s"] = max(0.0, time.monotonic() - snap["monotonic"])
+        # Wall time: the snapshot may come from another process (an engine replica).
+        body["age_s"] = max(0.0, time.time() - snap["time"])
         body["server"] = _server_counters(state)
         body["model"] = state.config.served_model_name
         return jsonify(body)

@@ -111,6 +111,11 @@ def test_outputs_equal_one_engine_and_both_replicas_serve(pool, reference):
     got = [_complete(server.url, p) for p in prompts]
     assert [tokens for tokens, _ in got] == reference(prompts, 8)
     assert {replica for _, replica in got} == {"replica-0", "replica-1"}
+    # The web page's engine view shows one replica's engine, named.
+    view = requests.get(server.url + "/v1/engine/state", timeout=30)
+    assert view.status_code == 200, view.text
+    assert view.json()["replica"] in {"replica-0", "replica-1"}
+    assert view.json()["blocks"]["block_size"] == BLOCK
 
 
 def test_shared_prefixes_land_on_the_replica_that_cached_them(pool):
