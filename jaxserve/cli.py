@@ -12,6 +12,7 @@ import time
 
 from jaxserve.config import EngineConfig
 from jaxserve.config_fields import add_config_args, config_kwargs
+from jaxserve.distributed import ray_hosts
 from models.config import DTYPES
 
 
@@ -88,6 +89,8 @@ def _cmd_generate(args) -> int:
         # A one-shot run compiles only the shapes it meets; a server compiles every bucket.
         config = EngineConfig(warmup=args.warmup, **_engine_kwargs(args))
         params = _sampling_params(args)
+        if args.distributed_executor_backend == "ray":
+            return ray_hosts.main("generate", args, config)
         _init_distributed(args)
         _reserve_host_cores(args)
         from jaxserve import LLM
@@ -106,6 +109,12 @@ def _cmd_generate(args) -> int:
 
 
 def _generate(llm, args, params, ready: float) -> int:
+    print_generated(generated(llm, args, params, ready))
+    return 0
+
+
+def generated(llm, args, params, ready: float) -> dict:
+    """What `generate` prints, as plain data (a Ray-launched run returns it to the driver)."""
     _start_profile(llm.engine, args)
     if args.chat:
         outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params,
@@ -113,19 +122,48 @@ def _generate(llm, args, params, ready: float) -> int:
     else:
         outs = llm.generate(args.prompt, params, use_tqdm=False)
     _stop_profile(llm.engine)
-    for out in outs:
-        c = out.outputs[0]
-        print(c.text)
-        m = out.metrics
-        print(f"[{len(out.prompt_token_ids)} prompt + {len(c.token_ids)} generated tokens, "
-              f"finish={c.finish_reason}, ttft {m.time_to_first_token:.3f}s, "
-              f"decode {len(c.token_ids) / max(m.decode_time, 1e-9):.1f} tok/s]", file=sys.stderr)
-    warm = llm.engine.warmup_seconds
+    flat = {k: v for k, v in llm.stats().items() if not isinstance(v, dict)}  # not step/KV
+    return {"outputs": [{"text": o.outputs[0].text, "token_ids": list(o.outputs[0].token_ids),
+                         "num_prompt_tokens": len(o.prompt_token_ids),
+                         "finish_reason": o.outputs[0].finish_reason,
+                         "ttft": o.metrics.time_to_first_token,
+                         "decode_time": o.metrics.decode_time} for o in outs],
+            "ready": ready, "warmup_seconds": llm.engine.warmup_seconds, "stats": flat}
+
+
+def print_generated(result: dict) -> None:
+    for out in result["outputs"]:
+        print(out["text"])
+        n = len(out["token_ids"])
+        print(f"[{out['num_prompt_tokens']} prompt + {n} generated tokens, "
+              f"finish={out['finish_reason']}, ttft {out['ttft']:.3f}s, "
+              f"decode {n / max(out['decode_time'], 1e-9):.1f} tok/s]", file=sys.stderr)
+    warm = result["warmup_seconds"]
     compile_note = (f"incl. warm-up compile {warm:.1f}s" if warm is not None else
                     "no warm-up: the first steps include their compiles")
-    flat = {k: v for k, v in llm.stats().items() if not isinstance(v, dict)}  # not step/KV
-    print(f"[start-up {ready:.1f}s, {compile_note}; {flat}]", file=sys.stderr)
-    return 0
+    print(f"[start-up {result['ready']:.1f}s, {compile_note}; {result['stats']}]",
+          file=sys.stderr)
+
+
+def run_on_host(command: str, args, config: dict, server: dict | None) -> dict:
+    """One host process of a Ray-launched run, after multihost.initialize: the engine from
+    plain config; process 0 runs `command`, the others follow it. Returns plain data."""
+    from jaxserve import LLM
+    from jaxserve.server import ServerConfig, serve
+    _reserve_host_cores(args)
+    start = time.perf_counter()
+    llm = LLM(**config)
+    if _follow(llm.engine):
+        return {"followed": True}
+    try:
+        if command == "generate":
+            ready = time.perf_counter() - start
+            return {"generated": generated(llm, args, _sampling_params(args), ready)}
+        _start_profile(llm.engine, args)
+        return {"status": serve(llm.engine, args.host, args.port, ServerConfig(**server))}
+    finally:
+        if llm.engine.channel is not None:
+            llm.engine.channel.stop()
 
 
 def _admission(engine_config: EngineConfig) -> dict:
@@ -146,6 +184,8 @@ def _cmd_serve(args) -> int:
                               watchdog_timeout_s=args.watchdog_timeout)
         if args.data_parallel_size is not None:
             return _serve_replicas(args, engine_config, config)
+        if args.distributed_executor_backend == "ray":
+            return ray_hosts.main("serve", args, engine_config, config)
         _init_distributed(args)
         _reserve_host_cores(args)
         from jaxserve import LLMEngine
@@ -165,9 +205,12 @@ def _cmd_serve(args) -> int:
 
 def _serve_replicas(args, engine_config: EngineConfig, config) -> int:
     """--data-parallel-size N: N engine replicas on Ray Serve behind this process's HTTP app."""
-    if args.coordinator_address is not None or args.process_id is not None:
+    if args.coordinator_address is not None or args.process_id is not None or \
+            args.distributed_executor_backend != "mp":
         raise ValueError("--data-parallel-size runs each replica in its own Ray actor; it does "
-                         "not take --coordinator-address / --process-id")
+                         "not take --coordinator-address / --process-id / "
+                         "--distributed-executor-backend (a replica split over hosts is not "
+                         "supported yet)")
     if args.profile_dir is not None:
         raise ValueError("--profile-dir profiles one engine process; with "
                          "--data-parallel-size there is none in this process")
@@ -363,14 +406,21 @@ def _add_serve_parser(sub) -> None:
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     """Every EngineConfig field as a flag, with the dataclass's default and help."""
     add_config_args(p.add_argument_group("engine (EngineConfig fields)"), EngineConfig)
-    g = p.add_argument_group("multi-host (jax.distributed.initialize; run on every host)")
+    g = p.add_argument_group("multi-host (jax.distributed.initialize; run on every host, or "
+                             "let Ray start them)")
     g.add_argument("--coordinator-address", default=None, help="HOST:PORT of process 0")
     g.add_argument("--num-processes", type=int, default=None)
     g.add_argument("--process-id", type=int, default=None, help="0 schedules and serves")
+    g.add_argument("--distributed-executor-backend", default="mp", choices=ray_hosts.BACKENDS,
+                   help="mp: you start every process (the flags above); ray: one command "
+                        "starts --num-processes Ray actors, one per host (docs/parallelism.md)")
     g.add_argument("--ray-address", default=None,
-                   help="join this Ray cluster (ray://HOST:PORT or HOST:PORT) for replicas or "
-                        "a Ray-launched multi-host run; default: a local cluster started for "
-                        "the command and stopped with it")
+                   help="join this Ray cluster (HOST:PORT, ray://HOST:PORT) for replicas or "
+                        "a Ray-launched multi-host run; default: $RAY_ADDRESS, else a local "
+                        "cluster started for the command and stopped with it")
+    g.add_argument("--ray-placement-strategy", default=None, choices=ray_hosts.PLACEMENTS,
+                   help="Ray placement of the host processes (default: STRICT_SPREAD, one per "
+                        "node, on a joined cluster; PACK on the local one)")
     p.add_argument("--host-cores", type=int, default=0, metavar="N",
                    help="CPUs kept for the engine's host loop, apart from XLA's CPU thread pool "
                         "(Linux). Pays on a CPU backend when the host work per step is like "

@@ -55,6 +55,16 @@ def save(model, directory) -> pathlib.Path:
     return directory
 
 
+def _local_target(ckptr, directory):
+    """The stored arrays' shapes and dtypes on this process's first device. Restoring as saved
+    asks for the device that saved them (e.g. cpu:0), which the other processes of a multi-host
+    run do not have: orbax refuses ("Topology mismatch")."""
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    stored = ckptr.metadata(directory / PARAMS_DIR).item_metadata.tree
+    return jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device),
+                        stored)
+
+
 def restore(directory, dtype):
     """Returns (config, params as numpy in `dtype`, tokenizer or None, quantization path)."""
     import orbax.checkpoint as ocp
@@ -69,7 +79,8 @@ def restore(directory, dtype):
         raise CheckpointError(f"{directory}: no {PARAMS_DIR}/ orbax checkpoint next to "
                               f"{CONFIG_FILE}")
     with ocp.StandardCheckpointer() as ckptr:
-        params = quantized.from_stored(ckptr.restore(directory / PARAMS_DIR))
+        params = quantized.from_stored(ckptr.restore(directory / PARAMS_DIR,
+                                                     _local_target(ckptr, directory)))
     params = jax.tree_util.tree_map_with_path(
         lambda path, x: np.asarray(x).astype(leaf_dtype(path, x, dtype)), params)
     tokenizer = (Tokenizer.from_hf_dir(directory)

@@ -21,12 +21,15 @@ def import_ray():
 
 class RayCluster:
     """`with RayCluster(address):` connects (address given, or RAY_ADDRESS set) or starts a
-    local cluster; on exit it disconnects, which stops a cluster it started itself."""
+    local cluster; on exit it disconnects, which stops a cluster it started itself. `local`:
+    whether the cluster is one this command started (a single node), False when joined or when
+    the caller had connected already."""
 
     def __init__(self, address: str | None = None, num_cpus: int | None = None):
         self.address = address
         self.num_cpus = num_cpus
         self.started_here = False
+        self.local = False
 
     def __enter__(self) -> "RayCluster":
         ray = import_ray()
@@ -40,6 +43,7 @@ class RayCluster:
             kwargs.update(include_dashboard=False, num_cpus=self.num_cpus)
         ray.init(**kwargs, log_to_driver=True, configure_logging=False)
         self.started_here = True
+        self.local = not joining
         log.info("%s Ray cluster (%s CPUs)", "joined" if joining else "started a local",
                  ray.cluster_resources().get("CPU"))
         return self
