@@ -28,9 +28,10 @@ class ReplicaOptions:
 
     num_replicas: int = 1
     router: str = "prefix"
-    # Ray resources each replica reserves; GPUs: one per device its engine uses.
+    # Ray resources each replica reserves. GPUs: None = one per device its engine uses
+    # (tensor_parallel_size) when the cluster has GPUs, else none.
     num_cpus: float = 1.0
-    num_gpus: float = 0.0
+    num_gpus: float | None = None
     # Ray Serve's health probe (EngineReplica.check_health) period and timeout.
     health_check_period_s: float = 2.0
     health_check_timeout_s: float = 30.0
@@ -40,7 +41,7 @@ class ReplicaOptions:
                 self.num_replicas < 1:
             raise ValueError(f"--data-parallel-size must be a positive integer, got "
                              f"{self.num_replicas!r}")
-        if self.num_cpus < 0 or self.num_gpus < 0:
+        if self.num_cpus < 0 or (self.num_gpus is not None and self.num_gpus < 0):
             raise ValueError("replica CPUs and GPUs must be >= 0")
 
 
@@ -67,7 +68,12 @@ def start_pool(engine_kwargs: dict, options: ReplicaOptions, capacity: int) -> R
 
     `capacity`: requests one replica may hold (running + waiting); Ray Serve is told to let
     that many (plus the pool's own calls) through to it at once."""
+    import ray
     from ray import serve
+    gpus = options.num_gpus
+    if gpus is None:
+        has_gpus = ray.cluster_resources().get("GPU", 0) > 0
+        gpus = float(engine_kwargs.get("tensor_parallel_size", 1)) if has_gpus else 0.0
     serve.start(proxy_location="Disabled")  # the Flask app serves HTTP
     deployment = serve.deployment(EngineReplica)
     handles = {}
@@ -79,7 +85,7 @@ def start_pool(engine_kwargs: dict, options: ReplicaOptions, capacity: int) -> R
             name=name, num_replicas=1, max_ongoing_requests=capacity + 16,
             health_check_period_s=options.health_check_period_s,
             health_check_timeout_s=options.health_check_timeout_s,
-            ray_actor_options={"num_cpus": options.num_cpus, "num_gpus": options.num_gpus},
+            ray_actor_options={"num_cpus": options.num_cpus, "num_gpus": gpus},
             # A log line per call (token streams, the pool's stats polls) would drown the rest.
             logging_config={"enable_access_log": False},
         ).bind(name, kwargs)
