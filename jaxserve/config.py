@@ -14,6 +14,7 @@ from types import MappingProxyType
 from typing import Literal, Mapping, get_args
 
 from jaxserve.config_fields import check_choices
+from jaxserve.telemetry.kv_event_publisher import kv_event_endpoint
 from jaxserve.core.block_manager import validate_block_size
 from jaxserve.core.scheduler import SchedulerConfig
 from jaxserve.faults import FaultConfig
@@ -151,6 +152,17 @@ class EngineConfig:
         "\"prompt_lookup_max\": 4}' or '{\"method\": \"draft_model\", \"model\": ..., "
         "\"draft_quantization\": \"w8a8\"}' (docs/speculative.md)"))
 
+    # KV-cache events in vLLM's ZMQ wire format for KV-aware routers
+    # (jaxserve/telemetry/kv_event_publisher.py).
+    kv_events_endpoint: str | None = dataclasses.field(default=None, metadata=_help(
+        "publish KV-cache events (blocks stored / removed / all cleared) in vLLM's ZMQ wire "
+        "format for llm-d's KV-cache indexer and Dynamo's router: tcp://*:5557 binds (a '*' "
+        "or '::' host, or ipc://PATH), tcp://HOST:PORT connects; needs prefix caching"))
+    # vLLM's name: a replica's rank among data-parallel replicas of one model.
+    data_parallel_rank: int = dataclasses.field(default=0, metadata=_help(
+        "this replica's rank among data-parallel replicas: the KV-events publisher binds "
+        "port + rank and stamps it on every batch, as vLLM does"))
+
     def __post_init__(self):
         object.__setattr__(self, "speculative_config",
                            SpeculativeConfig.parse(self.speculative_config))
@@ -185,6 +197,14 @@ class EngineConfig:
                                       or value < 0):
                 raise ValueError(f"{name} must be an integer >= 0 or None, got {value!r}")
         FaultConfig.parse(self.faults)  # a bad spec fails here, naming the key
+        rank = self.data_parallel_rank
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise ValueError(f"data_parallel_rank must be an integer >= 0, got {rank!r}")
+        if self.kv_events_endpoint is not None:
+            kv_event_endpoint(self.kv_events_endpoint, rank)  # raises, saying what is wrong
+            if not self.enable_prefix_caching:
+                raise ValueError("kv_events_endpoint reports the prefix cache's blocks: it "
+                                 "needs enable_prefix_caching=True")
         if self.quantization == "gguf" and self.tensor_parallel_size > 1:
             # The file's blocks are served as stored, but tensor parallelism may pad heads (and
             # Q4 groups of 32 would have to be re-laid per shard): not supported yet.
@@ -198,4 +218,5 @@ class EngineConfig:
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=max_model_len, block_size=self.block_size, num_blocks=num_blocks,
             enable_chunked_prefill=self.enable_chunked_prefill,
-            enable_prefix_caching=self.enable_prefix_caching)
+            enable_prefix_caching=self.enable_prefix_caching,
+            kv_events=self.kv_events_endpoint is not None)

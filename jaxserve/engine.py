@@ -35,7 +35,7 @@ from jaxserve.faults import injector
 from jaxserve.runtime import multihost
 from jaxserve.runtime.step_call import Pending
 from jaxserve.structured import StructuredRequests
-from jaxserve.telemetry import kv_accounting
+from jaxserve.telemetry import kv_accounting, kv_event_publisher
 from jaxserve.telemetry.profiling import Profiler
 from jaxserve.telemetry.step_stats import StepStats, StepTotals
 from models import Model, windowed
@@ -91,6 +91,8 @@ class LLMEngine:
         self.step_totals = StepTotals()
         self.kv_tracker = kv_accounting.MemoryTracker()
         self._inflight: _InFlight | None = None  # the step launched and not yet finished
+        # Where each step's KV-cache events go (kv_events_endpoint); None: events are off.
+        self.kv_event_sink = kv_event_publisher.sink(config, jax.process_index())
         # Structured output (structured.py): None when the engine does not serve it.
         self.structured = (StructuredRequests(GrammarCompiler(
             tok.to_json(), vocab_size=mc.vocab_size, eos_ids=sorted(self.eos_ids)))
@@ -292,8 +294,23 @@ class LLMEngine:
                     outputs += done
                     wait += wait_now
             self._release_idle_slots()
+        self._publish_kv_events()
         self.profiler.on_step()
         return outputs
+
+    def _publish_kv_events(self) -> None:
+        events = self.scheduler.block_manager.events
+        if events is not None:
+            batch = events.drain()  # also without a sink (a follower host): the log stays small
+            if batch and self.kv_event_sink is not None:
+                self.kv_event_sink.publish(batch)
+
+    def close(self) -> None:
+        """Releases what outlives a step: the KV-event publisher's socket and thread."""
+        if self.kv_event_sink is not None:
+            self._publish_kv_events()
+            self.kv_event_sink.close()
+            self.kv_event_sink = None
 
     def _release_idle_slots(self) -> None:
         """With no step in flight, no next plan may come soon to carry the released slots:
@@ -500,7 +517,9 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> int:
         """Drops the cached KV blocks no request holds; returns how many were dropped."""
-        return self.scheduler.block_manager.reset_prefix_cache()
+        dropped = self.scheduler.block_manager.reset_prefix_cache()
+        self._publish_kv_events()
+        return dropped
 
     def reset_stats(self) -> None:
         """Restarts the step and memory running totals (e.g. after a warm-up pass)."""

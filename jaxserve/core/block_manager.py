@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections import deque
 
+from jaxserve.core.kv_events import KVEventLog
 from jaxserve.core.prefix_cache import PrefixCache, block_hashes
 from jaxserve.core.sequence import Sequence
 
@@ -47,7 +48,9 @@ def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, reserve_null_block: bool = True,
-                 enable_caching: bool = False) -> None:
+                 enable_caching: bool = False, events: KVEventLog | None = None) -> None:
+        """events: where the prefix cache's stored / removed / cleared blocks are logged for
+        KV-aware routers (core/kv_events.py); None (the default) logs nothing."""
         validate_block_size(block_size)
         first = 1 if reserve_null_block else 0
         if not isinstance(num_blocks, int) or num_blocks <= first:
@@ -64,7 +67,8 @@ class BlockManager:
         # against their tables without the caller listing them.
         self._holders: dict[str, Sequence] = {}
         self.enable_caching = enable_caching
-        self.cache = PrefixCache()
+        self.events = events
+        self.cache = PrefixCache(events)
         # Counters for stats(): admissions looked up in the cache and what they found.
         self.num_query_blocks = self.num_query_tokens = 0
         self.num_hit_blocks = self.num_hit_tokens = 0
@@ -222,9 +226,26 @@ class BlockManager:
         if full <= seq.num_registered_blocks:
             return
         hashes = block_hashes(seq, self.block_size)
-        for i in range(seq.num_registered_blocks, full):
-            self.cache.register(seq.block_table[i], hashes[i])
+        if self.events is not None:
+            self._register_logged(seq, hashes, full)
+        else:
+            for i in range(seq.num_registered_blocks, full):
+                self.cache.register(seq.block_table[i], hashes[i])
         seq.num_registered_blocks = full
+
+    def _register_logged(self, seq: Sequence, hashes: list[bytes], full: int) -> None:
+        """register_computed's loop, logging each run of consecutive newly named blocks as one
+        stored event. A block whose content another block already holds (a fork's, a repeated
+        prompt's) is not news: that hash was stored before."""
+        run: list[int] = []
+        for i in range(seq.num_registered_blocks, full + 1):
+            if i < full and self.cache.register(seq.block_table[i], hashes[i]):
+                run.append(i)
+            elif run:
+                first, bs = run[0], self.block_size
+                self.events.stored([hashes[j] for j in run], hashes[first - 1] if first else None,
+                                   seq.token_ids_slice(first * bs, (run[-1] + 1) * bs), bs)
+                run = []
 
     def _take(self) -> int:
         # Uncached free blocks first; a cached one is evicted only when none is left.

@@ -16,6 +16,7 @@ from collections import OrderedDict
 
 import numpy as np
 
+from jaxserve.core.kv_events import KVEventLog
 from jaxserve.core.sequence import Sequence
 
 
@@ -48,9 +49,13 @@ def block_hashes(seq: Sequence, block_size: int) -> list[bytes]:
 
 
 class PrefixCache:
-    """hash <-> block maps plus the LRU order of cached blocks nobody references."""
+    """hash <-> block maps plus the LRU order of cached blocks nobody references.
 
-    def __init__(self) -> None:
+    events: where hashes leaving the cache are logged (kv_events.py); None: not logged.
+    """
+
+    def __init__(self, events: KVEventLog | None = None) -> None:
+        self.events = events
         self.block_of: dict[bytes, int] = {}
         self.hash_of: dict[int, bytes] = {}
         # Cached blocks with refcount 0, oldest first: what eviction takes.
@@ -70,12 +75,14 @@ class PrefixCache:
             blocks.append(block)
         return blocks
 
-    def register(self, block: int, h: bytes) -> None:
-        """Names `block` by `h` unless another block already holds that content."""
+    def register(self, block: int, h: bytes) -> bool:
+        """Names `block` by `h` unless another block already holds that content (or `block` is
+        named already); returns whether it did."""
         if h in self.block_of or block in self.hash_of:
-            return
+            return False
         self.block_of[h] = block
         self.hash_of[block] = h
+        return True
 
     def park(self, block: int) -> None:
         """`block` (cached) lost its last reference: it becomes the most recent evictable."""
@@ -88,14 +95,24 @@ class PrefixCache:
     def drop_evictable(self) -> list[int]:
         """Forgets every cached block nobody references; returns them (now uncached)."""
         blocks = list(self.evictable)
-        for block in blocks:
-            del self.block_of[self.hash_of.pop(block)]
+        dropped = [self.hash_of.pop(block) for block in blocks]
+        for h in dropped:
+            del self.block_of[h]
         self.evictable.clear()
+        if self.events is not None and dropped:
+            if self.hash_of:  # blocks running requests hold stay cached: name what left
+                for h in dropped:
+                    self.events.removed(h)
+            else:
+                self.events.cleared()
         return blocks
 
     def evict(self) -> int:
         """Drops the least recently freed cached block from the cache and returns it."""
         block, _ = self.evictable.popitem(last=False)
-        del self.block_of[self.hash_of.pop(block)]
+        h = self.hash_of.pop(block)
+        del self.block_of[h]
         self.num_evictions += 1
+        if self.events is not None:
+            self.events.removed(h)
         return block

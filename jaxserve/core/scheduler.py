@@ -39,6 +39,7 @@ from collections.abc import Iterator, Mapping
 from typing import NamedTuple
 
 from jaxserve.core.block_manager import BlockManager, blocks_for_tokens
+from jaxserve.core.kv_events import KVEventLog
 from jaxserve.core.sequence import PLACEHOLDER, Sequence, SequenceStatus
 
 
@@ -58,6 +59,8 @@ class SchedulerConfig:
     num_blocks: int
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = False
+    # Log the prefix cache's stored / removed blocks for KV-aware routers (core/kv_events.py).
+    kv_events: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_model_len, int) or self.max_model_len < 1:
@@ -128,8 +131,9 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
-        self.block_manager = BlockManager(config.num_blocks, config.block_size,
-                                          enable_caching=config.enable_prefix_caching)
+        self.block_manager = BlockManager(
+            config.num_blocks, config.block_size, enable_caching=config.enable_prefix_caching,
+            events=KVEventLog() if config.kv_events else None)
         self.waiting: deque[Sequence] = deque()
         # Admission order: index 0 is the oldest, the end is the first preempted.
         self.running: list[Sequence] = []

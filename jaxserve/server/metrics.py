@@ -55,9 +55,33 @@ class _EngineCollector:
                                   s.get("cow_copies", 0))
         yield GaugeMetricFamily("jaxserve_engine_alive", "1 while the engine loop runs",
                                 1.0 if self._loop.alive else 0.0)
+        yield from gateway_metrics(s)
         yield from _step_metrics(s)
         yield from _kv_memory_metrics(s)
         yield from _spec_metrics(s.get("speculation"))
+
+
+def gateway_metrics(s: dict):
+    """The model-server protocol of Kubernetes inference gateways (Gateway API Inference
+    Extension, llm-d), under the vLLM names their endpoint pickers scrape by default.
+
+    Only the stats keys a pool of replicas can also sum are read: running, waiting,
+    kv_blocks_total, kv_blocks_free, block_size.
+    """
+    yield GaugeMetricFamily("vllm:num_requests_running",
+                            "Requests in the running batch", s["running"])
+    yield GaugeMetricFamily("vllm:num_requests_waiting",
+                            "Requests queued, not yet scheduled", s["waiting"])
+    # A fraction (0..1) despite "perc": vLLM's semantics, which the pickers assume.
+    yield GaugeMetricFamily("vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use "
+                            "(0..1)", 1.0 - s["kv_blocks_free"] / max(1, s["kv_blocks_total"]))
+    # vLLM's info-style gauge: value 1, the cache config in its labels (pickers read
+    # block_size and num_gpu_blocks from them).
+    info = GaugeMetricFamily("vllm:cache_config_info", "Information of the KV cache config",
+                             labels=["block_size", "num_gpu_blocks"])
+    info.add_metric([str(s["block_size"]), str(s["kv_blocks_total"])], 1.0)
+    yield info
+    # vllm:lora_requests_info (running/waiting adapters) comes with LoRA adapters.
 
 
 SPEC_COUNTERS = {

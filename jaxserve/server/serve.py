@@ -91,5 +91,6 @@ def serve_backend(loop: Backend, host: str, port: int, config: ServerConfig) -> 
     server.close()
     server.task_dispatcher.shutdown(timeout=1)
     loop.stop()
+    engine.close()
     # A supervisor restarts on a non-zero status (Restart=on-failure): never 0 after a failure.
     return 0 if drained and not failed and loop.error is None else 1
