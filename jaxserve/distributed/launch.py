@@ -79,8 +79,8 @@ def start_pool(engine_kwargs: dict, options: ReplicaOptions, capacity: int) -> R
     handles = {}
     for rank in range(options.num_replicas):
         name = f"replica-{rank}"
-        kwargs = dict(engine_kwargs, data_parallel_rank=rank) \
-            if "data_parallel_rank" in _engine_fields() else dict(engine_kwargs)
+        # The rank offsets the replica's KV-event port and is stamped on its event batches.
+        kwargs = dict(engine_kwargs, data_parallel_rank=rank)
         app = deployment.options(
             name=name, num_replicas=1, max_ongoing_requests=capacity + 16,
             health_check_period_s=options.health_check_period_s,
@@ -103,7 +103,3 @@ def stop_pool(pool: ReplicaPool) -> None:
     for name in pool.replicas():
         serve.delete(APP_PREFIX + name)
 
-
-def _engine_fields() -> set[str]:
-    from jaxserve.config import EngineConfig
-    return {f.name for f in dataclasses.fields(EngineConfig)}

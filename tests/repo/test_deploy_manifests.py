@@ -25,10 +25,6 @@ MANIFESTS = sorted((REPO / "deploy" / "kubernetes").glob("*.yaml"))
 # Values for the `$(VAR)` references the manifests use: what LeaderWorkerSet sets in each pod.
 PLACEHOLDERS = {"LWS_LEADER_ADDRESS": "jaxserve-tp-0.jaxserve-tp", "LWS_GROUP_SIZE": "2",
                 "LWS_WORKER_INDEX": "1"}
-# Flags the manifests carry as comments until `jaxserve serve` has them (branches not merged
-# yet). Once the parser knows one, test_pending_flags fails: uncomment it in the manifest and
-# delete it here.
-PENDING_FLAGS = ("--kv-events-endpoint",)
 
 
 def documents() -> list[tuple[str, dict]]:
@@ -193,14 +189,3 @@ def serve_knows(flag: str) -> bool:
 def test_serve_knows_its_flags_and_not_others():
     assert serve_knows("--port") and serve_knows("--coordinator-address")
     assert not serve_knows("--no-such-flag") and not serve_knows("--num-process")
-
-
-def test_pending_flags_stay_commented_out_until_serve_has_them():
-    text = "\n".join(p.read_text() for p in MANIFESTS)
-    for name, _, c in serve_containers():
-        active = {str(a) for a in c["args"]} & set(PENDING_FLAGS)
-        assert not active, f"{name}: {active} is active but jaxserve serve lacks it"
-    for flag in PENDING_FLAGS:
-        assert re.search(rf"#\s*-\s*{re.escape(flag)}\b", text), f"{flag} is in no manifest"
-        assert not serve_knows(flag), (f"jaxserve serve has {flag} now: uncomment it in the "
-                                       f"manifests and remove it from PENDING_FLAGS")
