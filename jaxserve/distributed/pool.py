@@ -97,9 +97,12 @@ class ReplicaPool:
             return self._in_flight
 
     def stats(self) -> dict:
+        """Summed over the replicas (pool_stats), with `replicas_up`: which ones are routed to."""
         with self._lock:
             per_replica = {n: s for n, s in self._stats.items()}
-        return pool_stats(per_replica)
+        out = pool_stats(per_replica)
+        out["replicas_up"] = {n: r["healthy"] for n, r in self._router.snapshot().items()}
+        return out
 
     def replicas(self) -> dict[str, dict]:
         """Per replica: healthy, load (requests routed and unfinished), indexed blocks, and

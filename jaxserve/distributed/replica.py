@@ -126,9 +126,11 @@ class EngineReplica:
                                f"({self.loop.error!r})")
 
     def __del__(self):
+        """Ray Serve's shutdown of the replica: stop stepping, close the KV-event socket."""
         loop = getattr(self, "loop", None)  # absent when the engine failed to build
         if loop is not None:
             loop.stop(timeout=2.0)
+            self.engine.close()
 
 
 # `Accepted` crosses the boundary as is; re-exported for the pool's isinstance checks.

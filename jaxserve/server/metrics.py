@@ -56,6 +56,7 @@ class _EngineCollector:
         yield GaugeMetricFamily("jaxserve_engine_alive", "1 while the engine loop runs",
                                 1.0 if self._loop.alive else 0.0)
         yield from gateway_metrics(s)
+        yield from _replica_metrics(s.get("replicas"), s.get("replicas_up"))
         yield from _step_metrics(s)
         yield from _kv_memory_metrics(s)
         yield from _spec_metrics(s.get("speculation"))
@@ -110,6 +111,47 @@ def _spec_metrics(spec: dict | None):
     yield GaugeMetricFamily("jaxserve_spec_decode_mean_accepted_length",
                             "Tokens per verified row since start (0 before any draft)",
                             spec["mean_accepted_length"] or 0.0)
+
+
+REPLICA_GAUGES = {
+    "running": ("jaxserve_replica_num_requests_running", "Requests in the replica's batch"),
+    "waiting": ("jaxserve_replica_num_requests_waiting", "Requests waiting in the replica"),
+}
+REPLICA_COUNTERS = {
+    "prefix_cache_queries_tokens": ("jaxserve_replica_prefix_cache_queries_tokens",
+                                    "Prompt tokens looked up in the replica's prefix cache"),
+    "prefix_cache_hits_tokens": ("jaxserve_replica_prefix_cache_hits_tokens",
+                                 "Prompt tokens the replica found in its prefix cache"),
+}
+
+
+def _replica_metrics(per_replica: dict | None, up: dict | None):
+    """Per engine replica (a pool on Ray Serve; absent with one engine): the unlabelled
+    families above are the pool's sums, these say how the load and cache hits split."""
+    if not per_replica and not up:
+        return
+    per_replica = per_replica or {}
+    for key, (name, doc) in REPLICA_GAUGES.items():
+        family = GaugeMetricFamily(name, doc, labels=["replica"])
+        for replica, s in sorted(per_replica.items()):
+            family.add_metric([replica], s[key])
+        yield family
+    usage = GaugeMetricFamily("jaxserve_replica_kv_cache_usage_ratio",
+                              "Fraction of the replica's KV-cache blocks in use",
+                              labels=["replica"])
+    for replica, s in sorted(per_replica.items()):
+        usage.add_metric([replica], 1.0 - s["kv_blocks_free"] / max(1, s["kv_blocks_total"]))
+    yield usage
+    for key, (name, doc) in REPLICA_COUNTERS.items():
+        family = CounterMetricFamily(name, doc, labels=["replica"])
+        for replica, s in sorted(per_replica.items()):
+            family.add_metric([replica], s.get(key, 0))
+        yield family
+    healthy = GaugeMetricFamily("jaxserve_replica_up", "1 while the pool routes to the "
+                                "replica (it answers its health polls)", labels=["replica"])
+    for replica, ok in sorted((up or {}).items()):
+        healthy.add_metric([replica], 1.0 if ok else 0.0)
+    yield healthy
 
 
 STEP_HISTOGRAMS = {

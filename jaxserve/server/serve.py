@@ -57,7 +57,10 @@ def serve(engine, host: str = "127.0.0.1", port: int = 8000,
     """Serves `engine` until SIGTERM or SIGINT, then drains. Returns an exit code."""
     config = config or ServerConfig()
     loop = EngineLoop(engine, watchdog_timeout_s=config.watchdog_timeout_s).start()
-    return serve_backend(loop, host, port, config)
+    try:
+        return serve_backend(loop, host, port, config)
+    finally:
+        engine.close()  # the KV-event publisher's socket and thread
 
 
 def serve_backend(loop: Backend, host: str, port: int, config: ServerConfig) -> int:
@@ -91,6 +94,5 @@ def serve_backend(loop: Backend, host: str, port: int, config: ServerConfig) -> 
     server.close()
     server.task_dispatcher.shutdown(timeout=1)
     loop.stop()
-    engine.close()
     # A supervisor restarts on a non-zero status (Restart=on-failure): never 0 after a failure.
     return 0 if drained and not failed and loop.error is None else 1

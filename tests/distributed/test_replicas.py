@@ -11,15 +11,19 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import threading
 import time
 
 import pytest
+import msgspec
 import requests
+import zmq
 
 ray = pytest.importorskip("ray")
 
 from http_server import serving  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from jaxserve.config import EngineConfig  # noqa: E402
 from jaxserve.core.sampling_params import SamplingParams  # noqa: E402
 from jaxserve.distributed.launch import ReplicaOptions, start_pool, stop_pool  # noqa: E402
@@ -43,11 +47,32 @@ def ckpt(tmp_path_factory):
     return str(save_orbax(tiny_chat_model(seed=0), tmp_path_factory.mktemp("tiny") / "ckpt"))
 
 
+def _free_port_pair() -> int:
+    """A port P with P and P + 1 free now (replica K publishes KV events on P + K)."""
+    for _ in range(50):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+                return port
+    raise RuntimeError("no two consecutive free ports")
+
+
 @pytest.fixture(scope="module")
-def pool(ckpt):
+def events_port():
+    return _free_port_pair()
+
+
+@pytest.fixture(scope="module")
+def pool(ckpt, events_port):
     config = ServerConfig(served_model_name=MODEL)
     with RayCluster(num_cpus=2):
-        p = start_pool({"model": ckpt, **ENGINE},
+        # "*": each replica binds (a host names a router to connect to, as in vLLM).
+        p = start_pool({"model": ckpt, **ENGINE, "kv_events_endpoint": f"tcp://*:{events_port}"},
                        ReplicaOptions(num_replicas=2, num_cpus=0.5, health_check_period_s=1.0),
                        capacity=ENGINE["max_num_seqs"] + config.max_waiting_requests)
         try:
@@ -136,8 +161,9 @@ def test_shared_prefixes_land_on_the_replica_that_cached_them(pool):
         assert after[replica] - before[replica] >= 3 * 4 * others
 
 
-def _stream(url: str, prompt: list[int], result: dict, started: threading.Event) -> None:
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 120, "temperature": 0,
+def _stream(url: str, prompt: list[int], result: dict, started: threading.Event,
+            max_tokens: int = 120) -> None:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "logprobs": 0}
     events = []
     try:
@@ -210,3 +236,81 @@ def test_a_killed_replica_fails_only_its_streams_and_comes_back(pool, reference)
     for name, s in _replica_stats(p).items():
         assert (s["running"], s["waiting"]) == (0, 0), name
         assert s["kv_blocks_in_use"] == 0, (name, s["kv_blocks_in_use"])
+
+
+def test_pool_metrics_are_the_replicas_sums_under_load(pool):
+    p, server = pool
+    prompts = [_prompt(500 + i, 10) for i in range(4)]
+    results, started = [{} for _ in prompts], [threading.Event() for _ in prompts]
+    threads = [threading.Thread(target=_stream, args=(server.url, q, r, s, 240))
+               for q, r, s in zip(prompts, results, started)]
+    for t in threads:
+        t.start()
+    try:
+        for s in started:
+            assert s.wait(120)
+        # Scrape until a poll of the replicas saw the streams running (the pool polls each
+        # every 0.5 s); the checks below hold within any one scrape.
+        while True:
+            families = {f.name: f for f in text_string_to_metric_families(
+                requests.get(server.url + "/metrics", timeout=30).text)}
+            if families["vllm:num_requests_running"].samples[0].value > 0 or \
+                    not any(t.is_alive() for t in threads):
+                break
+            time.sleep(0.05)
+    finally:
+        for t in threads:
+            t.join(200)
+
+    def by_replica(name):
+        return {s.labels["replica"]: s.value for s in families[name].samples}
+    running = by_replica("jaxserve_replica_num_requests_running")
+    assert set(running) == {"replica-0", "replica-1"}
+    assert families["vllm:num_requests_running"].samples[0].value == sum(running.values()) > 0
+    assert families["vllm:num_requests_waiting"].samples[0].value == \
+        sum(by_replica("jaxserve_replica_num_requests_waiting").values())
+    info = families["vllm:cache_config_info"].samples[0].labels
+    totals = [s["kv_blocks_total"] for s in _replica_stats(p).values()]
+    assert int(info["block_size"]) == BLOCK and int(info["num_gpu_blocks"]) == sum(totals)
+    assert by_replica("jaxserve_replica_up") == {"replica-0": 1.0, "replica-1": 1.0}
+
+
+def test_each_replica_publishes_kv_events_on_its_own_port(pool, events_port):
+    p, server = pool
+    ctx = zmq.Context()
+    subs = []
+    try:
+        for rank in (0, 1):
+            sub = ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.setsockopt(zmq.RCVTIMEO, 200)
+            sub.connect(f"tcp://127.0.0.1:{events_port + rank}")
+            subs.append(sub)
+        time.sleep(1.0)  # PUB/SUB: a subscription takes a moment to reach the publisher
+        served = {}
+        for seed in range(600, 640):  # until each replica served a 3-block prompt
+            prompt = _prompt(seed, 3 * BLOCK + 1)
+            replica = _complete(server.url, prompt, max_tokens=1)[1]
+            served.setdefault(replica, prompt)
+            if len(served) == 2:
+                break
+        for rank, sub in enumerate(subs):
+            prompt = served[f"replica-{rank}"]
+            full_blocks = [prompt[i:i + BLOCK] for i in range(0, 3 * BLOCK, BLOCK)]
+            stored, deadline = [], time.monotonic() + 30
+            while time.monotonic() < deadline and not all(b in stored for b in full_blocks):
+                try:
+                    topic, seq, payload = sub.recv_multipart()
+                except zmq.Again:
+                    continue
+                ts, events, dp_rank = msgspec.msgpack.decode(payload)  # vLLM's positional batch
+                assert dp_rank == rank
+                for event in events:
+                    if event[0] == "BlockStored":  # [tag, hashes, parent, token_ids, size, ...]
+                        tokens, size = event[3], event[4]
+                        stored += [tokens[i:i + size] for i in range(0, len(tokens), size)]
+            assert all(b in stored for b in full_blocks), (rank, stored[:3])
+    finally:
+        for sub in subs:
+            sub.close(linger=0)
+        ctx.term()
