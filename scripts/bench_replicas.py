@@ -207,29 +207,30 @@ def main() -> None:
     p.add_argument("--overhead-prompt-len", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2, help="plain/ray alternations")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--skip-overhead", action="store_true")
+    p.add_argument("--part", default="all", choices=("all", "routing", "overhead"))
     p.add_argument("--out", default=None, help="write the results as markdown here")
     args = p.parse_args()
     load = os.getloadavg()
     header = (f"CPU: {cpu_name()} ({os.cpu_count()} CPUs); load average before: "
               f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     print(header, flush=True)
-    rows = routing(args)
+    rows = routing(args) if args.part != "overhead" else None
     lines = [
         "# Replicas on Ray Serve: routing and overhead", "",
         f"`python scripts/bench_replicas.py` on {header}. Model {args.model}; the peer of each "
-        "row is the other row of its table, measured in the same run.", "",
-        f"## Shared prefixes: {args.systems} system prompts ({args.system_len} words) x "
+        "row is the other row of its table, measured in the same run."]
+    if rows is not None:
+        lines += ["", f"## Shared prefixes: {args.systems} system prompts ({args.system_len} words) x "
         f"{args.users} users, {args.concurrency} concurrent, 2 replicas, "
         f"{args.kv_cache_memory >> 20} MiB KV cache each", "",
         "| router | prefix-cache hit rate | TTFT p50 (ms) | TTFT p99 (ms) |",
         "|---|---|---|---|"]
-    lines += [f"| {r['router']} | {r['hit_rate']:.1%} | {r['ttft_p50']:.0f} | "
-              f"{r['ttft_p99']:.0f} |" for r in rows]
-    pre, rr = rows
-    lines += ["", f"prefix / round_robin: TTFT p50 x{pre['ttft_p50'] / rr['ttft_p50']:.2f}, "
-              f"p99 x{pre['ttft_p99'] / rr['ttft_p99']:.2f}."]
-    if not args.skip_overhead:
+        lines += [f"| {r['router']} | {r['hit_rate']:.1%} | {r['ttft_p50']:.0f} | "
+                  f"{r['ttft_p99']:.0f} |" for r in rows]
+        pre, rr = rows
+        lines += ["", f"prefix / round_robin: TTFT p50 x{pre['ttft_p50'] / rr['ttft_p50']:.2f}, "
+                  f"p99 x{pre['ttft_p99'] / rr['ttft_p99']:.2f}."]
+    if args.part != "routing":
         o = overhead(args)
         (t0, i0), (t1, i1) = o["plain"], o["ray"]
         lines += ["", f"## Overhead of the Ray path: {args.overhead_requests} distinct prompts "

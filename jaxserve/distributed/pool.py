@@ -69,9 +69,13 @@ class ReplicaPool:
         self._pollers = [threading.Thread(target=self._poll, args=(name,), daemon=True,
                                           name=f"poll-{name}") for name in handles]
 
-    def start(self) -> "ReplicaPool":
+    def start(self, timeout: float = 60.0) -> "ReplicaPool":
+        """Starts the pollers and waits (up to `timeout`) until every replica answered one."""
         for t in self._pollers:
             t.start()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and len(self._pids) < len(self._handles):
+            time.sleep(0.05)
         return self
 
     # ---- the Backend surface ---------------------------------------------------------------
@@ -101,6 +105,7 @@ class ReplicaPool:
         with self._lock:
             per_replica = {n: s for n, s in self._stats.items()}
         out = pool_stats(per_replica)
+        out.setdefault("block_size", self.model.block_size)  # before the first poll
         out["replicas_up"] = {n: r["healthy"] for n, r in self._router.snapshot().items()}
         return out
 
