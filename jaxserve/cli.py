@@ -218,7 +218,7 @@ def _serve_replicas(args, engine_config: EngineConfig, config) -> int:
     from jaxserve.distributed.ray_cluster import RayCluster
     from jaxserve.server.serve import serve_backend
     options = ReplicaOptions(num_replicas=args.data_parallel_size, router=args.router,
-                             num_cpus=args.replica_cpus)
+                             router_slack=args.router_slack, num_cpus=args.replica_cpus)
     capacity = engine_config.max_num_seqs + config.max_waiting_requests
     with RayCluster(args.ray_address):
         pool = start_pool(_engine_kwargs(args), options, capacity)
@@ -396,6 +396,9 @@ def _add_serve_parser(sub) -> None:
                    help="how requests pick a replica: the one most likely to hold the "
                         "prompt's prefix in its KV cache, balanced against load (default), "
                         "or round-robin / least-loaded")
+    g.add_argument("--router-slack", type=int, default=2, metavar="K",
+                   help="prefix routing passes over a replica holding the prefix when it runs "
+                        "more than K requests beyond the least loaded one (default 2)")
     g.add_argument("--replica-cpus", type=float, default=1.0,
                    help="Ray CPUs each replica reserves (default 1)")
     _add_engine_args(p)

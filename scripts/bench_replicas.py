@@ -4,9 +4,9 @@ Part 1, shared prefixes: `--systems` system prompts x `--users` users (each user
 a system prompt plus a short question of its own), sent `--concurrency` at a time to
 `jaxserve serve --data-parallel-size 2`, once with `--router prefix` and once with
 `--router round_robin`, in the same run. Reported: the pool's prefix-cache hit rate (prompt
-tokens found cached / looked up, from /metrics) and TTFT p50/p99. Each replica's KV cache is
-sized (`--kv-cache-memory`) to hold about half the system prompts next to the running batch:
-the case where routing decides what gets evicted.
+tokens found cached / looked up, from /metrics), preemptions and TTFT p50/p99, at two KV cache
+sizes per replica (`--kv-cache-mib`): one where only about half the system prompts fit beside
+a full batch (where routing decides what gets evicted) and one where all of them fit.
 
 Part 2, overhead: the plain server (one engine in the HTTP process) against the Ray path with
 one replica (`--data-parallel-size 1`), same workload of distinct prompts, alternating
@@ -54,7 +54,7 @@ class Server:
         cmd = [sys.executable, "-m", "jaxserve.cli", "serve", args.model, "--port", "0",
                "--served-model-name", "bench", "--max-num-seqs", str(args.max_num_seqs),
                "--max-model-len", str(args.max_model_len), "--no-structured-outputs",
-               "--kv-cache-memory", str(args.kv_cache_memory), *extra]
+               *extra]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                      text=True)
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -148,45 +148,53 @@ def pct(values: list[float], q: float) -> float:
 def routing(args) -> list[dict]:
     prompts = shared_prefix_prompts(args)
     rows = []
-    for router in ("prefix", "round_robin"):
-        server = Server(args, "--data-parallel-size", "2", "--router", router,
-                        "--replica-cpus", "0.5")
-        try:
-            q0 = server.metric("jaxserve_prefix_cache_queries_tokens_total")
-            h0 = server.metric("jaxserve_prefix_cache_hits_tokens_total")
-            results = run_load(server.url, prompts, args.output_len, args.concurrency)
-            time.sleep(1.5)  # the pool polls each replica's counters
-            queries = server.metric("jaxserve_prefix_cache_queries_tokens_total") - q0
-            hits = server.metric("jaxserve_prefix_cache_hits_tokens_total") - h0
-        finally:
-            server.stop()
-        ttft = [r.ttft for r in results]
-        rows.append({"router": router, "hit_rate": hits / max(1.0, queries),
-                     "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99)})
-        print(f"[{router}] hit rate {rows[-1]['hit_rate']:.1%}, TTFT p50 "
-              f"{rows[-1]['ttft_p50']:.0f} ms p99 {rows[-1]['ttft_p99']:.0f} ms", flush=True)
+    for mib in args.kv_cache_mib:
+        for router in ("prefix", "round_robin"):
+            server = Server(args, "--data-parallel-size", "2", "--router", router,
+                            "--replica-cpus", "0.5", "--kv-cache-memory", str(mib << 20))
+            try:
+                blocks = re.search(r'^vllm:cache_config_info\{.*num_gpu_blocks="(\d+)"',
+                                   requests.get(server.url + "/metrics", timeout=30).text, re.M)
+                q0 = server.metric("jaxserve_prefix_cache_queries_tokens_total")
+                h0 = server.metric("jaxserve_prefix_cache_hits_tokens_total")
+                results = run_load(server.url, prompts, args.output_len, args.concurrency)
+                time.sleep(1.5)  # the pool polls each replica's counters
+                queries = server.metric("jaxserve_prefix_cache_queries_tokens_total") - q0
+                hits = server.metric("jaxserve_prefix_cache_hits_tokens_total") - h0
+                preempted = server.metric("jaxserve_num_preemptions_total")
+            finally:
+                server.stop()
+            ttft = [r.ttft for r in results]
+            rows.append({"mib": mib, "blocks": int(blocks.group(1)) if blocks else None,
+                         "router": router, "hit_rate": hits / max(1.0, queries),
+                         "preemptions": int(preempted), "ttft_p50": pct(ttft, 50),
+                         "ttft_p99": pct(ttft, 99)})
+            print(f"[{mib} MiB, {router}] {rows[-1]}", flush=True)
     return rows
 
 
-def overhead(args) -> dict:
+def overhead(args) -> dict[int, dict]:
+    """{concurrency: {"plain"/"ray": (TTFT p50, ITL p50) in ms, medians over the repeats}}."""
     rng = random.Random(args.seed + 1)
     prompts = [words(rng, args.overhead_prompt_len) for _ in range(args.overhead_requests)]
-    runs: dict[str, list[tuple[float, float]]] = {"plain": [], "ray": []}
+    runs: dict[tuple[int, str], list[tuple[float, float]]] = {}
     for _ in range(args.repeats):
         for kind, extra in (("plain", ()), ("ray", ("--data-parallel-size", "1",
                                                       "--replica-cpus", "0.5"))):
             server = Server(args, *extra)
             try:
                 run_load(server.url, prompts[:2], args.output_len, 1)  # first-request paths
-                results = run_load(server.url, prompts, args.output_len, args.concurrency)
+                for c in args.overhead_concurrency:
+                    results = run_load(server.url, prompts, args.output_len, c)
+                    ttft = pct([r.ttft for r in results], 50)
+                    itl = pct([x for r in results for x in r.itl], 50)
+                    runs.setdefault((c, kind), []).append((ttft, itl))
+                    print(f"[{kind}, {c} concurrent] TTFT p50 {ttft:.1f} ms, ITL p50 "
+                          f"{itl:.1f} ms", flush=True)
             finally:
                 server.stop()
-            ttft = pct([r.ttft for r in results], 50)
-            itl = pct([x for r in results for x in r.itl], 50)
-            runs[kind].append((ttft, itl))
-            print(f"[{kind}] TTFT p50 {ttft:.1f} ms, ITL p50 {itl:.1f} ms", flush=True)
-    med = {k: np.median(np.asarray(v), axis=0) for k, v in runs.items()}
-    return {"plain": med["plain"], "ray": med["ray"]}
+    return {c: {kind: tuple(np.median(np.asarray(runs[(c, kind)]), axis=0))
+                for kind in ("plain", "ray")} for c in args.overhead_concurrency}
 
 
 def main() -> None:
@@ -200,10 +208,13 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--max-model-len", type=int, default=1024)
-    p.add_argument("--kv-cache-memory", type=int, default=160 << 20,
-                   help="bytes of KV cache per replica (default: about half the system "
-                        "prompts fit beside a full batch)")
+    p.add_argument("--kv-cache-mib", type=lambda v: [int(x) for x in v.split(",")],
+                   default=[72, 160], help="KV cache per replica, MiB, one routing run each "
+                   "(default 72,160: about half the system prompts fit beside a full batch; "
+                   "all of them fit)")
     p.add_argument("--overhead-requests", type=int, default=32)
+    p.add_argument("--overhead-concurrency", type=lambda v: [int(x) for x in v.split(",")],
+                   default=[1, 8], help="comma-separated concurrency levels (default 1,8)")
     p.add_argument("--overhead-prompt-len", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2, help="plain/ray alternations")
     p.add_argument("--seed", type=int, default=0)
@@ -220,26 +231,31 @@ def main() -> None:
         f"`python scripts/bench_replicas.py` on {header}. Model {args.model}; the peer of each "
         "row is the other row of its table, measured in the same run."]
     if rows is not None:
-        lines += ["", f"## Shared prefixes: {args.systems} system prompts ({args.system_len} words) x "
-        f"{args.users} users, {args.concurrency} concurrent, 2 replicas, "
-        f"{args.kv_cache_memory >> 20} MiB KV cache each", "",
-        "| router | prefix-cache hit rate | TTFT p50 (ms) | TTFT p99 (ms) |",
-        "|---|---|---|---|"]
-        lines += [f"| {r['router']} | {r['hit_rate']:.1%} | {r['ttft_p50']:.0f} | "
-                  f"{r['ttft_p99']:.0f} |" for r in rows]
-        pre, rr = rows
-        lines += ["", f"prefix / round_robin: TTFT p50 x{pre['ttft_p50'] / rr['ttft_p50']:.2f}, "
-                  f"p99 x{pre['ttft_p99'] / rr['ttft_p99']:.2f}."]
+        lines += ["", f"## Shared prefixes: {args.systems} system prompts ({args.system_len} "
+                  f"words) x {args.users} users, {args.concurrency} concurrent, 2 replicas", "",
+                  "| KV cache per replica | router | prefix-cache hit rate | preemptions | "
+                  "TTFT p50 (ms) | TTFT p99 (ms) |", "|---|---|---|---|---|---|"]
+        for r in rows:
+            lines.append(f"| {r['mib']} MiB ({r['blocks'] // 2} blocks) | {r['router']} | "
+                         f"{r['hit_rate']:.1%} | {r['preemptions']} | {r['ttft_p50']:.0f} | "
+                         f"{r['ttft_p99']:.0f} |")
+        lines.append("")
+        for pre, rr in zip(rows[::2], rows[1::2]):
+            lines.append(f"- {pre['mib']} MiB: prefix / round_robin TTFT p50 "
+                         f"x{pre['ttft_p50'] / rr['ttft_p50']:.2f}, p99 "
+                         f"x{pre['ttft_p99'] / rr['ttft_p99']:.2f}.")
     if args.part != "routing":
-        o = overhead(args)
-        (t0, i0), (t1, i1) = o["plain"], o["ray"]
         lines += ["", f"## Overhead of the Ray path: {args.overhead_requests} distinct prompts "
-                  f"({args.overhead_prompt_len} words), {args.concurrency} concurrent, median "
-                  f"of {args.repeats} alternating runs", "",
-                  "| server | TTFT p50 (ms) | ITL p50 (ms) |", "|---|---|---|",
-                  f"| plain (one engine in the HTTP process) | {t0:.1f} | {i0:.1f} |",
-                  f"| Ray Serve, 1 replica | {t1:.1f} | {i1:.1f} |", "",
-                  f"Ray / plain: TTFT x{t1 / t0:.2f}, ITL x{i1 / i0:.2f} (goal: within 1.10)."]
+                  f"({args.overhead_prompt_len} words), {args.output_len} tokens each, median "
+                  f"of {args.repeats} alternating server starts", "",
+                  "| concurrent requests | server | TTFT p50 (ms) | ITL p50 (ms) | Ray / plain |",
+                  "|---|---|---|---|---|"]
+        for c, o in overhead(args).items():
+            (t0, i0), (t1, i1) = o["plain"], o["ray"]
+            lines += [f"| {c} | plain (one engine in the HTTP process) | {t0:.1f} | {i0:.1f} | |",
+                      f"| {c} | Ray Serve, 1 replica | {t1:.1f} | {i1:.1f} | TTFT x{t1 / t0:.2f}, "
+                      f"ITL x{i1 / i0:.2f} |"]
+        lines += ["", "Goal: the Ray path within 1.10 of the plain server."]
     load = os.getloadavg()
     lines += ["", f"Load average after: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}."]
     text = "\n".join(lines) + "\n"

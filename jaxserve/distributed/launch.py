@@ -28,6 +28,9 @@ class ReplicaOptions:
 
     num_replicas: int = 1
     router: str = "prefix"
+    # Prefix routing's load slack: a replica more than this many requests busier than the
+    # least loaded one is passed over even when it holds the prompt's prefix.
+    router_slack: int = 2
     # Ray resources each replica reserves. GPUs: None = one per device its engine uses
     # (tensor_parallel_size) when the cluster has GPUs, else none.
     num_cpus: float = 1.0
@@ -92,7 +95,8 @@ def start_pool(engine_kwargs: dict, options: ReplicaOptions, capacity: int) -> R
         log.info("starting engine replica %s", name)
         handles[name] = serve.run(app, name=APP_PREFIX + name, route_prefix=None)
     first = handles["replica-0"].describe.remote().result()
-    router = ReplicaRouter(list(handles), options.router, first["block_size"])
+    router = ReplicaRouter(list(handles), options.router, first["block_size"],
+                           slack=options.router_slack)
     return ReplicaPool(handles, served_model(first), router).start()
 
 

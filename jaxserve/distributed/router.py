@@ -59,7 +59,7 @@ class _Replica:
 
 class ReplicaRouter:
     def __init__(self, names: list[str], policy: str = "prefix", block_size: int = 16,
-                 slack: int = 4):
+                 slack: int = 2):
         if policy not in POLICIES:
             raise ValueError(f"router must be one of {', '.join(POLICIES)}, got {policy!r}")
         if not names:
