@@ -31,7 +31,7 @@ import time
 import numpy as np
 import requests
 
-from bench_serving import WORDS, Result, _read_stream
+from bench_serving import WORDS, Result, read_stream
 
 STARTUP_TIMEOUT_S = 600
 
@@ -93,7 +93,7 @@ def send(url: str, prompt: str, max_tokens: int) -> Result:
             if resp.status_code != 200:
                 result.error = f"HTTP {resp.status_code}"
                 return result
-            _read_stream(resp, result, start)
+            read_stream(resp, result, start)
         result.e2e = time.perf_counter() - start
         result.ok = result.output_tokens > 0
     except Exception as e:  # noqa: BLE001 - a failed request is a data point

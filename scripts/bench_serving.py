@@ -44,7 +44,7 @@ def make_prompts(n: int, input_len: int, seed: int) -> list[str]:
     return [" ".join(rng.choice(WORDS) for _ in range(input_len)) for _ in range(n)]
 
 
-def _read_stream(resp, result: Result, start: float) -> None:
+def read_stream(resp, result: Result, start: float) -> None:
     last = None
     for line in resp.iter_lines():
         if not line.startswith(b"data: ") or line == b"data: [DONE]":
@@ -76,7 +76,7 @@ def send(args, prompt: str, result: Result) -> None:
             if resp.status_code != 200:
                 result.error = f"HTTP {resp.status_code}: {resp.text[:200]}"
                 return
-            _read_stream(resp, result, start)
+            read_stream(resp, result, start)
         result.e2e = time.perf_counter() - start
         result.ok = result.output_tokens > 0
     except Exception as e:  # noqa: BLE001 - a failed request is a data point, not a crash
