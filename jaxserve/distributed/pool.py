@@ -1,11 +1,13 @@
 """ReplicaPool: the HTTP layer's backend (server/backend.py) over N engine replicas on Ray Serve.
 
-Each request group goes to the replica the router picks (router.py); a forwarding thread
-iterates that replica's stream and puts its items on the group's queue, exactly as the local
-engine loop would, restamping times on arrival (replicas' clocks are not ours). A replica that
-fails mid-stream ends its open groups with a 503 (`replica_unavailable`) and is taken out of
-routing; one poller thread per replica reads its stats, and puts it back (its prefix index
-cleared when the process changed: Ray Serve started a new one) once it answers again.
+Each request group goes to the replica the router picks (router.py): `submit` hands it over
+under a key (its first sub-request's id), and one pump thread per replica reads that replica's
+`events` stream, a batch of `(key, item)` per engine step, and puts each item on its group's
+queue exactly as the local engine loop would, restamping times on arrival (replicas' clocks
+are not ours). A replica whose stream breaks (its process died) ends its open groups with a
+503 (`replica_unavailable`) and is taken out of routing; one poller thread per replica reads
+its stats and puts it back (its prefix index cleared when the process changed: Ray Serve
+started a new one) once it answers again, and the pump reconnects.
 """
 
 from __future__ import annotations
@@ -48,8 +50,8 @@ def pool_stats(per_replica: dict[str, dict]) -> dict:
 class _Group:
     def __init__(self, replica: str, subs: list[SubRequest], out: queue.SimpleQueue):
         self.replica, self.subs, self.out = replica, subs, out
-        self.stream = None      # the Ray response generator, once called
-        self.cancelled = False  # aborted by the HTTP side: its stream's end is expected
+        self.key = subs[0].request_id
+        self.open = {s.request_id for s in subs}  # sub-requests not finished yet
 
 
 class ReplicaPool:
@@ -59,19 +61,22 @@ class ReplicaPool:
         self._handles, self._router = handles, router
         self._poll_s, self._timeout = poll_s, call_timeout_s
         self._lock = threading.Lock()
-        self._groups: dict[str, _Group] = {}  # sub-request id -> its group
+        self._groups: dict[str, _Group] = {}  # key -> an unfinished group
+        self._owner: dict[str, str] = {}      # sub-request id -> its group's key
         self._in_flight = 0
         self._draining = False
         self._stopped = threading.Event()
         self._stats: dict[str, dict] = {}     # replica -> its engine's latest stats
         self._pids: dict[str, int] = {}
         self._snapshot_error: Exception | None = None  # the last failed engine_state fetch
-        self._pollers = [threading.Thread(target=self._poll, args=(name,), daemon=True,
-                                          name=f"poll-{name}") for name in handles]
+        self._threads = [threading.Thread(target=target, args=(name,), daemon=True,
+                                          name=f"{kind}-{name}")
+                         for name in handles
+                         for kind, target in (("poll", self._poll), ("pump", self._pump))]
 
     def start(self, timeout: float = 60.0) -> "ReplicaPool":
         """Starts the pollers and waits (up to `timeout`) until every replica answered one."""
-        for t in self._pollers:
+        for t in self._threads:
             t.start()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and len(self._pids) < len(self._handles):
@@ -144,9 +149,9 @@ class ReplicaPool:
 
     def submit(self, subs: list[SubRequest], capacity: int,
                max_queued_tokens: int | None = None) -> queue.SimpleQueue:
-        """Routes the group to a replica and streams its items; raises ApiError (503) at once
-        when draining or no replica is healthy. `capacity` bounds each replica (its own loop
-        refuses past it, with the same 503 a single engine gives)."""
+        """Routes the group to a replica and queues it there; raises ApiError (503) at once
+        when draining, when no replica is healthy, or when the replica refuses it. `capacity`
+        bounds each replica (its own loop refuses past it, as a single engine does)."""
         with self._lock:
             if self._stopped.is_set():
                 raise unavailable("the server is stopping", "engine_unavailable")
@@ -156,82 +161,120 @@ class ReplicaPool:
         if name is None:
             raise unavailable("no engine replica is healthy; retry later",
                               "replica_unavailable")
-        out: queue.SimpleQueue = queue.SimpleQueue()
-        group = _Group(name, subs, out)
+        group = _Group(name, subs, queue.SimpleQueue())
         with self._lock:
             self._in_flight += len(subs)
-            for s in subs:
-                self._groups[s.request_id] = group
-        threading.Thread(target=self._forward, args=(group, capacity, max_queued_tokens),
-                         daemon=True, name=f"stream-{subs[0].request_id}").start()
-        return out
+            self._groups[group.key] = group
+            self._owner.update((s.request_id, group.key) for s in subs)
+        try:
+            refused = self._handles[name].submit.remote(
+                group.key, subs, capacity, max_queued_tokens).result(timeout_s=self._timeout)
+        except Exception as e:  # noqa: BLE001 - dead, restarting or unreachable
+            log.warning("replica %s did not take a request: %r", name, e)
+            self._router.mark_down(name)
+            self._end(group)
+            raise unavailable(f"engine replica {name} is not answering; retry",
+                              "replica_unavailable") from None
+        if refused is not None:
+            self._end(group)
+            raise api_error(refused)
+        return group.out
 
     def abort(self, request_ids: list[str]) -> None:
-        """Cancels the groups of these sub-requests: the replica aborts what is unfinished."""
+        """Aborts these sub-requests on their replica; their groups end here at once."""
+        by_replica: dict[str, list[str]] = {}
         with self._lock:
-            groups = {id(g): g for g in (self._groups.get(r) for r in request_ids) if g}
-        for group in groups.values():
-            group.cancelled = True
-            if group.stream is not None:
-                group.stream.cancel()
+            keys = {self._owner[r] for r in request_ids if r in self._owner}
+            groups = [self._groups[k] for k in keys if k in self._groups]
+        for group in groups:
+            by_replica.setdefault(group.replica, []).extend(group.open)
+            self._end(group)
+        for name, ids in by_replica.items():
+            try:
+                self._handles[name].abort.remote(sorted(ids))  # no wait: best effort
+            except Exception as e:  # noqa: BLE001 - a dead replica holds nothing any more
+                log.info("abort on replica %s failed: %r", name, e)
 
     def fail_pending(self, message: str) -> None:
-        pass  # every group's own forwarding thread ends it
+        pass  # a replica's own failure ends its groups (the pump's stream breaks)
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stopped.set()
         with self._lock:
-            groups = list({id(g): g for g in self._groups.values()}.values())
+            groups = list(self._groups.values())
         for group in groups:
-            group.cancelled = True
-            if group.stream is not None:
-                group.stream.cancel()
-        for t in self._pollers:
-            t.join(timeout / max(1, len(self._pollers)))
+            self._fail(group, "the server is stopping")
+        for t in self._threads:
+            t.join(timeout / max(1, len(self._threads)))
 
-    # ---- forwarding ------------------------------------------------------------------------
+    # ---- the groups' items ------------------------------------------------------------------
 
-    def _forward(self, group: _Group, capacity: int, max_queued_tokens: int | None) -> None:
-        name, out = group.replica, group.out
-        open_ids = {s.request_id for s in group.subs}
-        try:
-            group.stream = self._handles[name].options(stream=True).generate.remote(
-                group.subs, capacity, max_queued_tokens)
-            if group.cancelled:
-                group.stream.cancel()
-            for batch in group.stream:
-                for item in batch:
-                    self._put(name, item, out, open_ids)
-            if open_ids and not group.cancelled:
-                raise RuntimeError("the replica's stream ended before its requests finished")
-        except Exception as e:  # noqa: BLE001 - whatever broke the stream, the client hears
-            if not group.cancelled and open_ids:
-                log.warning("replica %s failed a request: %r", name, e)
-                self._router.mark_down(name)  # the poller puts it back once it answers
-                out.put(Event(-1, None, time.monotonic(), error=unavailable(
-                    f"engine replica {name} failed while serving this request; retry",
-                    "replica_unavailable")))
-        finally:
-            self._router.done(name)
+    def _end(self, group: _Group) -> None:
+        """The group is done (finished, failed, aborted or refused): release what it held."""
+        with self._lock:
+            if self._groups.pop(group.key, None) is None:
+                return
+            self._in_flight -= len(group.subs)
+            for s in group.subs:
+                self._owner.pop(s.request_id, None)
+        self._router.done(group.replica)
+
+    def _fail(self, group: _Group, message: str) -> None:
+        group.out.put(Event(-1, None, time.monotonic(),
+                            error=unavailable(message, "replica_unavailable")))
+        self._end(group)
+
+    def _pump(self, name: str) -> None:
+        """Reads the replica's event stream into its groups' queues; reconnects after a
+        failure once the replica answers again."""
+        handle = self._handles[name].options(stream=True)
+        while not self._stopped.is_set():
+            if not self._router.snapshot()[name]["healthy"]:
+                self._stopped.wait(self._poll_s)
+                continue
+            try:
+                for batch in handle.events.remote():
+                    now = time.monotonic()
+                    for key, item in batch:
+                        self._deliver(name, key, item, now)
+                    if self._stopped.is_set():
+                        return
+                continue  # ended without an error (another reader took over): reconnect
+            except Exception as e:  # noqa: BLE001 - the replica died or Ray lost it
+                if self._stopped.is_set():
+                    return
+                log.warning("replica %s: its event stream broke (%r); failing its requests "
+                            "and routing around it", name, e)
+                self._router.mark_down(name)
             with self._lock:
-                self._in_flight -= len(group.subs)
-                for s in group.subs:
-                    self._groups.pop(s.request_id, None)
+                lost = [g for g in self._groups.values() if g.replica == name]
+            for group in lost:
+                self._fail(group, f"engine replica {name} failed while serving this request; "
+                                  "retry")
+            if lost:  # the process may live on (a Ray hiccup): it must not keep their blocks
+                try:
+                    self._handles[name].abort.remote(sorted(r for g in lost for r in g.open))
+                except Exception:  # noqa: BLE001 - it is dead: nothing to free
+                    pass
 
-    @staticmethod
-    def _put(name: str, item, out: queue.SimpleQueue, open_ids: set[str]) -> None:
+    def _deliver(self, name: str, key: str, item, now: float) -> None:
+        with self._lock:
+            group = self._groups.get(key)
+        if group is None:
+            return  # aborted here already
         if isinstance(item, Accepted):
-            out.put(Accepted(name))
+            group.out.put(Accepted(name))
             return
-        now = time.monotonic()
         if item.error is not None:
-            open_ids.clear()
             err = item.error if isinstance(item.error, ApiError) else api_error(item.error)
-            out.put(Event(item.index, None, now, error=err))
+            group.out.put(Event(item.index, None, now, error=err))
+            self._end(group)
             return
+        group.out.put(dataclasses.replace(item, time=now))
         if item.output.finished:
-            open_ids.discard(item.output.request_id)
-        out.put(dataclasses.replace(item, time=now))
+            group.open.discard(item.output.request_id)
+            if not group.open:
+                self._end(group)
 
     # ---- health ----------------------------------------------------------------------------
 

@@ -1,17 +1,20 @@
 """One engine replica: an LLMEngine and its EngineLoop inside a Ray Serve replica actor.
 
 The replica speaks the engine loop's protocol (sub-requests in; `Accepted`, then `Event`s out)
-over Ray: `generate` is an async generator streaming the group's items in batches (everything
-the engine thread produced since the last yield goes in one Ray message). What crosses the
-process boundary is the engine's own dataclasses; errors travel as their JSON body and status
-(`wire_error` / `api_error`), never as exception objects. Ray Serve calls `check_health`
-periodically and replaces a replica whose engine thread died.
+over Ray, multiplexed: `submit` queues a group under a key the caller chose, and one long-lived
+stream, `events`, carries every group's items as `(key, item)` pairs, in batches of whatever
+the engine thread produced since the last yield. So a step costs one Ray message per replica,
+not one per running request. What crosses the process boundary is the engine's own
+dataclasses; errors travel as their JSON body and status (`wire_error` / `api_error`), never as
+exception objects. Ray Serve calls `check_health` periodically and replaces a replica whose
+engine thread died.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import threading
 
 from jaxserve.server.backend import Accepted
 from jaxserve.server.engine_loop import EngineLoop, Event, SubRequest
@@ -36,14 +39,54 @@ def to_wire(item):
     return item
 
 
-class _Forward:
-    """A `put` the engine thread calls, landing on an asyncio queue of the replica's loop."""
+class _Outbox:
+    """Items of every group, in order, from the engine thread to the `events` stream."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, q: asyncio.Queue):
-        self._loop, self._q = loop, q
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._items: list[tuple[str, object]] = []
+        self._ready = asyncio.Event()
+        self._reader = 0  # the id of the stream that reads; an older one stops
+
+    def sink(self, key: str) -> "_Sink":
+        return _Sink(self, key)
+
+    def put(self, key: str, item) -> None:  # any thread
+        with self._lock:
+            first = not self._items
+            self._items.append((key, item))
+        if first:
+            self._loop.call_soon_threadsafe(self._ready.set)
+
+    def attach(self) -> int:
+        """A new reader (the pool reconnected): the one before it stops at its next wait."""
+        self._reader += 1
+        self._ready.set()
+        return self._reader
+
+    async def take(self, reader: int) -> list[tuple[str, object]] | None:
+        """Everything queued, once there is something; None once `reader` is not the current
+        reader (the replica's event loop only)."""
+        while True:
+            await self._ready.wait()
+            if reader != self._reader:
+                return None
+            self._ready.clear()
+            with self._lock:
+                items, self._items = self._items, []
+            if items:
+                return items
+
+
+class _Sink:
+    """What the engine loop puts a group's items on (anything with `put`)."""
+
+    def __init__(self, outbox: _Outbox, key: str):
+        self._outbox, self._key = outbox, key
 
     def put(self, item) -> None:
-        self._loop.call_soon_threadsafe(self._q.put_nowait, item)
+        self._outbox.put(self._key, item)
 
 
 class EngineReplica:
@@ -56,6 +99,7 @@ class EngineReplica:
         self.name = name
         self.engine = LLMEngine(EngineConfig(**engine_kwargs))
         self.loop = EngineLoop(self.engine).start()
+        self._outbox: _Outbox | None = None
 
     def describe(self) -> dict:
         """The model facts the HTTP layer needs, as plain data (tokenizer files as text)."""
@@ -73,37 +117,30 @@ class EngineReplica:
                 "max_num_seqs": e.config.max_num_seqs, "block_size": e.config.block_size,
                 "eos_ids": sorted(e.eos_ids), "structured_outputs": e.grammar is not None}
 
-    async def generate(self, subs: list[SubRequest], capacity: int,
-                       max_queued_tokens: int | None):
-        """Streams lists of queue items for one group until every sub-request finished, the
-        group failed, or the caller cancelled (then what is unfinished is aborted)."""
-        q: asyncio.Queue = asyncio.Queue()
+    def _outbox_here(self) -> _Outbox:
+        """The outbox, made on the first call (it needs the replica's running event loop)."""
+        if self._outbox is None:
+            self._outbox = _Outbox(asyncio.get_running_loop())
+        return self._outbox
+
+    async def submit(self, key: str, subs: list[SubRequest], capacity: int,
+                     max_queued_tokens: int | None) -> dict | None:
+        """Queues a group; its items come out of `events` under `key`. Returns None, or the
+        wire form of the refusal (full, draining, dead) when nothing was queued."""
         try:
             self.loop.submit(subs, capacity, max_queued_tokens,
-                             out=_Forward(asyncio.get_running_loop(), q))
-        except ApiError as e:  # refused before anything was queued
-            yield [Event(-1, None, 0.0, error=wire_error(e))]
-            return
-        open_ids = {s.request_id for s in subs}
-        try:
-            while open_ids:
-                batch = [await q.get()]
-                while not q.empty():
-                    batch.append(q.get_nowait())
-                failed = False
-                for item in batch:
-                    if isinstance(item, Event):
-                        if item.error is not None:
-                            failed = True
-                            open_ids.clear()  # the engine loop dropped the whole group
-                        elif item.output.finished:
-                            open_ids.discard(item.output.request_id)
-                yield [to_wire(item) for item in batch]
-                if failed:
-                    return
-        finally:
-            if open_ids:  # cancelled: the client went away or the pool gave up
-                self.loop.abort(sorted(open_ids))
+                             out=self._outbox_here().sink(key))
+        except ApiError as e:
+            return wire_error(e)
+        return None
+
+    async def events(self):
+        """Streams lists of `(key, item)` for every group, forever. One consumer at a time: a
+        new call (the pool reconnecting) ends the one before it."""
+        outbox = self._outbox_here()
+        reader = outbox.attach()
+        while (items := await outbox.take(reader)) is not None:
+            yield [(key, to_wire(item)) for key, item in items]
 
     def abort(self, request_ids: list[str]) -> None:
         self.loop.abort(request_ids)
