@@ -18,9 +18,9 @@ import queue
 import threading
 import time
 
-from jaxserve.distributed.replica import Accepted, api_error
+from jaxserve.distributed.replica import api_error
 from jaxserve.distributed.router import ReplicaRouter
-from jaxserve.server.backend import ServedModel
+from jaxserve.server.backend import Accepted, ServedModel
 from jaxserve.server.engine_loop import Event, SubRequest
 from jaxserve.server.errors import ApiError, unavailable
 

@@ -15,9 +15,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import pathlib
+import tempfile
 import threading
 
-from jaxserve.server.backend import Accepted
 from jaxserve.server.engine_loop import EngineLoop, Event, SubRequest
 from jaxserve.server.errors import ApiError
 
@@ -122,11 +123,10 @@ class EngineReplica:
         tok = e.model.tokenizer
         files = None
         if tok is not None:
-            import tempfile
             with tempfile.TemporaryDirectory() as d:
                 tok.save(d)
-                files = {n: open(os.path.join(d, n), encoding="utf-8").read()
-                         for n in os.listdir(d)}
+                files = {f.name: f.read_text(encoding="utf-8")
+                         for f in pathlib.Path(d).iterdir()}
         return {"replica": self.name, "pid": os.getpid(), "tokenizer_files": files,
                 "vocab_size": e.model.config.vocab_size, "max_model_len": e.max_model_len,
                 "max_num_seqs": e.config.max_num_seqs, "block_size": e.config.block_size,
@@ -184,6 +184,3 @@ class EngineReplica:
             loop.stop(timeout=2.0)
             self.engine.close()
 
-
-# `Accepted` crosses the boundary as is; re-exported for the pool's isinstance checks.
-__all__ = ["Accepted", "EngineReplica", "api_error", "to_wire", "wire_error"]
