@@ -163,6 +163,18 @@ class EngineConfig:
         "this replica's rank among data-parallel replicas: the KV-events publisher binds "
         "port + rank and stamps it on every batch, as vLLM does"))
 
+    # LoRA adapters (docs/lora.md): vLLM's names.
+    enable_lora: bool = dataclasses.field(default=False, metadata=_help(
+        "serve LoRA adapters (PEFT format) over the base model, rows of different adapters "
+        "in one batch"))
+    max_loras: int = dataclasses.field(default=1, metadata=_help(
+        "adapters on the device at once (device slots); requests of other adapters wait"))
+    max_lora_rank: int = dataclasses.field(default=16, metadata=_help(
+        "largest adapter rank served; every slot is padded to it"))
+    max_cpu_loras: int | None = dataclasses.field(default=None, metadata=_help(
+        "adapters kept loaded in host memory (least recently used dropped first); default: "
+        "max_loras"))
+
     def __post_init__(self):
         object.__setattr__(self, "speculative_config",
                            SpeculativeConfig.parse(self.speculative_config))
@@ -205,11 +217,34 @@ class EngineConfig:
             if not self.enable_prefix_caching:
                 raise ValueError("kv_events_endpoint reports the prefix cache's blocks: it "
                                  "needs enable_prefix_caching=True")
+        self._check_lora()
         if self.quantization == "gguf" and self.tensor_parallel_size > 1:
             # The file's blocks are served as stored, but tensor parallelism may pad heads (and
             # Q4 groups of 32 would have to be re-laid per shard): not supported yet.
             raise ValueError("quantization='gguf' runs on one device; with "
                              "tensor_parallel_size > 1 use w8a16, w8a8, w4a16 or w4a8")
+
+    def _check_lora(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        cpu = self.max_cpu_loras
+        if cpu is not None and (isinstance(cpu, bool) or not isinstance(cpu, int)
+                                or cpu < self.max_loras):
+            raise ValueError(f"max_cpu_loras ({cpu!r}) must be an integer >= max_loras "
+                             f"({self.max_loras}), or None")
+        if not isinstance(self.enable_lora, bool):
+            raise ValueError(f"enable_lora must be True or False, got {self.enable_lora!r}")
+        spec = self.speculative_config
+        if self.enable_lora and spec is not None and spec.method == "draft_model":
+            raise ValueError("enable_lora with a draft model is not supported (the draft has "
+                             "no adapters); use speculative method 'ngram' with LoRA")
+
+    @property
+    def cpu_loras(self) -> int:
+        """Adapters kept in host memory (max_cpu_loras, default max_loras)."""
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
 
     def scheduler_config(self, *, num_blocks: int, max_model_len: int) -> SchedulerConfig:
         """The scheduler's limits: this config's, plus what the engine derived from the model
@@ -219,4 +254,5 @@ class EngineConfig:
             max_model_len=max_model_len, block_size=self.block_size, num_blocks=num_blocks,
             enable_chunked_prefill=self.enable_chunked_prefill,
             enable_prefix_caching=self.enable_prefix_caching,
-            kv_events=self.kv_events_endpoint is not None)
+            kv_events=self.kv_events_endpoint is not None,
+            max_loras=self.max_loras if self.enable_lora else 0)

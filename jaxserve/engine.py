@@ -23,6 +23,7 @@ from jaxserve.core.admission import check_admission
 from jaxserve.core.beam_search import BeamRequestState, search_params
 from jaxserve.core.decision import Decision, RequestStateProtocol
 from jaxserve.core.grammar import GrammarCompiler
+from jaxserve.core.lora import LoRAError, LoRARequest
 from jaxserve.core.outputs import RequestOutput, SampleResult
 from jaxserve.core.request_state import RequestState
 from jaxserve.core.request_table import RequestTable
@@ -32,6 +33,7 @@ from jaxserve.core.scheduler import ScheduledSeq, SchedulerOutput
 from jaxserve.core.sequence import Sequence, SequenceStatus
 from jaxserve.core.step_plan import StepPlan
 from jaxserve.faults import injector
+from jaxserve.lora_adapters import LoRAAdapters
 from jaxserve.runtime import multihost
 from jaxserve.runtime.step_call import Pending
 from jaxserve.structured import StructuredRequests
@@ -97,6 +99,10 @@ class LLMEngine:
         self.structured = (StructuredRequests(GrammarCompiler(
             tok.to_json(), vocab_size=mc.vocab_size, eos_ids=sorted(self.eos_ids)))
             if config.structured_outputs and tok is not None else None)
+        # LoRA adapters (lora_adapters.py): None when the engine serves none.
+        self.lora = (LoRAAdapters(max_loras=config.max_loras, max_cpu_loras=config.cpu_loras,
+                                  load=self._load_adapter)
+                     if self.runner.lora is not None else None)
         if config.warmup:
             deferred = self.structured is not None
             self.warmup_seconds = self.runner.warmup(deferred=deferred)
@@ -110,6 +116,13 @@ class LLMEngine:
         """The grammar compiler of structured output (the server checks a request's
         constraint compiles before accepting it); None when the engine does not serve it."""
         return self.structured.compiler if self.structured is not None else None
+
+    def _load_adapter(self, request: LoRARequest):
+        """An adapter's weights for this model's slots (raises LoRAError naming the problem)."""
+        from models.lora_weights import load_peft_adapter
+        return load_peft_adapter(request.lora_path, self.model.config,
+                                 max_rank=self.config.max_lora_rank,
+                                 target_modules=self.runner.lora.targets)
 
     def _draft_proposer(self):
         """The draft model's proposer (speculative_config's "draft_model" method)."""
@@ -139,7 +152,7 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | Seq[int],
                     params: SamplingParams | None = None,
                     arrival_time: float | None = None, cache_salt: str | None = None,
-                    priority: int = 0) -> None:
+                    priority: int = 0, lora_request: LoRARequest | None = None) -> None:
         """Queues a request; raises ValueError (nothing queued) when it cannot be served.
 
         Everything a step will need of the request is checked here (lengths, token ids, the
@@ -147,6 +160,8 @@ class LLMEngine:
         Raises EngineOverloaded (nothing queued) beyond max_waiting_requests/_tokens.
         cache_salt: requests with different salts never share prefix-cache blocks.
         priority: lower runs first (FCFS within a priority) and is preempted last.
+        lora_request: the LoRA adapter its rows run with (None: the base model); a new one is
+        registered and loaded here (LoRAError, nothing queued, when its files cannot be served).
         """
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -159,13 +174,21 @@ class LLMEngine:
         if self.requests.in_use(request_id):
             raise ValueError(f"request id {request_id!r} is already in use by an unfinished "
                              f"request")
+        if lora_request is not None:
+            if self.lora is None:
+                raise LoRAError("this engine serves no LoRA adapters: start it with "
+                                "enable_lora=True")
+            if not isinstance(lora_request, LoRARequest):
+                raise LoRAError(f"lora_request must be a LoRARequest, got "
+                                f"{type(lora_request).__name__}")
         text, ids = self._prompt_ids(prompt)
         compiling = self.structured.num_compiling if self.structured is not None else 0
         check_admission(self.config, self.scheduler, compiling, len(ids), priority)
         arrival = arrival_time or time.monotonic()
         beam = params.use_beam_search
         seq = Sequence(request_id, ids, search_params(params) if beam else params,
-                       arrival_time=arrival, cache_salt=cache_salt, priority=priority)
+                       arrival_time=arrival, cache_salt=cache_salt, priority=priority,
+                       lora_id=lora_request.lora_int_id if lora_request is not None else 0)
         if beam:
             state = BeamRequestState(seq, text, self.model.tokenizer, params, arrival,
                                      self.eos_ids)
@@ -175,12 +198,37 @@ class LLMEngine:
         seq.num_reserved_slots = state.num_slots  # forks take them: never over max_num_seqs
         if self.faults is not None:
             self.faults.on_request(state)
+        self.scheduler.check(seq)  # length, duplicates, emptiness, slots
+        # The adapter last: registering it is the one step that changes state when it fails.
+        if lora_request is not None and not self.lora.use(request_id, lora_request):
+            self.lora.wait(state, seq)  # holds no slot while its adapter is read again
+        else:
+            self._queue(state, seq)
+        self.requests.add(state)
+
+    def _queue(self, state: RequestStateProtocol, seq: Sequence) -> None:
+        """Into the scheduler, or first into the grammar's waiting room."""
+        params = seq.sampling_params  # a beam's search_params keep the request's constraint
         if params.constrained:  # waits outside the scheduler while its grammar compiles
-            self.scheduler.check(seq)
             self.structured.submit(state, seq, params.structured_outputs)
         else:
-            self.scheduler.add(seq)  # validates length, duplicates, emptiness, slots
-        self.requests.add(state)
+            self.scheduler.add(seq)
+
+    def _admit_lora(self) -> list[RequestOutput]:
+        """Queues the requests whose adapter has been read; fails those whose read failed."""
+        if self.lora is None or not self.lora.num_waiting:
+            return []
+        ready, failed = self.lora.admit()
+        for waiting in ready:
+            self._queue(waiting.state, waiting.seq)
+        errors = []
+        for waiting, message in failed:
+            self._forget(waiting.state.request_id)
+            self.requests.drop_sequence(waiting.seq.request_id)
+            waiting.seq.status = SequenceStatus.FINISHED_ERROR
+            waiting.state.fail(message)
+            errors.append(waiting.state.output())
+        return errors
 
     def _admit_constrained(self) -> list[RequestOutput]:
         """Schedules the constrained requests whose grammar is ready; fails those it refused."""
@@ -218,6 +266,8 @@ class LLMEngine:
         """Drops an ended request from the request table and the features; returns its state."""
         if self.structured is not None:
             self.structured.forget(request_id)
+        if self.lora is not None:
+            self.lora.forget(request_id)
         return self.requests.forget(request_id)
 
     def _end_sequences(self, state: RequestStateProtocol, status: SequenceStatus) -> None:
@@ -236,7 +286,8 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return (self.scheduler.has_unfinished() or self._inflight is not None
-                or (self.structured is not None and self.structured.num_compiling > 0))
+                or (self.structured is not None and self.structured.num_compiling > 0)
+                or (self.lora is not None and self.lora.num_waiting > 0))
 
     def next_request_id(self) -> str:
         self._counter += 1
@@ -261,7 +312,7 @@ class LLMEngine:
         with jax.profiler.StepTraceAnnotation("engine_step", step_num=self.step_totals.num_steps):
             t0 = time.perf_counter()
             prev, self._inflight = self._inflight, None
-            outputs, wait = self._admit_constrained(), 0.0
+            outputs, wait = self._admit_lora() + self._admit_constrained(), 0.0
             if prev is not None and not self._can_commit(prev.plan.schedule):
                 # Forks, beams and grammars decide on the ids: finish the previous step first.
                 done, wait = self._finish(prev, committed=False)
@@ -307,6 +358,8 @@ class LLMEngine:
 
     def close(self) -> None:
         """Releases what outlives a step: the KV-event publisher's socket and thread."""
+        if self.lora is not None:
+            self.lora.close()
         if self.kv_event_sink is not None:
             self._publish_kv_events()
             self.kv_event_sink.close()
@@ -333,9 +386,12 @@ class LLMEngine:
         released, self._released = tuple(self._released), []
         poison = (self.faults.poison(out.scheduled, self.requests.owner)
                   if self.faults is not None else None)
+        lora_slots, lora_loads = (self.lora.assign(out, self.scheduler.running)
+                                  if self.lora is not None else ({}, ()))
         plan = StepPlan(out, seeds, released, drafts,
                         self.structured.rows(out, self.requests)
-                        if self.structured is not None else None, poison)
+                        if self.structured is not None else None, poison,
+                        lora_slots=lora_slots, lora_loads=lora_loads)
         pending = self.runner.launch(plan)
         return _InFlight(plan, pending, schedule_s=schedule_s,
                          launch_s=time.perf_counter() - t0,
@@ -573,4 +629,6 @@ class LLMEngine:
             "kv_memory_time_avg": self.kv_tracker.to_dict(),
             "profiling": self.profiler.active,
             "speculation": None if self.spec is None else self.spec.stats(),
+            "lora": None if self.lora is None else self.lora.stats(self.scheduler.running,
+                                                                  self.scheduler.waiting),
         }

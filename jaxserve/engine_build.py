@@ -60,7 +60,11 @@ def build(config: EngineConfig, model: Model | None, faults) -> EngineParts:
     tok = model.tokenizer
     program = StepProgram.from_config(
         config, params=model.params, tensor_parallel=tp is not None, tokenizer=tok is not None,
-        poison_rows=faults is not None and faults.config.poisons_logits)
+        poison_rows=faults is not None and faults.config.poisons_logits,
+        model_config=model.config)
+    if program.lora is not None and jax.process_count() > 1:
+        raise ValueError("enable_lora runs on one host; multi-host serving does not load "
+                         "adapters yet")
     # Repacked and split before the KV plan, so that the copies they replace are freed by then.
     model = prepare_weights(model, program)
     mc, bs = model.config, config.block_size

@@ -28,6 +28,7 @@ from models import windowed
 from models.config import ModelConfig
 from models.moe import GroupedMatmulFn, MoEMLP, ragged_gmm
 from models.gemma import GemmaRMSNorm
+from models.lora import LoRAFn, apply_lora, dense_lora_delta
 from models.quantized import is_quantized
 from models.rope import apply_rope, attention_factor, inv_frequencies
 
@@ -159,6 +160,7 @@ class Linear(nn.Module):
     out_dtype: Any = None  # defaults to dtype; the LM head keeps float32 logits
     parallel: Parallel = None
     linear: LinearFn = dense_linear
+    lora_fn: LoRAFn = dense_lora_delta  # adapters' delta (models/lora.py)
 
     def __post_init__(self):
         if self.parallel not in PARALLEL_ROLES:
@@ -167,23 +169,28 @@ class Linear(nn.Module):
         super().__post_init__()
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, lora=None):
+        """lora: each token's adapter slot `[T]` (models/lora.py), or None; applied when the
+        params hold adapter slots for this layer (lora_a, lora_b beside the kernel)."""
         # A quantized checkpoint stores an Int4Weight/Int8Weight under "kernel"; `param` would
         # check it against the float kernel's shape, so read it directly.
         stored = self.get_variable("params", "kernel")
         kernel = stored if is_quantized(stored) else self.param(
             "kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features), self.dtype)
         y = self.linear(x, kernel, self.parallel)
+        if lora is not None and self.has_variable("params", "lora_a"):
+            y = apply_lora(y, x, self.get_variable("params", "lora_a"),
+                           self.get_variable("params", "lora_b"), lora, self.lora_fn)
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
         return y.astype(self.out_dtype or self.dtype)
 
 
 def linear_layer(name: str, features: int, dtype, linear: LinearFn, use_bias: bool = False,
-                 out_dtype=None) -> Linear:
+                 out_dtype=None, lora_fn: LoRAFn = dense_lora_delta) -> Linear:
     """The Linear called `name`, with its role from LINEAR_ROLES (the one declaration)."""
     return Linear(features, use_bias, dtype, out_dtype, parallel=LINEAR_ROLES[name],
-                  linear=linear, name=name)
+                  linear=linear, lora_fn=lora_fn, name=name)
 
 
 class RMSNorm(nn.Module):
@@ -209,15 +216,19 @@ class Attention(nn.Module):
     attention: AttentionFn
     dtype: Any = jnp.float32
     linear: LinearFn = dense_linear
+    lora_fn: LoRAFn = dense_lora_delta
 
     @nn.compact
-    def __call__(self, x, positions, cache, layer, meta):
+    def __call__(self, x, positions, cache, layer, meta, lora=None):
         c = self.config
         b, t, _ = x.shape
         bias, lin = c.attention_bias, self.linear
-        q = linear_layer("q_proj", c.num_heads * c.head_dim, self.dtype, lin, bias)(x)
-        k = linear_layer("k_proj", c.num_kv_heads * c.head_dim, self.dtype, lin, bias)(x)
-        v = linear_layer("v_proj", c.num_kv_heads * c.head_dim, self.dtype, lin, bias)(x)
+        def proj(name, features, use_bias=False):
+            return linear_layer(name, features, self.dtype, lin, use_bias,
+                                lora_fn=self.lora_fn)
+        q = proj("q_proj", c.num_heads * c.head_dim, bias)(x, lora)
+        k = proj("k_proj", c.num_kv_heads * c.head_dim, bias)(x, lora)
+        v = proj("v_proj", c.num_kv_heads * c.head_dim, bias)(x, lora)
         if c.qk_norm == "full":  # OLMoE: over the whole projection, before the head split
             q = RMSNorm(c.rms_norm_eps, self.dtype, name="q_norm")(q)  # [B, T, H * Dh]
             k = RMSNorm(c.rms_norm_eps, self.dtype, name="k_norm")(k)  # [B, T, K * Dh]
@@ -231,24 +242,26 @@ class Attention(nn.Module):
         with jax.named_scope("attention"):  # the paged-attention kernel, not the projections
             out, cache = self.attention(q, k, v, cache, layer, meta, **attention_kwargs(c, layer))
         out = out.reshape(b, t, c.num_heads * c.head_dim)
-        return linear_layer("o_proj", c.hidden_size, self.dtype, lin)(out), cache
+        return proj("o_proj", c.hidden_size)(out, lora), cache
 
 
 class MLP(nn.Module):
     config: ModelConfig
     dtype: Any = jnp.float32
     linear: LinearFn = dense_linear
+    lora_fn: LoRAFn = dense_lora_delta
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, lora=None):
         f, lin = self.config.intermediate_size, self.linear
-        gate = linear_layer("gate_proj", f, self.dtype, lin)(x)
-        up = linear_layer("up_proj", f, self.dtype, lin)(x)
+        def proj(name, features):
+            return linear_layer(name, features, self.dtype, lin, lora_fn=self.lora_fn)
+        gate = proj("gate_proj", f)(x, lora)
+        up = proj("up_proj", f)(x, lora)
         # Gemma's GeGLU: transformers' gelu_pytorch_tanh is the tanh approximation.
         act = (functools.partial(jax.nn.gelu, approximate=True)
                if self.config.hidden_act == "gelu_pytorch_tanh" else jax.nn.silu)
-        return linear_layer("down_proj", self.config.hidden_size, self.dtype, lin)(
-            act(gate) * up)
+        return proj("down_proj", self.config.hidden_size)(act(gate) * up, lora)
 
 
 class Block(nn.Module):
@@ -257,25 +270,26 @@ class Block(nn.Module):
     dtype: Any = jnp.float32
     linear: LinearFn = dense_linear
     grouped_matmul: GroupedMatmulFn = ragged_gmm  # MoE experts (models/moe.py)
+    lora_fn: LoRAFn = dense_lora_delta
 
     @nn.compact
-    def __call__(self, carry, positions, meta):
+    def __call__(self, carry, positions, meta, lora=None):
         x, cache, layer = carry
         c = self.config
         norm = functools.partial(norm_class(c), c.rms_norm_eps, self.dtype)
         h = norm(name="input_norm")(x)
-        h, cache = Attention(c, self.attention, self.dtype, self.linear, name="attn")(
-            h, positions, cache, layer, meta)
+        h, cache = Attention(c, self.attention, self.dtype, self.linear, self.lora_fn,
+                             name="attn")(h, positions, cache, layer, meta, lora)
         if c.architecture in windowed.GEMMA:  # Gemma's sandwich: a norm after each sub-block
             h = norm(name="post_attn_norm")(h)
         x = x + h
         h = norm(name="post_norm")(x)
         # Flax puts module names on jax's name stack, so profiles already read ".../attn/...",
         # ".../mlp/..." (jaxserve/telemetry/profiling.py); Attention adds "attention" around the kernel.
-        mlp = (MoEMLP(c, self.dtype, self.grouped_matmul, name="mlp")
-               if c.num_experts  # models/moe.py
-               else MLP(c, self.dtype, self.linear, name="mlp"))
-        h = mlp(h)
+        if c.num_experts:  # models/moe.py; the experts are not adapted
+            h = MoEMLP(c, self.dtype, self.grouped_matmul, name="mlp")(h)
+        else:
+            h = MLP(c, self.dtype, self.linear, self.lora_fn, name="mlp")(h, lora)
         if c.architecture in windowed.GEMMA:
             h = norm(name="post_mlp_norm")(h)
         return (x + h, cache, layer + 1), None
@@ -297,14 +311,18 @@ class Llama(nn.Module):
     unroll_layers: bool = False
     # The tied LM head, x @ embedding^T (jaxserve/runtime/backends.py head_backend).
     head: HeadFn = tied_head
+    # LoRA adapters' delta in every adapted linear (models/lora.py).
+    lora_fn: LoRAFn = dense_lora_delta
 
     @nn.compact
-    def __call__(self, tokens, positions, kv_cache=None, meta=None, logits_index=None):
+    def __call__(self, tokens, positions, kv_cache=None, meta=None, logits_index=None,
+                 lora=None):
         """tokens, positions `[B, T]` int32; kv_cache: the attention backend's cache or None.
 
         With `logits_index` `[R]` (indices into the B * T tokens, row-major), only those get
         logits (`[R, V]`): a step samples after each sequence's last token, and the LM head over
-        every prompt token would cost more than a layer.
+        every prompt token would cost more than a layer. `lora`: each of the B * T tokens'
+        adapter slot `[B * T]` int32 (-1: none), for params holding adapter slots.
         """
         c = self.config
         embedding = self.param("embedding", nn.initializers.normal(0.02),
@@ -316,12 +334,14 @@ class Llama(nn.Module):
         if self.unroll_layers:
             for i in range(c.num_layers):
                 carry, _ = Block(c, self.attention, self.dtype, self.linear,
-                                 self.grouped_matmul, name=layer_name(i))(carry, positions, meta)
+                                 self.grouped_matmul, self.lora_fn, name=layer_name(i))(
+                    carry, positions, meta, lora)
         else:
             layers = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
-                             in_axes=(nn.broadcast, nn.broadcast), length=c.num_layers)
+                             in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
+                             length=c.num_layers)
             carry, _ = layers(c, self.attention, self.dtype, self.linear, self.grouped_matmul,
-                              name="layers")(carry, positions, meta)
+                              self.lora_fn, name="layers")(carry, positions, meta, lora)
         x, kv_cache, _ = carry
         if logits_index is not None:
             x = x.reshape(-1, x.shape[-1])[logits_index]  # [R, D]

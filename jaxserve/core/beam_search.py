@@ -183,7 +183,7 @@ class BeamRequestState:
                                  parent.sampling_params, arrival_time=parent.arrival_time,
                                  cache_salt=parent.cache_salt,
                                  output_token_ids=parent.output_token_ids + [tok],
-                                 priority=parent.priority)
+                                 priority=parent.priority, lora_id=parent.lora_id)
                 decision.forks.append(Fork(parent=parent, child=child,
                                            num_computed_tokens=parent.num_computed_tokens))
                 new_live.append(Beam(child, score))

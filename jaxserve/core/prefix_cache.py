@@ -40,6 +40,8 @@ def block_hashes(seq: Sequence, block_size: int) -> list[bytes]:
     full = seq.num_known_tokens // block_size
     if len(hashes) < full:
         extra = seq.cache_salt.encode("utf-8") if seq.cache_salt else b""
+        if seq.lora_id:  # an adapter's KV differs from the base model's for the same tokens
+            extra += b"\x00lora:%d" % seq.lora_id
         tokens = seq.token_ids_slice(len(hashes) * block_size, full * block_size)
         parent = hashes[-1] if hashes else b""
         for i in range(0, len(tokens), block_size):

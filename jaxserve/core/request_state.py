@@ -192,7 +192,8 @@ class RequestState:
         for i in range(len(self.branches), self.params.n):
             child = Sequence(new_id(self.request_id), parent.prompt_token_ids,
                              parent.sampling_params, arrival_time=parent.arrival_time,
-                             cache_salt=parent.cache_salt, priority=parent.priority)
+                             cache_salt=parent.cache_salt, priority=parent.priority,
+                             lora_id=parent.lora_id)
             branch = BranchState(i, child, self.tokenizer, branch_seed(self.seed, i),
                                  self.metrics)
             if self._grammar is not None:

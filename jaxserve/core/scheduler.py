@@ -61,6 +61,8 @@ class SchedulerConfig:
     enable_prefix_caching: bool = False
     # Log the prefix cache's stored / removed blocks for KV-aware routers (core/kv_events.py).
     kv_events: bool = False
+    # LoRA: distinct adapters running at once (the device's adapter slots); 0: no adapters.
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_model_len, int) or self.max_model_len < 1:
@@ -380,8 +382,14 @@ class Scheduler:
         if not self.waiting:
             return  # most steps: no sum over the running sequences' slots
         bm, slots = self.block_manager, self.num_reserved_slots
+        max_loras = self.config.max_loras
+        loras = {s.lora_id for s in self.running if s.lora_id} if max_loras else set()
+        skipped: list[Sequence] = []  # whose adapter finds no free slot: others go first
         while self.waiting and budget > 0:
             seq = self.waiting[0]
+            if seq.lora_id and seq.lora_id not in loras and len(loras) >= max_loras:
+                skipped.append(self.waiting.popleft())
+                continue
             if slots + seq.num_reserved_slots > self.config.max_num_seqs:
                 break
             cached = bm.cached_prefix(seq)
@@ -397,6 +405,9 @@ class Scheduler:
             self.running.append(seq)
             self._emit(out, seq, n)
             budget -= n
+            if seq.lora_id:
+                loras.add(seq.lora_id)
+        self.waiting.extendleft(reversed(skipped))
 
     def _emit(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
         # Once per scheduled sequence per step: plain attribute reads, not the properties.

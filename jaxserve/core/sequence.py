@@ -67,6 +67,7 @@ class Sequence:
         cache_salt: str | None = None,
         output_token_ids: Iterable[int] = (),
         priority: int = 0,
+        lora_id: int = 0,
     ) -> None:
         self.request_id = request_id
         self.priority = priority  # lower is admitted first and preempted last
@@ -82,6 +83,9 @@ class Sequence:
         # salts never share blocks), the hashes of full blocks so far (see prefix_cache.py), and
         # how many leading blocks of block_table the block manager has registered in the cache.
         self.cache_salt = cache_salt
+        # The LoRA adapter's lora_int_id (0: the base model): its rows run with that adapter,
+        # and its blocks are cached apart from every other adapter's.
+        self.lora_id = lora_id
         self.block_hashes: list[bytes] = []
         self.num_registered_blocks = 0
         # Batch slots this sequence holds in the scheduler: a request that will fork into k

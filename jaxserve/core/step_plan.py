@@ -45,6 +45,10 @@ class StepPlan:
         the step samples after each of their last k + 1 queries.
     grammar: the constrained rows (structured output), or None.
     poison: sequence id -> value added to its logits rows (fault injection), or None.
+    lora_slots: lora_int_id -> device slot of every adapter the scheduled rows use (the
+        runner writes a new sequence's slot with its batch slot); empty without adapters.
+    lora_loads: (device slot, adapter weights) to write before the step runs: adapters that
+        take a slot this step (models/lora_weights.py AdapterWeights, opaque here).
     """
 
     schedule: SchedulerOutput
@@ -53,6 +57,8 @@ class StepPlan:
     drafts: Mapping[str, int] = dataclasses.field(default_factory=dict)
     grammar: GrammarRows | None = None
     poison: Mapping[str, float] | None = None
+    lora_slots: Mapping[int, int] = dataclasses.field(default_factory=dict)
+    lora_loads: tuple[tuple[int, Any], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

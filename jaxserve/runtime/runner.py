@@ -22,7 +22,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 import jax
 # Pallas imports its fuser lazily, the first time a kernel is lowered, and that import adds a
@@ -44,9 +44,10 @@ from jaxserve.runtime.slot_state import SlotsCall, SlotState
 from jaxserve.core.scheduler import ScheduledSeq
 from jaxserve.core.step_plan import StepPlan, StepResult
 from jaxserve.runtime.sharding import TensorParallel
-from jaxserve.runtime.step_call import (ROW_FIELDS, TOKEN_FIELDS, CopyCall, Pending,
+from jaxserve.runtime.step_call import (ROW_FIELDS, TOKEN_FIELDS, CopyCall, LoRACall, Pending,
                                         StepCall, StepInputs, copy_blocks)
 from jaxserve.runtime.step_layout import Row
+from models import lora as lora_slots
 from models.model import Model
 
 log = logging.getLogger("jaxserve")
@@ -62,7 +63,8 @@ class ModelRunner:
     branch_free_sampling: bool = False
 
     def __init__(self, model: Model, spec: RunnerSpec, *, attention: AttentionBackend,
-                 linear=None, head=None, grouped_matmul=None, tp: TensorParallel | None = None):
+                 linear=None, head=None, grouped_matmul=None, tp: TensorParallel | None = None,
+                 lora_fn=None):
         """Built by runner_factory.build_runner, which prepares the arguments for `spec`.
 
         model: params as spec.program's step reads them (per-layer trees when it unrolls the
@@ -70,7 +72,9 @@ class ModelRunner:
         linear: None is the model's dense dot. head: the tied LM head's backend
         (backends.head_backend; None: the model's einsum). grouped_matmul: the MoE experts'
         backend (jaxserve/runtime/grouped_matmul.py; None: models/moe.py's ragged_dot),
-        already wrapped for tp where it needs to be.
+        already wrapped for tp where it needs to be. lora_fn: the adapters' delta backend
+        (jaxserve/runtime/lora.py; None: models/lora.py's XLA path), used when spec.program
+        has LoRA slots (the params then hold them: runner_factory.prepare_weights).
         spec.program's unroll_layers and branch_free_sampling are the GPU program's shape
         (backends.gpu_step): layers unrolled so no weight slice is copied, and a sampler
         without conditionals, each of which would make the host wait for the device mid-step.
@@ -121,8 +125,22 @@ class ModelRunner:
         self.attention = attention
         self.branch_free_sampling, self.unroll_layers = (program.branch_free_sampling,
                                                          program.unroll_layers)
+        self.lora = program.lora  # LoRASlots, or None: no adapters
         self._module = step_module(model, attention, linear, self.unroll_layers, grouped_matmul,
-                                   head)
+                                   head, lora_fn)
+        if self.lora is not None:
+            leaves = lora_slots.slot_leaves(model.params, c.num_layers)
+            if not leaves:
+                raise ValueError("the program has LoRA slots but the params hold none: build "
+                                 "the runner with runner_factory.build_runner")
+            shard = {"out_shardings": jax.tree.map(lambda x: x.sharding, leaves)} \
+                if tp is not None else {}
+            self._write_lora = jax.jit(lora_slots.write_slot, donate_argnums=(0,), **shard)
+            # What a load carries per module: A [L, K, R], B [L, R, N] (zeros: not adapted).
+            self._lora_zeros = {
+                name: (np.zeros((c.num_layers,) + a.shape[-2:], np.float32),
+                       np.zeros((c.num_layers,) + b.shape[-2:], np.float32))
+                for (name, layer), (a, b) in leaves.items() if layer in (None, 0)}
         self._step = jax.jit(self._step_impl, donate_argnums=(1, 2), **jit_kwargs)
         self._write_slots = jax.jit(slot_state.write_slots, donate_argnums=(0,))
         # Copy-on-write copies run in fixed batches of (src, dst) pairs, padded with (0, 0)
@@ -150,8 +168,10 @@ class ModelRunner:
             # Decode inputs not known on the host come from the slot's last sample.
             tokens = jnp.where(f("feed") != 0, state.last_tokens[token_slot], f("tokens"))  # [T]
             history = state.history.at[token_slot, meta.positions[0]].set(tokens)
+            # Each token's adapter slot, from its batch slot (idle tokens: the idle slot's -1).
+            lora = state.lora[token_slot] if self.lora is not None else None  # [T]
             logits, cache = self._module.apply({"params": params}, tokens[None], meta.positions,
-                                               cache, meta, logits_index=logits_index)
+                                               cache, meta, logits_index=logits_index, lora=lora)
             if self.tp is not None:  # one gather of vocab-parallel logits; sampler replicated
                 logits = jax.lax.with_sharding_constraint(logits, self.tp.replicated)
             if inp.poison is not None:  # fault injection: the sampler must see the bad row
@@ -197,6 +217,8 @@ class ModelRunner:
         if self.num_speculative_tokens:
             calls += [self.step_template(*shape, verify=True) for shape in self.shapes()]
         calls += [self.slots_template(d) for d in self.slot_buckets] + [self.copy_template()]
+        if self.lora is not None:
+            calls.append(self.lora_call(0, None))
         if self.structured_outputs and not deferred:
             calls += self._masked_templates()
         for call in tqdm(calls, desc="jaxserve: compiling", unit="program",
@@ -263,9 +285,24 @@ class ModelRunner:
         """A batch of copies that copies nothing (the null block onto itself)."""
         return CopyCall(np.zeros((self.copy_batch, 2), np.int32))  # [C, 2]
 
+    def lora_call(self, slot: int, adapter) -> LoRACall:
+        """Writing `adapter` (models/lora_weights.py AdapterWeights; None: zeros) into device
+        slot `slot`: every adapted module, zeros where the adapter leaves one alone."""
+        if not 0 <= slot < self.lora.max_loras:
+            raise ValueError(f"LoRA slot {slot} is out of range [0, {self.lora.max_loras})")
+        modules = {} if adapter is None else adapter.modules
+        weights = {}
+        for name, (za, zb) in self._lora_zeros.items():
+            a, b = modules.get(name, (za, zb))
+            if np.shape(a) != za.shape or np.shape(b) != zb.shape:
+                raise ValueError(f"LoRA weights of {name}: shapes {np.shape(a)}, {np.shape(b)} "
+                                 f"where the slots hold {za.shape}, {zb.shape}")
+            weights[name] = (np.asarray(a, np.float32), np.asarray(b, np.float32))
+        return LoRACall(np.int32(slot), weights)
+
     # ---- the one entry point for device work ----------------------------------------------
 
-    def run(self, call: StepCall | SlotsCall | CopyCall) -> SamplerOutput | None:
+    def run(self, call: StepCall | SlotsCall | CopyCall | LoRACall) -> SamplerOutput | None:
         """Runs one device call; a step returns its sampled tokens (on the device).
 
         Process 0's calls and a multi-host follower's replay of them both come through here, so
@@ -281,6 +318,9 @@ class ModelRunner:
             return self._copy, (self.cache, call.pairs)
         if isinstance(call, SlotsCall):
             return self._write_slots, (self.state, call)
+        if isinstance(call, LoRACall):
+            leaves = lora_slots.slot_leaves(self.model.params, self.model.config.num_layers)
+            return self._write_lora, (leaves, call.slot, call.weights)
         return self._step, (self.model.params, self.cache, self.state, call.inputs)
 
     @staticmethod
@@ -307,6 +347,10 @@ class ModelRunner:
         if isinstance(call, SlotsCall):
             self.state = exe(*args)
             return None
+        if isinstance(call, LoRACall):  # the new slot arrays replace the old (donated) ones
+            params = lora_slots.replace_slot_leaves(self.model.params, exe(*args))
+            self.model = dataclasses.replace(self.model, params=params)
+            return None
         self.cache, self.state, sampled = exe(*args)
         return sampled
 
@@ -331,14 +375,17 @@ class ModelRunner:
                 chunk[:len(part)] = part
             self.run(CopyCall(chunk))
 
-    def _slots_call(self, slots, params, seeds, prompt_lens, tokens, size) -> SlotsCall:
+    def _slots_call(self, slots, params, seeds, prompt_lens, tokens, size,
+                    lora=None) -> SlotsCall:
         return slot_state.slots_call(slots, params, seeds, prompt_lens, tokens, size=size,
                                      idle_slot=self.idle_slot, max_model_len=self.max_model_len,
-                                     eos_ids=self.eos_ids)
+                                     eos_ids=self.eos_ids, lora_slots=lora)
 
-    def _assign_slots(self, items: list[ScheduledSeq], seeds: dict[str, int]) -> set[str]:
-        """Gives each new sequence a slot and writes its state there (one delta call).
-        Returns the new sequences' ids."""
+    def _assign_slots(self, items: list[ScheduledSeq], seeds: dict[str, int],
+                      lora: Mapping[int, int]) -> set[str]:
+        """Gives each new sequence a slot and writes its state there (one delta call), with
+        its adapter's device slot from `lora` (lora_int_id -> slot). Returns the new
+        sequences' ids."""
         slot_of = self.slot_of
         new = [i for i in items if i.seq.request_id not in slot_of]
         for i in range(0, len(new), self.slot_buckets[-1]):
@@ -352,7 +399,8 @@ class ModelRunner:
                 [s.num_prompt_tokens for s in seqs],
                 [s.token_ids_slice(0, item.start_pos + item.num_new_tokens)
                  for s, item in zip(seqs, part)],
-                buckets.pick(self.slot_buckets, len(part))))
+                buckets.pick(self.slot_buckets, len(part)),
+                [lora[s.lora_id] if s.lora_id else -1 for s in seqs] if lora else None))
         return {item.request_id for item in new}
 
     # ---- one engine step ------------------------------------------------------------------
@@ -370,8 +418,10 @@ class ModelRunner:
             self.release(plan.released)
         if out.blocks_to_copy:
             self.copy_blocks(out.blocks_to_copy)
+        for slot, adapter in plan.lora_loads:  # before any row reads the slot
+            self.run(self.lora_call(slot, adapter))
         items = out.scheduled
-        new = self._assign_slots(items, plan.seeds)
+        new = self._assign_slots(items, plan.seeds, plan.lora_slots)
         if new or out.prefills:
             rows, lens, want = self._rows(items, new)
         else:  # decodes of held slots only, the steady state: by columns
@@ -503,10 +553,12 @@ def _checked(attention, config, block_size: int) -> AttentionBackend:
 
 
 def step_module(model: Model, attention: AttentionBackend, linear=None,
-                unroll_layers: bool = False, grouped_matmul=None, head=None):
-    """The model with the backend's attention (and linear, MoE grouped matmul, tied head)
-    entry points."""
+                unroll_layers: bool = False, grouped_matmul=None, head=None, lora_fn=None):
+    """The model with the backend's attention (and linear, MoE grouped matmul, tied head,
+    LoRA delta) entry points."""
     kw = {"linear": linear} if linear else {}
+    if lora_fn:
+        kw["lora_fn"] = lora_fn
     if grouped_matmul:
         kw["grouped_matmul"] = grouped_matmul
     if head:

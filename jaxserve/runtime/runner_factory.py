@@ -18,6 +18,7 @@ from jaxserve.runtime.grouped_matmul import grouped_matmul_backend
 from jaxserve.runtime.runner import ModelRunner
 from jaxserve.runtime.runner_spec import RunnerSpec, StepProgram
 from jaxserve.runtime.sharding import TensorParallel
+from models import lora
 from models.llama import unstack_layers
 from models.model import Model
 
@@ -29,6 +30,13 @@ def prepare_weights(model: Model, program: StepProgram) -> Model:
     kept as they are: the engine prepares them before its KV plan, so that the plan sees the
     replaced copies freed, and build_runner's own call then costs nothing."""
     model = backends.prepare_params(program.linear_backend, model)
+    slots = program.lora
+    if slots is not None and not lora.slot_leaves(model.params, model.config.num_layers):
+        # Zeroed adapter slots beside the kernels they adapt (models/lora.py), stacked [L, ..]
+        # like the layers, so that unrolling splits them too.
+        arrays = lora.slot_arrays(model.config, slots.targets, slots.max_loras, slots.max_rank,
+                                  model.params["embedding"].dtype)
+        model = dataclasses.replace(model, params=lora.with_slots(model.params, arrays))
     if program.unroll_layers:
         model = dataclasses.replace(model, params=unstack_layers(model.params,
                                                                  model.config.num_layers))
@@ -58,5 +66,10 @@ def build_runner(model: Model, spec: RunnerSpec, *, tp: TensorParallel | None = 
     if tp is not None and kind != "xla":  # the kernels run per shard
         linear = tp.linear(linear)
         gmm = tp.grouped_matmul(gmm) if gmm is not None else None
+    lora_fn = None  # the XLA path (models/lora.py), which XLA partitions under tp
+    if program.lora is not None and kind in ("pallas", "pallas-interpret") and tp is None:
+        from jaxserve.runtime.lora import kernel_lora_delta
+        lora_fn = kernel_lora_delta(interpret=kind == "pallas-interpret")
     return ModelRunner(model, spec, attention=attention, linear=linear,
-                       head=backends.head_backend(kind), grouped_matmul=gmm, tp=tp)
+                       head=backends.head_backend(kind), grouped_matmul=gmm, tp=tp,
+                       lora_fn=lora_fn)

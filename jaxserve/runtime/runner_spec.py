@@ -22,6 +22,7 @@ import numpy as np
 from jaxserve.config import EngineConfig, KVCacheDtype
 from jaxserve.config_fields import check_choices
 from jaxserve.core.block_manager import validate_block_size
+from jaxserve.core.lora import LORA_TARGETS
 from jaxserve.runtime import backends
 
 # A backend as the step runs it: config.Backend without "auto".
@@ -29,6 +30,43 @@ ResolvedBackend = Literal["xla", "cpu", "pallas", "pallas-interpret"]
 
 _FLAGS = ("attention_fallback", "unroll_layers", "branch_free_sampling", "fine_decode_buckets",
           "structured_outputs", "poison_rows")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoRASlots:
+    """The device's LoRA adapter slots (models/lora.py): `max_loras` slots of rank `max_rank`
+    for each of `targets`. Fixed for the runner's life: loading an adapter recompiles nothing."""
+
+    max_loras: int
+    max_rank: int
+    targets: tuple[str, ...] = LORA_TARGETS
+
+    def __post_init__(self):
+        for name in ("max_loras", "max_rank"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        bad = [t for t in self.targets if t not in LORA_TARGETS]
+        if bad or not self.targets:
+            raise ValueError(f"LoRA targets must be a non-empty subset of {LORA_TARGETS}, got "
+                             f"{self.targets!r}")
+
+    @classmethod
+    def parse(cls, value) -> LoRASlots | None:
+        """A LoRASlots from itself, None or a dict of its fields."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            return cls(**value)
+        raise ValueError(f"LoRA slots must be a LoRASlots, a dict or None, got {value!r}")
+
+    @classmethod
+    def for_model(cls, config, model_config) -> LoRASlots:
+        """EngineConfig's slots for a model: a MoE model's experts are not adapted."""
+        targets = tuple(t for t in LORA_TARGETS if not (
+            model_config is not None and model_config.num_experts
+            and t in ("gate_proj", "up_proj", "down_proj")))
+        return cls(max_loras=config.max_loras, max_rank=config.max_lora_rank, targets=targets)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -50,6 +88,7 @@ class StepProgram:
     structured_outputs: bool = False     # a token-bitmask variant of every step program
     poison_rows: bool = False            # fault injection adds StepInputs.poison to logits
     num_speculative_tokens: int = 0      # k > 0: a verification variant of every program
+    lora: LoRASlots | None = None        # LoRA adapter slots in the params, and their index
 
     def __post_init__(self):
         for name in ("attention_backend", "linear_backend"):
@@ -64,17 +103,20 @@ class StepProgram:
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:
             raise ValueError(f"num_speculative_tokens must be an integer >= 0 (0: no "
                              f"speculative decoding), got {k!r}")
+        if self.lora is not None and not isinstance(self.lora, LoRASlots):
+            raise ValueError(f"lora must be a LoRASlots or None, got {self.lora!r}")
 
     @classmethod
     def from_config(cls, config: EngineConfig, *, params=None, tensor_parallel: bool = False,
                     tokenizer: bool = True, poison_rows: bool = False,
-                    draft: bool = False) -> StepProgram:
+                    draft: bool = False, model_config=None) -> StepProgram:
         """The program `config` asks for on this machine. params: the model's weights as
         quantized, before `runner_factory.prepare_weights` (whether the CPU's native matmul
         will repack them picks the layer loop). tokenizer: whether the model has one
         (structured outputs need it). poison_rows: the engine's fault injector poisons logits.
         draft: a draft model's program, the target's choices without structured outputs or
-        verification."""
+        verification (or adapters). model_config: the model's (its LoRA targets; needed with
+        enable_lora)."""
         linear = backends.resolve(config.linear_backend)
         if tensor_parallel and linear == "cpu":
             linear = "xla"  # the native kernel reads whole, repacked weights
@@ -90,7 +132,9 @@ class StepProgram:
             kv_cache_dtype=config.kv_cache_dtype,
             structured_outputs=config.structured_outputs and tokenizer and not draft,
             poison_rows=poison_rows,
-            num_speculative_tokens=0 if draft or spec is None else spec.num_speculative_tokens)
+            num_speculative_tokens=0 if draft or spec is None else spec.num_speculative_tokens,
+            lora=(LoRASlots.for_model(config, model_config)
+                  if config.enable_lora and not draft else None))
 
     def kv_dtype(self, model) -> np.dtype:
         """The KV cache's element type for `model` (int8: codes, with scales beside them)."""

@@ -28,6 +28,7 @@ class SlotState:
     prompt_lens: jax.Array     # [S + 1] int32
     history: jax.Array         # [S + 1, L] int32: prompt + output ids by position
     last_tokens: jax.Array     # [S + 1] int32: the last id sampled for the slot's sequence
+    lora: jax.Array            # [S + 1] int32: the sequence's LoRA device slot (-1: none)
 
 
 @jax.tree_util.register_dataclass
@@ -39,6 +40,7 @@ class SlotsCall:
     sampling: SamplingTensors  # [D]
     prompt_lens: jax.Array     # [D] int32
     history: jax.Array         # [D, L] int32
+    lora: jax.Array            # [D] int32
 
     @property
     def shape(self) -> tuple[int]:
@@ -50,22 +52,28 @@ def new_state(num_slots: int, max_model_len: int) -> SlotState:
     return SlotState(sampling=SamplingTensors.from_params([], [], [], size=num_slots),
                      prompt_lens=np.zeros((num_slots,), np.int32),  # [S + 1]
                      history=np.zeros((num_slots, max_model_len), np.int32),  # [S + 1, L]
-                     last_tokens=np.zeros((num_slots,), np.int32))
+                     last_tokens=np.zeros((num_slots,), np.int32),
+                     lora=np.full((num_slots,), -1, np.int32))  # [S + 1]
 
 
 def slots_call(slots: list[int], params, seeds, prompt_lens: list[int],
                tokens: list[list[int]], *, size: int, idle_slot: int, max_model_len: int,
-               eos_ids=()) -> SlotsCall:
-    """The delta writing `slots[i]`'s state: params[i], seeds[i], its known tokens."""
+               eos_ids=(), lora_slots=None) -> SlotsCall:
+    """The delta writing `slots[i]`'s state: params[i], seeds[i], its known tokens, its
+    adapter's device slot lora_slots[i] (None: no adapters)."""
     ids = np.full((size,), idle_slot, np.int32)  # [D]
     ids[:len(slots)] = slots
     history = np.zeros((size, max_model_len), np.int32)  # [D, L]
     lens = np.zeros((size,), np.int32)
+    lora = np.full((size,), -1, np.int32)  # [D]
+    if lora_slots:
+        lora[:len(lora_slots)] = lora_slots
     for i, toks in enumerate(tokens):
         history[i, :len(toks)] = toks
         lens[i] = prompt_lens[i]
     sampling = SamplingTensors.from_params(params, seeds, [0] * len(params), eos_ids, size=size)
-    return SlotsCall(slots=ids, sampling=sampling, prompt_lens=lens, history=history)
+    return SlotsCall(slots=ids, sampling=sampling, prompt_lens=lens, history=history,
+                     lora=lora)
 
 
 def write_slots(state: SlotState, call: SlotsCall) -> SlotState:
@@ -74,7 +82,8 @@ def write_slots(state: SlotState, call: SlotsCall) -> SlotState:
     sampling = jax.tree.map(lambda a, b: a.at[at].set(b), state.sampling, call.sampling)
     return SlotState(sampling=sampling, prompt_lens=state.prompt_lens.at[at].set(call.prompt_lens),
                      history=state.history.at[at].set(call.history),
-                     last_tokens=state.last_tokens.at[at].set(0))
+                     last_tokens=state.last_tokens.at[at].set(0),
+                     lora=state.lora.at[at].set(call.lora))
 
 
 def rows_sampling(state: SlotState, row_slot, context_lens) -> SamplingTensors:

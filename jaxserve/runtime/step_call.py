@@ -100,6 +100,21 @@ class CopyCall:
         return (self.pairs.shape[0],)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LoRACall:
+    """One adapter written into a device slot (models/lora.py write_slot): slot [] int32,
+    weights {module: (A [L, K, R], B [L, R, N])} float32 for every adapted module (zeros for
+    those the adapter leaves alone), so every load is the same program."""
+
+    slot: jax.Array
+    weights: dict
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return ()
+
+
 def copy_blocks(cache: KVCache, pairs: jax.Array) -> KVCache:
     """pairs [C, 2] int32 (src, dst). A dst is never another pair's src: dst blocks are fresh."""
     src, dst = pairs[:, 0], pairs[:, 1]

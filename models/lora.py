@@ -1,0 +1,135 @@
+"""LoRA adapters inside the model: device slots of adapter weights and the per-token delta.
+
+An engine serving adapters keeps `S = max_loras` device slots per adapted linear, stored beside
+its kernel in the params tree: `lora_a [S, K, R]` and `lora_b [S, R, N]` (R = max_lora_rank;
+an adapter of smaller rank is zero-padded, its scaling folded into B), stacked `[L, ...]` like
+every layer weight. Loading an adapter writes one slot; the shapes never change, so nothing
+recompiles. Each token of a step carries the slot of its sequence's adapter (`token_slots [T]`,
+-1 for none), and every adapted `Linear` adds
+
+    delta[t] = (x[t] @ lora_a[slot[t]]) @ lora_b[slot[t]]      (0 when slot[t] = -1)
+
+through a `LoRAFn` backend: `dense_lora_delta` here (XLA, the CPU path), a segmented Pallas
+kernel on GPU (jaxserve/runtime/lora.py).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax.numpy as jnp
+import numpy as np
+
+# (x [T, K], lora_a [S, K, R], lora_b [S, R, N], token_slots [T] int32) -> delta [T, N] float32
+LoRAFn = Callable[[jnp.ndarray, jnp.ndarray, jnp.ndarray, jnp.ndarray], jnp.ndarray]
+
+NO_ADAPTER = -1  # a token slot meaning "the base model"
+
+
+def dense_lora_delta(x, a, b, token_slots):
+    """The XLA path: shrink x against every slot in one matmul, zero the other slots' columns,
+    expand in one matmul. S * R columns cost `S * R * (K + N)` per token, and decode steps read
+    every slot's weights anyway: two dense products beat a per-token gather of weights (T * K * R
+    bytes) and any sorting on XLA:CPU."""
+    num_slots = a.shape[0]
+    h = jnp.einsum("tk,skr->tsr", x, a.astype(x.dtype),
+                   preferred_element_type=jnp.float32)  # [T, S, R]
+    mine = token_slots[:, None] == jnp.arange(num_slots, dtype=token_slots.dtype)  # [T, S]
+    h = jnp.where(mine[:, :, None], h, 0.0).astype(x.dtype)
+    return jnp.einsum("tsr,srn->tn", h, b.astype(x.dtype),
+                      preferred_element_type=jnp.float32)  # [T, N]
+
+
+def apply_lora(y, x, a, b, token_slots, lora_fn: LoRAFn):
+    """y [..., N] (the base projection, float32) plus each token's adapter delta."""
+    flat = x.reshape(-1, x.shape[-1])  # [T, K]
+    delta = lora_fn(flat, a, b, token_slots)  # [T, N]
+    return y + delta.reshape(*y.shape[:-1], delta.shape[-1]).astype(y.dtype)
+
+
+def module_shapes(config) -> dict[str, tuple[int, int]]:
+    """(K, N) of each adaptable projection of a layer (our [in, out] kernels)."""
+    c = config
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    return {"q_proj": (c.hidden_size, q), "k_proj": (c.hidden_size, kv),
+            "v_proj": (c.hidden_size, kv), "o_proj": (q, c.hidden_size),
+            "gate_proj": (c.hidden_size, c.intermediate_size),
+            "up_proj": (c.hidden_size, c.intermediate_size),
+            "down_proj": (c.intermediate_size, c.hidden_size)}
+
+
+# Where each projection lives in a layer's params.
+MODULE_PARENT = {"q_proj": "attn", "k_proj": "attn", "v_proj": "attn", "o_proj": "attn",
+                 "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+
+
+def slot_arrays(config, targets, max_loras: int, max_rank: int, dtype) -> dict:
+    """Zeroed slots for every target: {module: (a [L, S, K, R], b [L, S, R, N])} as numpy."""
+    shapes, layers = module_shapes(config), config.num_layers
+    out = {}
+    for name in targets:
+        k, n = shapes[name]
+        out[name] = (np.zeros((layers, max_loras, k, max_rank), dtype),  # [L, S, K, R]
+                     np.zeros((layers, max_loras, max_rank, n), dtype))  # [L, S, R, N]
+    return out
+
+
+def with_slots(params: dict, slots: dict) -> dict:
+    """params (stacked "layers") with each target's lora_a/lora_b put beside its kernel."""
+    layers = dict(params["layers"])
+    for name, (a, b) in slots.items():
+        parent = dict(layers[MODULE_PARENT[name]])
+        parent[name] = {**parent[name], "lora_a": a, "lora_b": b}
+        layers[MODULE_PARENT[name]] = parent
+    return {**params, "layers": layers}
+
+
+def slot_leaves(params: dict, num_layers: int) -> dict:
+    """{(module, layer or None): (lora_a, lora_b)} of params, stacked ("layers": layer None)
+    or unrolled ("layers_i")."""
+    found = {}
+    keys = ["layers"] if "layers" in params else [f"layers_{i}" for i in range(num_layers)]
+    for i, key in enumerate(keys):
+        layer = None if key == "layers" else i
+        for name, parent in MODULE_PARENT.items():
+            node = params.get(key, {}).get(parent, {}).get(name, {})
+            if "lora_a" in node:
+                found[(name, layer)] = (node["lora_a"], node["lora_b"])
+    return found
+
+
+def replace_slot_leaves(params: dict, leaves: dict) -> dict:
+    """params with the (module, layer) -> (lora_a, lora_b) of `leaves` swapped in; every other
+    leaf is the same object (no copy)."""
+    out = dict(params)
+    for (name, layer), (a, b) in leaves.items():
+        key = "layers" if layer is None else f"layers_{layer}"
+        parent_key = MODULE_PARENT[name]
+        layer_tree = dict(out[key])
+        parent = dict(layer_tree[parent_key])
+        parent[name] = {**parent[name], "lora_a": a, "lora_b": b}
+        layer_tree[parent_key] = parent
+        out[key] = layer_tree
+    return out
+
+
+def write_slot(leaves: dict, slot, weights: dict) -> dict:
+    """leaves (slot_leaves' dict) with slot `slot` (an int32 scalar) set to `weights` {module:
+    (A [L, K, R], B [L, R, N])}, one entry per module of `leaves` (zeros for a module the
+    adapter does not target: the same tree for every adapter, so one compiled program). Jitted
+    with `leaves` donated (jaxserve/runtime/lora.py)."""
+    out = {}
+    for (name, layer), (a, b) in leaves.items():
+        wa, wb = weights[name]
+        if layer is None:
+            out[(name, layer)] = (a.at[:, slot].set(wa.astype(a.dtype)),
+                                  b.at[:, slot].set(wb.astype(b.dtype)))
+        else:
+            out[(name, layer)] = (a.at[slot].set(wa[layer].astype(a.dtype)),
+                                  b.at[slot].set(wb[layer].astype(b.dtype)))
+    return out
+
+
+def token_slots_of(batch_slot_adapter, token_batch_slot):
+    """Each token's adapter slot: its batch slot's adapter (-1 for none)."""
+    return jnp.take(batch_slot_adapter, token_batch_slot, axis=0)
