@@ -19,6 +19,7 @@ _EXPORTS = {
     "RequestOutputKind": "jaxserve.core.sampling_params",
     "RequestOutput": "jaxserve.core.outputs",
     "CompletionOutput": "jaxserve.core.outputs",
+    "LoRARequest": "jaxserve.core.lora",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -26,6 +27,7 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from jaxserve.config import EngineConfig
+    from jaxserve.core.lora import LoRARequest
     from jaxserve.core.outputs import CompletionOutput, RequestOutput
     from jaxserve.core.sampling_params import RequestOutputKind, SamplingParams
     from jaxserve.engine import LLMEngine

@@ -9,6 +9,7 @@ from typing import Sequence
 from tqdm import tqdm
 
 from jaxserve.config import EngineConfig
+from jaxserve.core.lora import LoRARequest
 from jaxserve.engine import LLMEngine
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.sampling_params import RequestOutputKind, SamplingParams
@@ -39,11 +40,14 @@ class LLM:
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True,
-                 priority: int | Sequence[int] = 0) -> list[RequestOutput]:
+                 priority: int | Sequence[int] = 0,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                 ) -> list[RequestOutput]:
         """One output per prompt, in input order. Prompts are strings or lists of token ids.
 
         priority: one per prompt or one for all; lower runs first (FCFS within a priority) and
-        is preempted last."""
+        is preempted last. lora_request: the LoRA adapter (engine started with
+        enable_lora=True) of all prompts, or one (or None: the base model) per prompt."""
         if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], numbers.Integral)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -59,12 +63,16 @@ class LLM:
                       else [priority] * len(prompts))
         if len(priorities) != len(prompts):
             raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
+        loras = (list(lora_request) if isinstance(lora_request, (list, tuple))
+                 else [lora_request] * len(prompts))
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} LoRA requests for {len(prompts)} prompts")
         engine = self.engine
         ids = []
         try:
-            for prompt, p, prio in zip(prompts, params, priorities):
+            for prompt, p, prio, lora in zip(prompts, params, priorities, loras):
                 rid = engine.next_request_id()
-                engine.add_request(rid, prompt, p, priority=prio)
+                engine.add_request(rid, prompt, p, priority=prio, lora_request=lora)
                 ids.append(rid)
         except Exception:
             for rid in ids:  # nothing half-submitted stays in the engine
@@ -85,12 +93,15 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Applies the model's chat template to one conversation or a list of them."""
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+             ) -> list[RequestOutput]:
+        """Applies the model's chat template to one conversation or a list of them.
+        lora_request: as in `generate`."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.tokenizer.apply_chat_template(list(c), add_generation_prompt)
                    for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def reset_prefix_cache(self) -> int:
         """Forgets cached prompt prefixes no request holds (e.g. between benchmark passes)."""
