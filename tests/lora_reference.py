@@ -1,9 +1,9 @@
 """The HF + PEFT multi-LoRA reference that LoRA tests share (tests/reference/ref_lora_hf.py).
 
-One fixed request: tiny random Llama and Qwen2 models (saved as HF checkpoints) and random PEFT
-LoRA adapters on them (saved by PEFT) of ranks 4, 8 and 16, attention-only, MLP-only and
-all-projection targets, rsLoRA, lora_alpha != r, layers_to_transform with rank/alpha patterns
-and a regex target. Every test calling `lora_reference()` gets the same cached result, so
+One fixed request: tiny random Llama, Qwen2 and Phi-3 models (saved as HF checkpoints) and
+random PEFT LoRA adapters on them (saved by PEFT) of ranks 4, 8 and 16, attention-only,
+MLP-only and all-projection targets, rsLoRA, lora_alpha != r, layers_to_transform with
+rank/alpha patterns, a regex target, and Phi-3's fused qkv_proj / gate_up_proj. Every test calling `lora_reference()` gets the same cached result, so
 torch runs once per change of the request or script.
 
 Array names (numpy, in `LoRAReference.arrays`; a variant is a model name, the model without
@@ -16,6 +16,7 @@ adapter, or an adapter name, the adapter on its model):
                                                               each prompt's greedy path
   "<a>/merged/<hf weight>" float32 [out, in]  e.g. "llama_qv_r4/merged/model.layers.0.self_attn.
                            q_proj.weight": the base weight after PEFT's merge_and_unload()
+                           (Phi-3: its fused qkv_proj / gate_up_proj as stored)
 """
 
 from __future__ import annotations
@@ -32,10 +33,12 @@ _BASE = dict(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_la
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
              tie_word_embeddings=False)
 MODELS = [
-    {"name": "llama", "arch": "llama", "seed": 0,
+    {"name": "llama", "model_type": "llama", "seed": 0,
      "config": dict(_BASE, rope_theta=10000.0, rms_norm_eps=1e-5)},
-    {"name": "qwen2", "arch": "qwen2", "seed": 1,
+    {"name": "qwen2", "model_type": "qwen2", "seed": 1,
      "config": dict(_BASE, rope_theta=1000000.0, rms_norm_eps=1e-6)},
+    {"name": "phi3", "model_type": "phi3", "seed": 2,
+     "config": dict(_BASE, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0)},
 ]
 _ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ADAPTERS = [
@@ -57,6 +60,9 @@ ADAPTERS = [
      "lora": {"r": 8, "lora_alpha": 8, "target_modules": _ALL}},
     {"name": "qwen2_qv_r16", "model": "qwen2", "seed": 16,
      "lora": {"r": 16, "lora_alpha": 32, "target_modules": ["q_proj", "v_proj"]}},
+    {"name": "phi3_fused_r8", "model": "phi3", "seed": 17,
+     "lora": {"r": 8, "lora_alpha": 16,
+              "target_modules": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]}},
 ]
 # Lengths 9, 23, 40, 1 and 17: most longer than a small prefill chunk, one a single token.
 PROMPTS = [[5, 17, 42, 3, 200, 7, 7, 7, 1], [(7 * i + 3) % 200 + 1 for i in range(23)],

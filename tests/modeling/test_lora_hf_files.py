@@ -1,7 +1,8 @@
 """Adapters saved by PEFT, read by models/lora_weights.py: each base weight plus our `A @ B`
 equals PEFT's merge_and_unload() weight, for every layer and projection. The independent check
 that our loader reads PEFT's files (names, transposes, scaling, rsLoRA, layer selection, rank
-and alpha patterns, regex targets) as PEFT does. numpy only: no model runs."""
+and alpha patterns, regex targets, Phi-3's fused projections) as PEFT does. numpy only: no
+model runs."""
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ from lora_reference import ADAPTERS, MAX_RANK, lora_reference
 from models.hf_loader import config_from_hf_json
 from models.lora import LORA_TARGETS
 from models.lora_weights import load_peft_adapter
+from models.weights import unfuse
 
 pytestmark = pytest.mark.hf_ref
 
@@ -22,7 +24,14 @@ ATOL = 2e-6
 
 def _base(ref, model):
     config = config_from_hf_json(ref.model_dir(model) / "config.json")
-    return config, load_file(str(ref.model_dir(model) / "model.safetensors"))
+    return config, unfuse(load_file(str(ref.model_dir(model) / "model.safetensors")), config)
+
+
+def _merged(ref, name, config):
+    """PEFT's merged weights by HF name, Phi-3's fused ones split like the base's."""
+    prefix = f"{name}/merged/"
+    return unfuse({k[len(prefix):]: v for k, v in ref.arrays.items() if k.startswith(prefix)},
+                  config)
 
 
 def _hf_name(layer, module):
@@ -35,6 +44,7 @@ def test_base_plus_our_delta_is_pefts_merged_weight(name):
     ref = lora_reference()
     config, base = _base(ref, ref.base_of(name))
     adapter = load_peft_adapter(ref.adapter_dir(name), config, max_rank=MAX_RANK)
+    merged_weights = _merged(ref, name, config)
     changed = set()
     for layer in range(config.num_layers):
         for module in LORA_TARGETS:
@@ -43,7 +53,7 @@ def test_base_plus_our_delta_is_pefts_merged_weight(name):
             if module in adapter.modules:
                 a, b = adapter.modules[module]
                 ours = ours + a[layer] @ b[layer]  # [K, r_max] @ [r_max, N]
-            merged = ref.arrays[f"{name}/merged/{w}"].T
+            merged = merged_weights[w].T
             np.testing.assert_allclose(ours, merged, rtol=0, atol=ATOL, err_msg=f"{name} {w}")
             if not np.array_equal(merged, base[w].T):
                 changed.add((layer, module))

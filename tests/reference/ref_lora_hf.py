@@ -1,7 +1,7 @@
-"""Tiny random Llama/Qwen2 models with random PEFT LoRA adapters, made by transformers + PEFT:
+"""Tiny random Llama/Qwen2/Phi-3 models with random PEFT LoRA adapters, made by transformers + PEFT:
 what each model computes without and with each adapter, and the adapters' merged weights.
 
-Request: {"workdir", "models": [{"name", "arch": "llama"|"qwen2", "config", "seed"}],
+Request: {"workdir", "models": [{"name", "model_type", "config", "seed"}],
 "adapters": [{"name", "model", "seed", "lora": {peft.LoraConfig arguments}}], "prompts":
 [[ids]], "max_new_tokens", "top_k"}. Model and adapter names are one namespace ("variants": a
 model's name is the model without adapter). Arrays per variant v, per prompt i:
@@ -12,7 +12,7 @@ log-softmax top-k at each greedy step, best first); "<v>/margins" float32 [num_p
 smallest top-2 logit margin along each prompt's greedy path). Per adapter a and linear weight
 w of the base model (HF name, e.g. "model.layers.0.self_attn.q_proj.weight"):
 "<a>/merged/<w>" float32 [out, in], the weight after PEFT's merge_and_unload() (equal to the
-base weight where the adapter does not reach). JSON: {"versions", "differs": {adapter: the
+base weight where the adapter does not reach; Phi-3's fused qkv_proj / gate_up_proj as stored). JSON: {"versions", "differs": {adapter: the
 prompts whose greedy tokens differ from the base model's}}.
 Each model is saved (safetensors) to workdir/<model>, each adapter with PEFT's
 save_pretrained to workdir/<adapter> (adapter_config.json + adapter_model.safetensors); the
@@ -26,11 +26,10 @@ import os
 import peft
 import torch
 import transformers
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from common import load_request, save
 
-ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
 # Each adapter's delta on a projection's output has about this standard deviation (for inputs
 # of unit scale); the base projections' is about 0.16 (transformers' init std 0.02, width 64),
 # so an adapter changes the outputs clearly without swamping the model.
@@ -42,9 +41,9 @@ HEAD_SCALE = 8.0
 
 
 def _build(spec):
-    config_cls, model_cls = ARCHS[spec["arch"]]
     torch.manual_seed(spec["seed"])
-    model = model_cls(config_cls(**spec["config"])).eval().to(torch.float32)
+    config = AutoConfig.for_model(spec["model_type"], **spec["config"])
+    model = AutoModelForCausalLM.from_config(config).eval().to(torch.float32)
     # Random init leaves norms at 1 and biases at 0: perturb them so the test sees them.
     with torch.no_grad():
         for name, p in model.named_parameters():
