@@ -3,8 +3,9 @@
 One fixed request: tiny random Llama, Qwen2 and Phi-3 models (saved as HF checkpoints) and
 random PEFT LoRA adapters on them (saved by PEFT) of ranks 4, 8 and 16, attention-only,
 MLP-only and all-projection targets, rsLoRA, lora_alpha != r, layers_to_transform with
-rank/alpha patterns, a regex target, and Phi-3's fused qkv_proj / gate_up_proj. Every test calling `lora_reference()` gets the same cached result, so
-torch runs once per change of the request or script.
+rank/alpha patterns, a regex target, and Phi-3's fused qkv_proj / gate_up_proj. Every test
+calling `lora_reference()` gets the same cached result, so torch runs once per change of the
+request or script.
 
 Array names (numpy, in `LoRAReference.arrays`; a variant is a model name, the model without
 adapter, or an adapter name, the adapter on its model):

@@ -12,8 +12,9 @@ log-softmax top-k at each greedy step, best first); "<v>/margins" float32 [num_p
 smallest top-2 logit margin along each prompt's greedy path). Per adapter a and linear weight
 w of the base model (HF name, e.g. "model.layers.0.self_attn.q_proj.weight"):
 "<a>/merged/<w>" float32 [out, in], the weight after PEFT's merge_and_unload() (equal to the
-base weight where the adapter does not reach; Phi-3's fused qkv_proj / gate_up_proj as stored). JSON: {"versions", "differs": {adapter: the
-prompts whose greedy tokens differ from the base model's}}.
+base weight where the adapter does not reach; Phi-3's fused qkv_proj / gate_up_proj as
+stored). JSON: {"versions", "differs": {adapter: the prompts whose greedy tokens differ from
+the base model's}}.
 Each model is saved (safetensors) to workdir/<model>, each adapter with PEFT's
 save_pretrained to workdir/<adapter> (adapter_config.json + adapter_model.safetensors); the
 outputs with an adapter are computed from those saved files (PeftModel.from_pretrained).
