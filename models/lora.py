@@ -20,6 +20,9 @@ from typing import Callable
 import jax.numpy as jnp
 import numpy as np
 
+# Plain-Python facts about adapters, kept free of jax (models/lora_names.py).
+from models.lora_names import MODULE_PARENT, module_shapes  # noqa: F401 (re-exported)
+
 # (x [T, K], lora_a [S, K, R], lora_b [S, R, N], token_slots [T] int32) -> delta [T, N] float32
 LoRAFn = Callable[[jnp.ndarray, jnp.ndarray, jnp.ndarray, jnp.ndarray], jnp.ndarray]
 
@@ -45,22 +48,6 @@ def apply_lora(y, x, a, b, token_slots, lora_fn: LoRAFn):
     flat = x.reshape(-1, x.shape[-1])  # [T, K]
     delta = lora_fn(flat, a, b, token_slots)  # [T, N]
     return y + delta.reshape(*y.shape[:-1], delta.shape[-1]).astype(y.dtype)
-
-
-def module_shapes(config) -> dict[str, tuple[int, int]]:
-    """(K, N) of each adaptable projection of a layer (our [in, out] kernels)."""
-    c = config
-    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    return {"q_proj": (c.hidden_size, q), "k_proj": (c.hidden_size, kv),
-            "v_proj": (c.hidden_size, kv), "o_proj": (q, c.hidden_size),
-            "gate_proj": (c.hidden_size, c.intermediate_size),
-            "up_proj": (c.hidden_size, c.intermediate_size),
-            "down_proj": (c.intermediate_size, c.hidden_size)}
-
-
-# Where each projection lives in a layer's params.
-MODULE_PARENT = {"q_proj": "attn", "k_proj": "attn", "v_proj": "attn", "o_proj": "attn",
-                 "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 
 
 def slot_arrays(config, targets, max_loras: int, max_rank: int, dtype) -> dict:

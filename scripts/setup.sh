@@ -61,7 +61,7 @@ if [ "$WITH_TEST" = 1 ]; then
   fi
   if [ "$(cat .venv-ref/.jaxserve-stamp 2>/dev/null)" != "$(stamp tests/requirements-ref.txt)" ]; then
     .venv-ref/bin/python -m pip install --quiet -r tests/requirements-ref.txt 2>&1 | grep -v "is ignored" || true
-    .venv-ref/bin/python -c "import torch, transformers, gguf" || { echo "setup: reference install failed" >&2; exit 1; }
+    .venv-ref/bin/python -c "import torch, transformers, gguf, peft" || { echo "setup: reference install failed" >&2; exit 1; }
     stamp tests/requirements-ref.txt > .venv-ref/.jaxserve-stamp
   fi
   # Ray Serve for the replica and multi-host-launch tests (the [ray] extra; the main job

@@ -10,18 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 
-# The projections an adapter may target, by our module names (models/llama.py LINEAR_ROLES
-# without the LM head: heads and embeddings are left alone).
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Defined beside the adapter loader (models/ cannot import jaxserve), re-exported here.
+from models.lora_names import LORA_TARGETS, LoRAError
 
-
-class LoRAError(ValueError):
-    """An adapter cannot be served, or a LoRA request is malformed; nothing changed.
-
-    status: the HTTP status a server answers with (400 bad files or arguments, 404 unknown
-    adapter, 409 an adapter still in use)."""
-
-    status = 400
+__all__ = ["LORA_TARGETS", "AdapterInUse", "LoRAError", "LoRARequest", "UnknownAdapter"]
 
 
 class UnknownAdapter(LoRAError):
