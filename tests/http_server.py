@@ -19,5 +19,10 @@ def serving(loop, config: ServerConfig):
     try:
         yield types.SimpleNamespace(url=f"http://127.0.0.1:{server.effective_port}", app=app)
     finally:
-        server.close()
+        # Closed by the server's own thread: closing its sockets from this one races the
+        # select() that thread is blocked in (an EBADF there, a warning in the test run).
+        closed = threading.Event()
+        server.trigger.pull_trigger(lambda: (server.close(), closed.set()))
+        if not closed.wait(5):
+            server.close()  # the loop thread is gone or stuck: close from here after all
         server.task_dispatcher.shutdown(timeout=1)
