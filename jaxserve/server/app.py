@@ -18,13 +18,16 @@ from werkzeug.exceptions import HTTPException
 
 from jaxserve.server.config import ServerConfig
 from jaxserve.server.backend import Backend
-from jaxserve.server.errors import ApiError, invalid, shown, unavailable
+from jaxserve.server.errors import ApiError, invalid, unavailable
+from jaxserve.server.fields import parse_json
 from jaxserve.server.generation import ClientGone, Generation
+from jaxserve.server.lora_routes import register_lora_routes
 from jaxserve.server.metrics import ServerMetrics
 from jaxserve.server.openapi import register_openapi_routes
 from jaxserve.server.profile_routes import register_profile_routes
 from jaxserve.server.protocol import ModelInfo, parse_chat, parse_completion
 from jaxserve.server.responses import Responder
+from jaxserve.server.served_models import ServedModels
 from jaxserve.server.structured import check_compiles
 from jaxserve.server.ui_routes import register_ui_routes
 
@@ -45,6 +48,7 @@ class ServerState:
         self.metrics = ServerMetrics(loop)
         model = loop.model
         self.info = ModelInfo(model.tokenizer, model.vocab_size, model.max_model_len)
+        self.models = ServedModels(config.served_model_name, model)  # base + LoRA adapters
         self.capacity = model.max_num_seqs + config.max_waiting_requests
         # Thread-safe: handlers compile constraints through it (None: no structured outputs).
         self.grammar = model.grammar
@@ -76,11 +80,7 @@ def _error_response(err: ApiError, state: ServerState) -> Response:
 
 
 def _json_body():
-    try:
-        return json.loads(request.get_data(cache=False))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"the request body is not valid JSON: {str(e)[:100]}",
-                       code="invalid_json") from None
+    return parse_json(request.get_data(cache=False))
 
 
 def _check_api_key(config: ServerConfig) -> None:
@@ -98,11 +98,7 @@ def _check_api_key(config: ServerConfig) -> None:
 
 def _generate(state: ServerState, chat: bool) -> Response:
     body = _json_body()
-    name = state.config.served_model_name
-    model = body.get("model") if isinstance(body, dict) else None
-    if isinstance(model, str) and model != name:
-        raise ApiError(404, f"model {shown(model)} does not exist; this server serves {name!r}",
-                       type="not_found_error", param="model", code="model_not_found")
+    adapter = state.models.resolve(body.get("model") if isinstance(body, dict) else None)
     req = (parse_chat if chat else parse_completion)(body, state.config, state.info)
     slots = state.loop.model.max_num_seqs
     if req.n > slots:  # each branch holds a batch slot for the whole request
@@ -113,12 +109,13 @@ def _generate(state: ServerState, chat: bool) -> Response:
     disconnected = request.environ.get("waitress.client_disconnected", lambda: False)
     gen = Generation(state.loop, state.metrics, req, state.capacity,
                      state.config.disconnect_poll_s, disconnected,
-                     state.config.max_waiting_tokens)
+                     state.config.max_waiting_tokens, adapter)
     state.enter()
     handed_over = False  # once the stream body exists, its close() does the cleanup
     try:
         gen.wait_accepted()
-        responder = Responder(gen, state.config.served_model_name, state.decode)
+        name = adapter.lora_name if adapter is not None else state.config.served_model_name
+        responder = Responder(gen, name, state.decode)
         replica = {REPLICA_HEADER: gen.replica} if gen.replica is not None else {}
         if not req.stream:
             response = jsonify(responder.full())
@@ -169,9 +166,8 @@ def _register_routes(app: Flask, state: ServerState) -> None:
 
     @app.get("/v1/models")
     def models():
-        return jsonify({"object": "list", "data": [{
-            "id": state.config.served_model_name, "object": "model", "created": 0,
-            "owned_by": "jaxserve", "max_model_len": state.info.max_model_len}]})
+        return jsonify({"object": "list",
+                        "data": state.models.cards(state.info.max_model_len)})
 
     @app.get("/health")
     def health():
@@ -221,6 +217,7 @@ def create_app(backend: Backend, config: ServerConfig | None = None) -> Flask:
     app.extensions["jaxserve"] = state
     _register_routes(app, state)
     register_profile_routes(app, state)
+    register_lora_routes(app, state)
     register_ui_routes(app, state)
     register_openapi_routes(app, state)
     _register_errors(app, state)

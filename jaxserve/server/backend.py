@@ -12,6 +12,8 @@ import dataclasses
 import queue
 from typing import Protocol
 
+from jaxserve.core.lora import LoRARequest
+
 
 @dataclasses.dataclass(frozen=True)
 class ServedModel:
@@ -24,12 +26,19 @@ class ServedModel:
     block_size: int
     grammar: object = None       # a thread-safe GrammarCompiler, or None: no structured outputs
     profiler: object = None      # the engine's Profiler where one process can be profiled
+    # The engine's LoRA adapter registry (jaxserve/lora_adapters.py LoRAAdapters: thread-safe
+    # add / remove / get / adapters), or None: no adapters (no enable_lora, or replicas).
+    lora: object = None
 
     @classmethod
     def of(cls, engine) -> "ServedModel":
         return cls(engine.model.tokenizer, engine.model.config.vocab_size,
                    engine.max_model_len, engine.config.max_num_seqs, engine.config.block_size,
-                   engine.grammar, engine.profiler)
+                   engine.grammar, engine.profiler, engine.lora)
+
+    def adapter(self, name: str) -> LoRARequest | None:
+        """The registered LoRA adapter called `name`, or None (none such, or no adapters)."""
+        return self.lora.get(name) if self.lora is not None else None
 
 
 @dataclasses.dataclass(frozen=True)

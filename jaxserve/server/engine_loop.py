@@ -18,12 +18,13 @@ import threading
 import time
 
 from jaxserve.core.admission import EngineOverloaded
+from jaxserve.core.lora import LoRAError, LoRARequest, UnknownAdapter
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.server.backend import Accepted, ServedModel
 from jaxserve.server.engine_state import StateSampler
 from jaxserve.faults import EngineThreadDeath
-from jaxserve.server.errors import ApiError, invalid, overloaded, unavailable
+from jaxserve.server.errors import ApiError, invalid, lora_error, overloaded, unavailable
 
 log = logging.getLogger("jaxserve.server")
 
@@ -35,6 +36,7 @@ class SubRequest:
     params: SamplingParams
     index: int  # the choice index this sub-request fills in the response
     priority: int = 0  # lower runs first (the request's `priority` field)
+    lora_request: LoRARequest | None = None  # the adapter `model` named (None: the base)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +48,14 @@ class Event:
     time: float  # monotonic, taken on the engine thread when the output was produced
     error: Exception | None = None
 
+
+
+def _optional_kwargs(sub: SubRequest) -> dict:
+    """add_request's optional arguments, only where set (test engines take the plain call)."""
+    kw = {"priority": sub.priority} if sub.priority else {}
+    if sub.lora_request is not None:
+        kw["lora_request"] = sub.lora_request
+    return kw
 
 
 class WatchdogTimeout(RuntimeError):
@@ -237,8 +247,9 @@ class EngineLoop:
         added = []
         try:
             for sub in subs:
+                self._check_adapter(sub.lora_request)
                 self.engine.add_request(sub.request_id, sub.prompt_token_ids, sub.params,
-                                        **({"priority": sub.priority} if sub.priority else {}))
+                                        **_optional_kwargs(sub))
                 added.append(sub)
                 self._routes[sub.request_id] = (out, sub.index)
         except (ValueError, TypeError, EngineOverloaded) as e:
@@ -249,11 +260,20 @@ class EngineLoop:
             self._release(len(subs) - len(added))
             if isinstance(e, EngineOverloaded):
                 err = overloaded(f"{e}", "queue_full")
+            elif isinstance(e, LoRAError):
+                err = lora_error(e, "model")
             else:
                 err = invalid(str(e), getattr(e, "param", "prompt"))  # names its field
             out.put(Event(-1, None, time.monotonic(), error=err))
             return
         out.put(Accepted())
+
+    def _check_adapter(self, lora_request: LoRARequest | None) -> None:
+        """The adapter the handler resolved must still be registered: add_request would
+        register (and read) it again, undoing an unload that came in between."""
+        if lora_request is not None and self.engine.lora.get(
+                lora_request.lora_name) != lora_request:
+            raise UnknownAdapter(f"LoRA adapter {lora_request.lora_name!r} was unloaded")
 
     def _prefilled(self, request_id: str) -> None:
         """The sub-request's prompt is no longer queued (it produced output or ended)."""

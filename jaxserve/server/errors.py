@@ -40,3 +40,16 @@ def shown(value) -> str:
     """A short repr of a client value: error bodies must never echo a whole (huge) input."""
     text = repr(value)
     return text if len(text) <= MAX_SHOWN_CHARS else text[:MAX_SHOWN_CHARS] + "...(truncated)"
+
+
+# A LoRAError's status (core/lora.py) as OpenAI's error type and code.
+LORA_ERROR_KINDS = {400: ("invalid_request_error", "invalid_lora_adapter"),
+                    404: ("not_found_error", "model_not_found"),
+                    409: ("invalid_request_error", "lora_adapter_in_use")}
+
+
+def lora_error(error, param: str | None) -> ApiError:
+    """The ApiError of a LoRAError (core/lora.py): its status, its message."""
+    type, code = LORA_ERROR_KINDS.get(error.status, LORA_ERROR_KINDS[400])
+    return ApiError(error.status if error.status in LORA_ERROR_KINDS else 400, str(error),
+                    type=type, param=param, code=code)

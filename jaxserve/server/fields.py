@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import math
 
-from jaxserve.server.errors import invalid, shown
+from jaxserve.server.errors import ApiError, invalid, shown
+
+
+def parse_json(raw: bytes):
+    """A request body's JSON value; a 400 invalid_json when it is not JSON."""
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the request body is not valid JSON: {str(e)[:100]}",
+                       code="invalid_json") from None
 
 
 class Fields:

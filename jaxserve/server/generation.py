@@ -14,6 +14,7 @@ import time
 import uuid
 from typing import Callable, Iterator
 
+from jaxserve.core.lora import LoRARequest
 from jaxserve.core.sampling_params import RequestOutputKind
 from jaxserve.server.backend import Accepted, Backend
 from jaxserve.server.engine_loop import Event, SubRequest
@@ -36,26 +37,29 @@ class Delta:
     finish_reason: str | None
 
 
-def _sub_requests(req: GenerationRequest, base: str) -> list[SubRequest]:
+def _sub_requests(req: GenerationRequest, base: str,
+                  lora_request: LoRARequest | None) -> list[SubRequest]:
     """One per prompt, with n branches: choice p * n + i is branch i of prompt p.
 
     DELTA outputs: each step hands over only what is new (streamed or not, every step's tokens
     are timed), not a copy of everything generated so far, which grows with the output."""
     params = dataclasses.replace(req.params, n=req.n, output_kind=RequestOutputKind.DELTA)
-    return [SubRequest(f"{base}-{p}", ids, params, p * req.n, priority=req.priority)
+    return [SubRequest(f"{base}-{p}", ids, params, p * req.n, priority=req.priority,
+                       lora_request=lora_request)
             for p, ids in enumerate(req.prompts)]
 
 
 class Generation:
     def __init__(self, loop: Backend, metrics: ServerMetrics, req: GenerationRequest,
                  capacity: int, poll_s: float, disconnected: Callable[[], bool],
-                 max_queued_tokens: int | None = None):
+                 max_queued_tokens: int | None = None,
+                 lora_request: LoRARequest | None = None):
         self.t0 = time.monotonic()
         self.req, self._loop, self._metrics = req, loop, metrics
         self._poll_s, self._disconnected = poll_s, disconnected
         self.id = uuid.uuid4().hex
         self.replica: str | None = None  # the engine replica serving it, once accepted
-        self._subs = _sub_requests(req, self.id)
+        self._subs = _sub_requests(req, self.id, lora_request)
         self.choices = [Choice(i) for i in range(len(req.prompts) * req.n)]
         self._last_token_time: dict[int, float] = {}
         self._open = set(range(len(self.choices)))

@@ -7,6 +7,9 @@ engine loop's last stats snapshot.
 
 from __future__ import annotations
 
+import time
+from typing import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
@@ -67,7 +70,8 @@ def gateway_metrics(s: dict):
     Extension, llm-d), under the vLLM names their endpoint pickers scrape by default.
 
     Only the stats keys a pool of replicas can also sum are read: running, waiting,
-    kv_blocks_total, kv_blocks_free, block_size.
+    kv_blocks_total, kv_blocks_free, block_size; and `lora`, which only one engine reports
+    (LoRA is not served by replicas).
     """
     yield GaugeMetricFamily("vllm:num_requests_running",
                             "Requests in the running batch", s["running"])
@@ -82,7 +86,29 @@ def gateway_metrics(s: dict):
                              labels=["block_size", "num_gpu_blocks"])
     info.add_metric([str(s["block_size"]), str(s["kv_blocks_total"])], 1.0)
     yield info
-    # vllm:lora_requests_info (running/waiting adapters) comes with LoRA adapters.
+    yield from lora_metrics(s.get("lora"))
+
+
+def lora_metrics(lora: dict | None, now: Callable[[], float] = time.time):
+    """vLLM's `vllm:lora_requests_info` (engine.stats()["lora"]; absent without enable_lora):
+    the adapters of running and waiting requests, comma-joined, and max_lora in its labels;
+    its value the time the labels were read, in seconds since the epoch, as vLLM sets it
+    (`set_to_current_time`). vLLM keeps every label set it has seen, each with its last time,
+    and gateways read the newest; this exports only the current one, so the newest is it."""
+    if lora is None:
+        return
+    info = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                             labels=["max_lora", "waiting_lora_adapters",
+                                     "running_lora_adapters"])
+    info.add_metric([str(lora["max_lora"]), ",".join(lora["waiting_lora_adapters"]),
+                     ",".join(lora["running_lora_adapters"])], now())
+    yield info
+    yield GaugeMetricFamily("jaxserve_lora_adapters_loaded", "LoRA adapters registered "
+                            "(servable by name)", lora["loaded"])
+    yield CounterMetricFamily("jaxserve_lora_device_loads", "LoRA adapters written into a "
+                              "device slot", lora["device_loads"])
+    yield CounterMetricFamily("jaxserve_lora_host_loads", "LoRA adapters read from their "
+                              "files", lora["host_loads"])
 
 
 SPEC_COUNTERS = {

@@ -17,8 +17,9 @@ REF = "#/components/schemas/{model}"
 ERROR_STATUSES = {
     "400": "invalid request: the error names the offending param",
     "401": "missing or wrong API key (when the server has one)",
-    "404": "unknown model",
+    "404": "unknown model (or LoRA adapter)",
     "405": "wrong method",
+    "409": "the LoRA adapter is in use by unfinished requests (nothing changed)",
     "413": "body larger than the server's limit",
     "500": "internal error (a bug; the body says nothing more)",
     "503": "queue full, shutting down or engine down; retry later",
@@ -46,6 +47,16 @@ def _generation(summary: str, request, response) -> dict:
         "responses": {"200": ok, **_errors("400", "401", "404", "405", "413", "500", "503")}}}
 
 
+def _lora_admin(summary: str, request, *errors: str) -> dict:
+    ok = {"description": "done: a one-line text, as vLLM answers",
+          "content": {"text/plain": {"schema": {"type": "string"}}}}
+    return {"post": {
+        "summary": summary, "operationId": summary.replace(" ", "_"),
+        "requestBody": {"required": True,
+                        "content": {"application/json": {"schema": _ref(request)}}},
+        "responses": {"200": ok, **_errors(*errors)}}}
+
+
 def _get(summary: str, response, *errors: str) -> dict:
     return {"get": {"summary": summary, "operationId": summary.replace(" ", "_"),
                     "responses": {"200": {"description": "ok", "content": {
@@ -69,6 +80,14 @@ def openapi_document(title: str = "jaxserve", version: str = "0.1.0") -> dict:
                                                 schemas.ChatCompletionRequest,
                                                 schemas.ChatCompletionResponse),
             "/v1/models": _get("list models", schemas.ModelList, "401", "500"),
+            # 400 also when the server was started without --enable-lora.
+            "/v1/load_lora_adapter": _lora_admin("load lora adapter",
+                                                 schemas.LoadLoRAAdapterRequest,
+                                                 "400", "401", "405", "413", "500"),
+            "/v1/unload_lora_adapter": _lora_admin("unload lora adapter",
+                                                   schemas.UnloadLoRAAdapterRequest,
+                                                   "400", "401", "404", "405", "409", "413",
+                                                   "500"),
             "/health": _get("health", schemas.Health, "500", "503"),
         },
         "components": {

@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from jaxserve.core.sampling_params import MAX_LOGPROBS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
+from jaxserve.server.lora_routes import MAX_NAME_CHARS, MAX_PATH_CHARS
 from jaxserve.server.protocol import CHAT_ROLES, MAX_PROMPTS
 
 TokenId = Annotated[int, Field(ge=0)]
@@ -173,10 +174,14 @@ class ChatCompletionResponse(BaseModel):
 
 class ModelCard(BaseModel):
     model_config = ConfigDict(extra="allow")
-    id: str
+    id: str = Field(description="what a request's `model` names: the base model or an adapter")
     object: Literal["model"]
     created: int
     owned_by: str
+    root: str | None = Field(None, description="the base model's name, or the adapter's "
+                                               "directory")
+    parent: str | None = Field(None, description="a LoRA adapter's base model (null for the "
+                                                 "base model)")
 
 
 class ModelList(BaseModel):
@@ -184,9 +189,29 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+LoRAName = Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS)]
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    lora_name: LoRAName = Field(description="the name requests select it by (`model`)")
+    lora_path: Annotated[str, Field(min_length=1, max_length=MAX_PATH_CHARS)] = Field(
+        description="a PEFT LoRA adapter directory on the server (adapter_config.json + "
+                    "adapter_model.safetensors)")
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """One of the two identifies the adapter (both: they must agree)."""
+
+    model_config = ConfigDict(extra="allow")
+    lora_name: LoRAName | None = None
+    lora_int_id: Annotated[int, Field(ge=1)] | None = None
+
+
 class Health(BaseModel):
     status: Literal["ok"]
 
 
 SCHEMAS = (CompletionRequest, ChatCompletionRequest, ErrorResponse, CompletionResponse,
-           ChatCompletionResponse, ModelList, Health)
+           ChatCompletionResponse, ModelList, Health, LoadLoRAAdapterRequest,
+           UnloadLoRAAdapterRequest)

@@ -32,7 +32,7 @@ from jaxserve.testing.tiny_chat import tiny_chat_model
 
 MAX_MODEL_LEN = 64  # short generations: the fuzz spends its time on requests, not decoding
 MAX_NUM_SEQS = 4
-FUZZ_EXAMPLES = 25  # per operation (4 operations)
+FUZZ_EXAMPLES = 25  # per operation (6 operations)
 # No 5xx; status, content type and body as declared; a schema-invalid body gets a 4xx. Not
 # positive_data_acceptance: a schema-valid body may still be a 400 (SEMANTIC_ONLY below, and
 # e.g. a random string that is no grammar).
@@ -82,7 +82,12 @@ def test_document_is_generated_and_valid_openapi():
     for path in ROUTE_SCHEMA:
         assert {"400", "503"} <= set(doc["paths"][path]["post"]["responses"])
     from schemathesis.openapi import from_dict
-    assert len(list(from_dict(doc).get_all_operations())) == 4  # schemathesis accepts it
+    assert len(list(from_dict(doc).get_all_operations())) == 6  # schemathesis accepts it
+    unload = doc["paths"]["/v1/unload_lora_adapter"]["post"]["responses"]
+    assert {"200", "400", "401", "404", "409"} <= set(unload)
+    assert set(unload["200"]["content"]) == {"text/plain"}  # vLLM's one-line answer
+    card = schemas["ModelCard"]["properties"]
+    assert {"parent", "root"} <= set(card)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
@@ -133,7 +138,7 @@ def test_openapi_fuzz(app):
     default_float_environment()
     schema = schemathesis.openapi.from_wsgi("/openapi.json", app)
     operations = [result.ok() for result in schema.get_all_operations()]
-    assert len(operations) == 4
+    assert len(operations) == 6  # the LoRA routes answer 400 here: no --enable-lora
     statuses = collections.Counter()
     for operation in operations:
         fuzz_operation(operation, statuses)

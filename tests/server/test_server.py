@@ -381,6 +381,7 @@ class _FailingEngine:
             real.config
         self.grammar = None  # serves no structured outputs
         self.profiler = None  # nor profiles
+        self.lora = None  # nor LoRA adapters
         self._pending = False
 
     def stats(self):

@@ -135,6 +135,7 @@ class _StandIn:
             real.config
         self.grammar = None  # serves no structured outputs
         self.profiler = None  # nor profiles
+        self.lora = None  # nor LoRA adapters
         self.added, self._step = [], step
 
     def stats(self):

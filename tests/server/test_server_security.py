@@ -1,8 +1,9 @@
 """Security of the HTTP surface: with an API key set, every route but the open ones (health
 and the web page's static files) refuses a request without it, including routes added later
 (the test walks the app's url_map); the key check is constant-time; no route reads a file
-named by the request. Flask's test client over a tiny chat model (no compile needed: nothing
-here generates)."""
+named by the request (but POST /v1/load_lora_adapter on a server started with --enable-lora,
+tests/server/test_lora_server.py). Flask's test client over a tiny chat model (no compile
+needed: nothing here generates)."""
 
 import hmac
 import inspect
@@ -42,8 +43,9 @@ def _method(rule) -> str:
 
 def test_every_route_but_the_open_ones_needs_the_key(app):
     client, rules = app.test_client(), list(app.url_map.iter_rules())
-    assert {r.endpoint for r in rules} >= OPEN_ENDPOINTS | {"metrics", "start_profile",
-                                                            "stop_profile", "engine_state"}
+    assert {r.endpoint for r in rules} >= OPEN_ENDPOINTS | {
+        "metrics", "start_profile", "stop_profile", "engine_state", "load_lora_adapter",
+        "unload_lora_adapter"}
     for rule in rules:
         path, method = _example_path(rule), _method(rule)
         r = client.open(path, method=method)
@@ -78,3 +80,7 @@ def test_no_route_takes_a_path_from_the_request(app):
     r = client.post("/v1/completions", headers=auth,
                     json={"model": "/etc/passwd", "prompt": "x", "max_tokens": 1})
     assert r.status_code == 404 and r.get_json()["error"]["code"] == "model_not_found"
+    # The one route that reads a directory a request names is off without --enable-lora.
+    r = client.post("/v1/load_lora_adapter", headers=auth,
+                    json={"lora_name": "x", "lora_path": "/etc"})
+    assert r.status_code == 400 and "--enable-lora" in r.get_json()["error"]["message"]
