@@ -10,6 +10,7 @@ import os
 import sys
 import time
 
+from jaxserve.cli_lora import add_lora_modules_arg, check_lora_flags, load_lora_modules
 from jaxserve.config import EngineConfig
 from jaxserve.config_fields import add_config_args, config_kwargs
 from jaxserve.distributed import ray_hosts
@@ -182,6 +183,11 @@ def _cmd_serve(args) -> int:
                               api_key=args.api_key, threads=args.threads,
                               **_admission(engine_config),
                               watchdog_timeout_s=args.watchdog_timeout)
+        modules = args.lora_modules or []
+        check_lora_flags(modules, enable_lora=engine_config.enable_lora,
+                         served_name=config.served_model_name,
+                         data_parallel_size=args.data_parallel_size,
+                         executor_backend=args.distributed_executor_backend)
         if args.data_parallel_size is not None:
             return _serve_replicas(args, engine_config, config)
         if args.distributed_executor_backend == "ray":
@@ -190,6 +196,7 @@ def _cmd_serve(args) -> int:
         _reserve_host_cores(args)
         from jaxserve import LLMEngine
         engine = LLMEngine(engine_config)
+        _load_lora_modules(engine, modules)
     except (ValueError, FileNotFoundError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -201,6 +208,17 @@ def _cmd_serve(args) -> int:
     finally:
         if engine.channel is not None:
             engine.channel.stop()
+
+
+def _load_lora_modules(engine, modules) -> None:
+    """--lora-modules, read before the server opens; a bad one stops the start (LoRAError)."""
+    try:
+        for adapter in load_lora_modules(engine.lora, modules):
+            print(f"[LoRA adapter {adapter.lora_name!r} (id {adapter.lora_int_id}) from "
+                  f"{adapter.lora_path}]", file=sys.stderr)
+    except ValueError:
+        engine.close()
+        raise
 
 
 def _serve_replicas(args, engine_config: EngineConfig, config) -> int:
@@ -401,6 +419,9 @@ def _add_serve_parser(sub) -> None:
                         "more than K requests beyond the least loaded one (default 2)")
     g.add_argument("--replica-cpus", type=float, default=1.0,
                    help="Ray CPUs each replica reserves (default 1)")
+    add_lora_modules_arg(p.add_argument_group(
+        "LoRA adapters (with --enable-lora --max-loras --max-lora-rank --max-cpu-loras; "
+        "docs/lora.md)"))
     _add_engine_args(p)
     _add_profile_args(p, serve_like=True)
     p.set_defaults(func=lambda a: _cmd_serve(_with_model(a)))

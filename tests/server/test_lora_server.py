@@ -1,5 +1,5 @@
 """LoRA adapters over HTTP: `model` selects an adapter, GET /v1/models lists them, the load and
-unload routes, their errors, the lora_requests_info gauge.
+unload routes, their errors, the lora_requests_info gauge and `serve --lora-modules`.
 
 A tiny random chat model (jaxserve/testing/tiny_chat.py) with enable_lora, and random adapters
 written in PEFT's file format (jaxserve/testing/peft_files.py) that the real loader
@@ -21,6 +21,8 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from jaxserve import EngineConfig, LLMEngine, LoRARequest, SamplingParams
+from jaxserve.cli import build_parser, main
+from jaxserve.cli_lora import LoRAModule, load_lora_modules
 from jaxserve.server import EngineLoop, ServerConfig
 from jaxserve.server.metrics import lora_metrics
 from http_server import serving
@@ -352,3 +354,103 @@ def test_lora_requests_info_labels_and_value():
         "jaxserve_lora_adapters_loaded": 3, "jaxserve_lora_device_loads": 5,
         "jaxserve_lora_host_loads": 3}
     assert list(lora_metrics(None)) == []
+
+
+# ---- serve --enable-lora --lora-modules ------------------------------------------------------
+
+def test_lora_modules_take_both_of_vllms_forms():
+    args = build_parser().parse_args([
+        "serve", "m", "--enable-lora", "--max-loras", "3", "--max-lora-rank", "32",
+        "--max-cpu-loras", "4", "--lora-modules", "a=/x/a",
+        '{"name": "b", "path": "/x/b", "base_model_name": "m"}', "--lora-modules", "c = /x/c"])
+    assert args.lora_modules == [LoRAModule("a", "/x/a"), LoRAModule("b", "/x/b", "m"),
+                                 LoRAModule("c", "/x/c")]
+    assert (args.enable_lora, args.max_loras, args.max_lora_rank, args.max_cpu_loras) == \
+        (True, 3, 32, 4)
+
+
+@pytest.mark.parametrize("value,says", [
+    ("sql", "expected NAME=PATH or a JSON object"),
+    ("=/x", "expected NAME=PATH"),
+    ("sql=", "expected NAME=PATH"),
+    ('{"name": "sql"', "invalid JSON"),
+    ('{"name": "sql"}', "'path' must be a non-empty string"),
+    ('{"name": "sql", "path": "/x", "rank": 8}', "unknown key(s) ['rank']"),
+    ('{"name": "sql", "path": "/x", "base_model_name": 3}', "'base_model_name' must be a "),
+])
+def test_bad_lora_module_values_exit_2(value, says, capsys):
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["serve", "--enable-lora", "--lora-modules", value])
+    assert e.value.code == 2
+    assert "argument --lora-modules" in (err := capsys.readouterr().err) and says in err, err
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--lora-modules", "a=/x"], "--lora-modules needs --enable-lora"),
+    (["--enable-lora", "--data-parallel-size", "2"],
+     "--enable-lora with --data-parallel-size is not supported yet"),
+    (["--enable-lora", "--lora-modules", "a=/x", "b=/y", "a=/z"], "names adapter 'a' twice"),
+    (["--enable-lora", "--served-model-name", "m", "--lora-modules", "m=/x"],
+     "adapter name 'm' is the served model's name"),
+    (["--enable-lora", "--served-model-name", "m", "--lora-modules",
+      '{"name": "a", "path": "/x", "base_model_name": "other"}'],
+     "base_model_name 'other' is not the served model ('m')"),
+    (["--enable-lora", "--lora-modules", "a=/x", "--distributed-executor-backend", "ray"],
+     "LoRA adapters are served on one host"),
+])
+def test_lora_flags_that_cannot_go_together_exit_2(argv, says, capsys):
+    assert main(["serve", *argv]) == 2  # before any model is read
+    assert says in capsys.readouterr().err
+
+
+@pytest.fixture
+def tiny_serve(monkeypatch):
+    """`serve` building a tiny engine (no warm-up) and, instead of serving, recording what it
+    would serve."""
+    import jaxserve
+    import jaxserve.server
+    served = []
+
+    def engine(config):
+        return make_engine(warmup=False, enable_lora=config.enable_lora,
+                           max_loras=config.max_loras, max_lora_rank=config.max_lora_rank)
+
+    def serve(engine, host, port, config):
+        served.append((engine, engine.lora.adapters(), config.served_model_name))
+        engine.close()
+        return 0
+    monkeypatch.setattr(jaxserve, "LLMEngine", engine)
+    monkeypatch.setattr(jaxserve.server, "serve", serve)
+    return served
+
+
+def test_lora_modules_are_loaded_at_start_with_ids_in_order(tiny_serve, adapters):
+    sql, poet = adapters / "sql", adapters / "poet"
+    assert main(["serve", "tiny", "--enable-lora", "--max-loras", "2", "--max-lora-rank",
+                 str(MAX_LORA_RANK), "--lora-modules", f"sql={sql}",
+                 json.dumps({"name": "poet", "path": str(poet), "base_model_name": "tiny"})]) == 0
+    [(_, loaded, name)] = tiny_serve
+    assert name == "tiny"
+    assert loaded == [LoRARequest("sql", 1, str(sql)), LoRARequest("poet", 2, str(poet))]
+
+
+def test_a_bad_start_up_adapter_stops_serve_with_its_message(tiny_serve, adapters, capsys):
+    wide = adapters / "wide"
+    assert main(["serve", "tiny", "--enable-lora", "--max-lora-rank", str(MAX_LORA_RANK),
+                 "--lora-modules", f"sql={adapters / 'sql'}", f"wide={wide}"]) == 2
+    err = capsys.readouterr().err
+    assert f"error: --lora-modules wide={wide}: " in err
+    assert f"rank 16 exceeds max_lora_rank {MAX_LORA_RANK}" in err
+    assert tiny_serve == []  # never served
+
+
+def test_ids_follow_the_start_up_adapters(adapters):
+    """Adapters loaded over HTTP continue after the --lora-modules ids (1, 2, ...)."""
+    engine = make_engine(warmup=False, enable_lora=True, max_loras=2,
+                         max_lora_rank=MAX_LORA_RANK)
+    load_lora_modules(engine.lora, [LoRAModule("sql", str(adapters / "sql"))])
+    with running(engine) as s:
+        assert load(s, "poet", adapters / "poet", key=None).status_code == 200
+        assert engine.lora.get("poet").lora_int_id == 2
+        assert model_ids(s) == [MODEL, "sql", "poet"]
+    engine.close()
