@@ -1,5 +1,6 @@
 """LoRA adapters over HTTP: `model` selects an adapter, GET /v1/models lists them, the load and
-unload routes, their errors, the lora_requests_info gauge and `serve --lora-modules`.
+unload routes, their errors, the lora_requests_info gauge, `serve --lora-modules` and the
+page's model picker.
 
 A tiny random chat model (jaxserve/testing/tiny_chat.py) with enable_lora, and random adapters
 written in PEFT's file format (jaxserve/testing/peft_files.py) that the real loader
@@ -12,6 +13,7 @@ starts an engine loop and a waitress server around it and leaves no adapter regi
 import concurrent.futures as cf
 import contextlib
 import json
+import os
 import time
 import types
 
@@ -454,3 +456,44 @@ def test_ids_follow_the_start_up_adapters(adapters):
         assert engine.lora.get("poet").lora_int_id == 2
         assert model_ids(s) == [MODEL, "sql", "poet"]
     engine.close()
+
+
+# ---- the web page's model picker (marker `browser`) -----------------------------------------
+
+CHROMIUM = os.environ.get("JAXSERVE_CHROMIUM", "/usr/bin/chromium")
+
+
+@pytest.mark.browser
+def test_page_picks_an_adapter(server, adapters):
+    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
+    if not os.path.exists(CHROMIUM):
+        pytest.skip(f"no Chromium at {CHROMIUM} (scripts/setup.sh --test installs Debian's)")
+    assert load(server, "sql", adapters / "sql").status_code == 200
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        context = browser.new_context()
+        context.add_init_script(f"sessionStorage.setItem('jaxserve.apiKey', {json.dumps(KEY)})")
+        page = context.new_page()
+        errors = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(server.url + "/")
+        page.wait_for_function("document.querySelectorAll('#model option').length === 2",
+                               timeout=60_000)
+        options = page.eval_on_selector_all("#model option", "os => os.map(o => o.value)")
+        labels = page.eval_on_selector_all("#model option", "os => os.map(o => o.text)")
+        assert options == [MODEL, "sql"] and labels == [MODEL, "sql (LoRA adapter)"]
+        page.select_option("#model", "sql")
+        page.fill("#temperature", "0")
+        page.fill("#max_tokens", str(GREEDY["max_tokens"]))
+        page.fill("#prompt", CHAT[0]["content"])
+        page.press("#prompt", "Enter")
+        page.wait_for_selector("li.msg.assistant[data-done=true]", timeout=60_000)
+        text = page.locator("li.msg.assistant .text").first.inner_text()
+        browser.close()
+    assert errors == []
+    # The page sent `model: "sql"`: its greedy reply is the adapter's, not the base model's.
+    def reply(model):
+        out = server.client.chat.completions.create(model=model, messages=CHAT, temperature=0,
+                                                    max_tokens=GREEDY["max_tokens"])
+        return out.choices[0].message.content.strip()
+    assert text.strip() == reply("sql") != reply(MODEL)

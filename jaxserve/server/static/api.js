@@ -76,6 +76,10 @@ const Api = (() => {
     return model;
   }
 
-  return { key, setKey, getJson, stream, modelInfo, ApiError,
+  // Everything a request's `model` may name: the base model first, then the LoRA adapters
+  // (they have a `parent`); fetched each time, since adapters come and go.
+  async function models() { return (await getJson("/v1/models")).data; }
+
+  return { key, setKey, getJson, stream, modelInfo, models, ApiError,
            set onAuthNeeded(fn) { onAuthNeeded = fn; } };
 })();

@@ -127,7 +127,7 @@ const Chat = (() => {
     controller = new AbortController();
     setBusy(true);
     try {
-      body.model = (await Api.modelInfo()).id;
+      body.model = $("model").value || (await Api.modelInfo()).id;
       await Api.stream("/v1/chat/completions", body, (chunk) => {
         if (chunk.usage) usage = chunk.usage;
         for (const choice of chunk.choices || []) {

@@ -27,15 +27,34 @@
     try {
       const m = await Api.modelInfo();
       $("model-name").textContent = `${m.id} · context ${m.max_model_len} tokens`;
+      await loadPicker();
     } catch (e) {
       $("model-name").textContent = e.status === 401 ? "API key needed" : "server unavailable: " + e.message;
     }
+  }
+
+  // The model picker: the base model and each LoRA adapter. Rebuilt only when the list
+  // changed (an open dropdown is left alone), keeping the choice while it still exists.
+  async function loadPicker() {
+    const select = $("model");
+    const list = await Api.models();
+    const ids = list.map((m) => m.id);
+    if (ids.join("\n") === [...select.options].map((o) => o.value).join("\n")) return;
+    const chosen = select.value;
+    select.replaceChildren(...list.map((m) => {
+      const option = document.createElement("option");
+      option.value = m.id;
+      option.textContent = m.parent ? `${m.id} (LoRA adapter)` : m.id;
+      return option;
+    }));
+    if (ids.includes(chosen)) select.value = chosen;
   }
 
   function init() {
     $("tab-chat").addEventListener("click", () => selectTab("chat"));
     $("tab-engine").addEventListener("click", () => selectTab("engine"));
     $("key-button").addEventListener("click", () => askKey());
+    $("model").addEventListener("focus", () => loadPicker().catch(() => {}));  // new adapters
     $("key-cancel").addEventListener("click", () => { dismissed = true; $("key-dialog").close(); });
     $("key-form").addEventListener("submit", () => {
       Api.setKey($("key-input").value.trim());
