@@ -1,7 +1,7 @@
-"""The multi-LoRA delta (pallas_kernels/lora.py): the SGMV kernel
+"""The multi-LoRA delta (pallas_kernels/lora.py, jaxserve/runtime/lora.py): the SGMV kernel
 (interpreted, and compiled on a GPU: the `interpret` fixture) and the tiled XLA path against the
-per-row reference, the reference against a float64 numpy loop; the CUDA lowering and sm_90a
-compile.
+per-row reference, the reference against a float64 numpy loop; the runtime wrapper on unsorted
+token slots; the CUDA lowering and sm_90a compile.
 
 Tolerances: pallas_kernels/cases.py (LORA_TOLERANCE, shared with scripts/gpu_check.py).
 Grid: a hand-picked subset of M {1, 5, 16, 37, 128} x S {1, 3, 4} x R {8, 16, 32} x (K, N)
@@ -13,6 +13,7 @@ adapter and the weights of empty slots are NaN, so a stray read shows.
 
 from __future__ import annotations
 
+import logging
 import re
 
 import jax
@@ -20,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxserve.runtime.lora import kernel_lora_delta, sort_by_slot, xla_lora_delta_reference
 from pallas_kernels.cases import lora_case, lora_error_bound, lora_row_slots
 from pallas_kernels.lora import (lora_sgmv, lora_sgmv_reference, lora_sgmv_xla, padded_rank,
                                  pick_splits)
@@ -129,6 +131,46 @@ def test_rank_padding_and_splits_are_powers_of_two():
     assert pick_splits(19, 12) == 4         # ceil(132 / 19) = 7 -> 4
     assert pick_splits(40, 12) == 4 and pick_splits(70, 12) == 2 and pick_splits(200, 12) == 1
     assert pick_splits(1, 3) == 1           # 3 blocks: only 1 divides
+
+
+# ---- the runtime wrapper: tokens in any order ---------------------------------------------------
+
+def _tokens(t, s, r, k, n, dtype, seed):
+    """x [T, K], a, b and unsorted token_slots [T] in -1..S-1 (some slots unused)."""
+    rng = np.random.default_rng(seed)
+    slots = rng.integers(-1, s, size=t).astype(np.int32)
+    x, a, b, _ = lora_case(seed, sizes=[t], rank=r, k=k, n=n, dtype=dtype, nan_unused=False)
+    a = jnp.concatenate([a] * s) * jnp.arange(1, s + 1, dtype=dtype)[:, None, None]
+    b = jnp.concatenate([b] * s)
+    x = jnp.where(jnp.asarray(slots >= 0)[:, None], x, jnp.nan)  # no-adapter tokens unread
+    return x, a, b, jnp.asarray(slots)
+
+
+@pytest.mark.parametrize("t,s,r,k,n,dtype", [(37, 4, 16, 64, 96, F32), (16, 3, 8, 96, 32, BF16)])
+def test_wrapper_matches_per_token_reference(t, s, r, k, n, dtype):
+    x, a, b, slots = _tokens(t, s, r, k, n, dtype, seed=t)
+    ns = np.asarray(slots)
+    assert (ns == -1).any() and not np.all(np.diff(ns) >= 0)  # unsorted, with no-adapter tokens
+    want = _numpy_lora(x, a, b, ns, dtype)
+    ref = xla_lora_delta_reference(x, a, b, slots)
+    _assert_within(ref, x, a, b, ns, want, dtype)
+    got = jax.jit(kernel_lora_delta(interpret=True))(x, a, b, slots)
+    _assert_within(got, x, a, b, ns, np.asarray(ref, np.float64), dtype)
+
+
+def test_wrapper_falls_back_to_xla_with_a_log_line(caplog):
+    x, a, b, slots = _tokens(11, 3, 8, 40, 24, F32, seed=5)
+    ns = np.asarray(slots)
+    with caplog.at_level(logging.INFO, logger="jaxserve"):
+        got = kernel_lora_delta(interpret=True)(x, a, b, slots)
+    assert "LoRA kernel cannot run [40] x [24]" in caplog.text
+    _assert_within(got, x, a, b, ns, _numpy_lora(x, a, b, ns, F32), F32)
+
+
+def test_sort_by_slot_is_stable_and_puts_no_adapter_last():
+    order, sizes = sort_by_slot(jnp.asarray([2, -1, 0, 2, 7, 0, -1, 1], jnp.int32), 3)
+    assert np.asarray(order).tolist() == [2, 5, 7, 0, 3, 1, 4, 6]  # slot 7 >= S: no adapter
+    assert np.asarray(sizes).tolist() == [2, 1, 2]
 
 
 # ---- GPU: CUDA lowering and sm_90a compile ----------------------------------------------------
