@@ -72,7 +72,8 @@ def _assert_within(got, x, a, b, slots, want, dtype):
     assert np.isfinite(got).all()
     err = np.abs(got.astype(np.float64) - want)
     bound = lora_error_bound(x, a, b, slots, want, dtype)
-    assert (err <= bound).all(), f"max err {err.max():.3g}, worst err/bound {(err / bound).max():.3g}"
+    worst = (err / bound).max()
+    assert (err <= bound).all(), f"max err {err.max():.3g}, worst err / bound {worst:.3g}"
     assert not got[slots < 0].any()  # rows of no adapter: exact zeros
 
 
