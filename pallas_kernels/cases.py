@@ -226,6 +226,13 @@ def lora_case(seed: int, *, sizes: Sequence[int], rank: int, k: int, n: int, dty
             jnp.asarray(sizes, jnp.int32))
 
 
+def lora_batch_sizes(m: int, num_slots: int, seed: int) -> tuple[list[int], int]:
+    """A serving batch of m tokens, each with a random slot or none (-1), as the runtime sorts
+    it: (tokens per slot, tokens of no adapter, which come after them)."""
+    slots = np.random.default_rng(seed).integers(-1, num_slots, size=m)
+    return np.bincount(slots[slots >= 0], minlength=num_slots).tolist(), int((slots < 0).sum())
+
+
 def lora_row_slots(sizes: Sequence[int], m: int) -> np.ndarray:
     """Each row's slot `[M]` (-1: rows past the groups), from the group sizes."""
     slots = np.full(m, -1, np.int64)
