@@ -35,7 +35,8 @@ from jaxserve.tools import deviceless, gpu_step  # noqa: E402
 warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
 
 STEPS = {"decode": 64, "mixed": 512}
-PALLAS = ("ragged_paged_attention", "int4_matmul", "paged_attention")  # ptxas entry names
+PALLAS = ("ragged_paged_attention", "int4_matmul", "paged_attention",  # ptxas entry names
+          "lora_sgmv")  # the LoRA kernel, once a step carries adapters
 VARIANTS = {
     "gpu": dict(unroll_layers=True, branch_free_sampling=True),
     "loop": dict(unroll_layers=False, branch_free_sampling=False),
