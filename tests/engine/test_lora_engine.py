@@ -179,3 +179,20 @@ def test_lora_requests_need_an_engine_serving_them(model):
 def test_config_errors(kw, match):
     with pytest.raises(ValueError, match=match):
         EngineConfig(model="tiny", **{**ENGINE, **kw})
+
+
+def test_a_request_whose_adapter_fails_to_load_again_ends_with_an_error(model, tmp_path, want,
+                                                                        adapters):
+    e = LLMEngine(EngineConfig(model="tiny", max_loras=1, max_cpu_loras=1, warmup=False,
+                               **ENGINE), model=model)
+    gone = tmp_path / "gone"
+    write_adapter(gone, TINY_GQA, rank=4, targets=["q_proj"], seed=9)
+    e.lora.add(LoRARequest("gone", 9, str(gone)))
+    e.lora.add(adapters[2][0])  # host memory holds one adapter: "gone" is dropped
+    (gone / "adapter_model.safetensors").unlink()
+    outs = generate(e, [(PROMPTS[0], LoRARequest("gone", 9, str(gone))),
+                        (PROMPTS[0], adapters[2][0])])
+    assert outs[0].outputs[0].finish_reason == "error"
+    assert "adapter_model.safetensors" in outs[0].error
+    assert outs[1].outputs[0].token_ids == want[0, 2]  # the others run on
+    e.close()
