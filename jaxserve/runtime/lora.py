@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from models.lora import LoRABackend
 from pallas_kernels.lora import kernel_unsupported, lora_sgmv, lora_sgmv_xla
 
 log = logging.getLogger("jaxserve")
@@ -39,11 +40,14 @@ def sort_by_slot(token_slots, num_slots: int):
     return order, jnp.sum(one_hot, axis=0, dtype=jnp.int32)
 
 
-def kernel_lora_delta(interpret: bool = False) -> Delta:
-    """The delta through the Pallas kernel (`interpret`: through the Pallas interpreter, for
-    CPUs and tests), or the tiled XLA path for shapes the kernel cannot tile."""
+def kernel_lora_backend(interpret: bool = False) -> LoRABackend:
+    """The engine's kernel backend (models/lora.py LoRABackend): the tokens sorted by slot once
+    per step (`index`: order and group sizes), the Pallas kernel in every adapted linear
+    (`interpret`: through the Pallas interpreter, for CPUs and tests), or the tiled XLA path
+    for shapes the kernel cannot tile."""
 
-    def delta(x, a, b, token_slots):
+    def delta(x, a, b, index):
+        order, sizes = index
         k, n = x.shape[1], b.shape[2]
         why = kernel_unsupported(k, n)
         if why:
@@ -52,9 +56,18 @@ def kernel_lora_delta(interpret: bool = False) -> Delta:
         else:
             def sgmv(*args):
                 return lora_sgmv(*args, interpret=interpret)
-        order, sizes = sort_by_slot(token_slots, a.shape[0])
         y_sorted = sgmv(x[order], a, b, sizes)  # [T, N], rows in slot order
         return jnp.zeros_like(y_sorted).at[order].set(y_sorted, unique_indices=True)  # [T, N]
+
+    return LoRABackend(delta=delta, index=sort_by_slot)
+
+
+def kernel_lora_delta(interpret: bool = False) -> Delta:
+    """`kernel_lora_backend` as one function of the token slots (sorting in every call)."""
+    backend = kernel_lora_backend(interpret)
+
+    def delta(x, a, b, token_slots):
+        return backend.delta(x, a, b, backend.index(token_slots, a.shape[0]))
 
     return delta
 
