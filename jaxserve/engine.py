@@ -221,14 +221,7 @@ class LLMEngine:
         ready, failed = self.lora.admit()
         for waiting in ready:
             self._queue(waiting.state, waiting.seq)
-        errors = []
-        for waiting, message in failed:
-            self._forget(waiting.state.request_id)
-            self.requests.drop_sequence(waiting.seq.request_id)
-            waiting.seq.status = SequenceStatus.FINISHED_ERROR
-            waiting.state.fail(message)
-            errors.append(waiting.state.output())
-        return errors
+        return [self._fail_waiting(w.state, w.seq, message) for w, message in failed]
 
     def _admit_constrained(self) -> list[RequestOutput]:
         """Schedules the constrained requests whose grammar is ready; fails those it refused."""
@@ -240,14 +233,16 @@ class LLMEngine:
             if self.faults is not None:
                 self.faults.on_grammar(waiting.state)
             self.scheduler.add(waiting.seq)
-        errors = []
-        for waiting, message in failed:
-            self._forget(waiting.state.request_id)
-            self.requests.drop_sequence(waiting.seq.request_id)
-            waiting.seq.status = SequenceStatus.FINISHED_ERROR
-            waiting.state.fail(message)
-            errors.append(waiting.state.output())
-        return errors
+        return [self._fail_waiting(w.state, w.seq, message) for w, message in failed]
+
+    def _fail_waiting(self, state: RequestStateProtocol, seq: Sequence,
+                      message: str) -> RequestOutput:
+        """Ends a request that waited outside the scheduler (for its grammar or adapter)."""
+        self._forget(state.request_id)
+        self.requests.drop_sequence(seq.request_id)
+        seq.status = SequenceStatus.FINISHED_ERROR
+        state.fail(message)
+        return state.output()
 
     def wait_until_warm(self, timeout: float | None = None) -> bool:
         """Waits for the programs compiled after warm-up (the structured-output variants);

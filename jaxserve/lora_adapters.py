@@ -183,6 +183,7 @@ class LoRAAdapters:
                 self._users[lora_id] -= 1
                 if self._users[lora_id] <= 0:
                     del self._users[lora_id]
+                    self._trim()  # its weights may now leave host memory
 
     def assign(self, out: SchedulerOutput, running: Iterable[Sequence]):
         """Device slots for every adapter of `out`'s rows: (lora_int_id -> slot, loads), loads
@@ -233,10 +234,14 @@ class LoRAAdapters:
         request uses beyond max_cpu_loras."""
         self._cpu[lora_id] = weights
         self._cpu.move_to_end(lora_id)
+        self._trim(keep=lora_id)
+
+    def _trim(self, keep: int | None = None) -> None:
+        """Drops least recently used weights past max_cpu_loras (none a request uses)."""
         for old in list(self._cpu):
             if len(self._cpu) <= self.max_cpu_loras:
                 break
-            if old != lora_id and not self._users[old]:
+            if old != keep and not self._users[old]:
                 del self._cpu[old]
 
     def close(self) -> None:

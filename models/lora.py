@@ -15,7 +15,7 @@ kernel on GPU (jaxserve/runtime/lora.py).
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable, NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
@@ -23,8 +23,18 @@ import numpy as np
 # Plain-Python facts about adapters, kept free of jax (models/lora_names.py).
 from models.lora_names import MODULE_PARENT, module_shapes  # noqa: F401 (re-exported)
 
-# (x [T, K], lora_a [S, K, R], lora_b [S, R, N], token_slots [T] int32) -> delta [T, N] float32
-LoRAFn = Callable[[jnp.ndarray, jnp.ndarray, jnp.ndarray, jnp.ndarray], jnp.ndarray]
+# (x [T, K], lora_a [S, K, R], lora_b [S, R, N], index) -> delta [T, N] float32, where index is
+# what the backend's `index` made of the step's token slots (here: the slots themselves).
+LoRAFn = Callable[[jnp.ndarray, jnp.ndarray, jnp.ndarray, Any], jnp.ndarray]
+
+
+class LoRABackend(NamedTuple):
+    """How adapted linears add their delta: `index(token_slots [T], num_slots)` runs once per
+    step (a kernel backend sorts the tokens by slot there, not in each of the L x 7 linears),
+    `delta(x, a, b, index)` in every adapted linear."""
+
+    delta: LoRAFn
+    index: Callable[[jnp.ndarray, int], Any]
 
 NO_ADAPTER = -1  # a token slot meaning "the base model"
 
@@ -43,10 +53,20 @@ def dense_lora_delta(x, a, b, token_slots):
                       preferred_element_type=jnp.float32)  # [T, N]
 
 
-def apply_lora(y, x, a, b, token_slots, lora_fn: LoRAFn):
+def slots_index(token_slots, num_slots: int):
+    """The XLA path's per-step index: the token slots as they are."""
+    del num_slots
+    return token_slots
+
+
+# The XLA path (the CPU's, and any backend's under tensor parallelism).
+DENSE = LoRABackend(dense_lora_delta, slots_index)
+
+
+def apply_lora(y, x, a, b, index, lora_fn: LoRAFn):
     """y [..., N] (the base projection, float32) plus each token's adapter delta."""
     flat = x.reshape(-1, x.shape[-1])  # [T, K]
-    delta = lora_fn(flat, a, b, token_slots)  # [T, N]
+    delta = lora_fn(flat, a, b, index)  # [T, N]
     return y + delta.reshape(*y.shape[:-1], delta.shape[-1]).astype(y.dtype)
 
 

@@ -188,3 +188,70 @@ def int4_activations(m: int, k: int, dtype, seed: int = 1):
     """x `[M, K]` from a standard normal."""
     import jax.numpy as jnp
     return jnp.asarray(np.random.default_rng(seed).standard_normal((m, k)), dtype)
+
+# ---- multi-LoRA delta (SGMV) -------------------------------------------------------------------
+
+# Elementwise: |kernel - ref| <= h_ulp * (|h| @ |b|) + rtol * |ref| + atol.
+# - f32: the same f32 math on both sides (IEEE dots), summed in another order.
+# - bf16: bf16 inputs, exact products and f32 sums on both sides, but h = x @ a is rounded to
+#   bf16 before the expand: where the two f32 sums straddle a rounding point, the kernel's and
+#   the reference's h differ by one bf16 ulp (<= 2^-7 |h|), which the expand carries into y as
+#   at most 2^-7 * sum_r |h_r| |b_rn|. Elsewhere they agree to the f32 bound.
+LORA_TOLERANCE = {"float32": dict(h_ulp=0.0, rtol=1e-5, atol=1e-5),
+                  "bfloat16": dict(h_ulp=2.0**-7, rtol=1e-5, atol=1e-5)}
+
+# The engine's (K, N) projections a LoRA adapter targets, per model (q/o, k/v, gate/up, down).
+LORA_MODEL_SHAPES = {"smollm2": [(576, 576), (576, 192), (576, 1536), (1536, 576)],
+                     "llama3_8b": [(4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096)]}
+
+
+def lora_case(seed: int, *, sizes: Sequence[int], rank: int, k: int, n: int, dtype,
+              extra_rows: int = 0, nan_unused: bool = True):
+    """x `[M, K]` (M = sum(sizes) + extra_rows, at least 1) with rows sorted by slot, a
+    `[S, K, R]`, b `[S, R, N]` and group_sizes `[S]` int32, drawn so y is O(1). With
+    nan_unused, the rows past the groups and the weights of empty slots are NaN, so a stray
+    read shows. Drawn by numpy: LoRA operands are small even at GPU sizes, and jax.random
+    would compile its ops once per shape."""
+    import jax.numpy as jnp
+    rng = np.random.default_rng(seed)
+    s, m = len(sizes), max(sum(sizes) + extra_rows, 1)
+    x = rng.standard_normal((m, k), np.float32)  # [M, K]
+    a = rng.standard_normal((s, k, rank), np.float32) / np.float32(np.sqrt(k))  # [S, K, R]
+    b = rng.standard_normal((s, rank, n), np.float32) / np.float32(np.sqrt(rank))  # [S, R, N]
+    if nan_unused:
+        x[sum(sizes):] = np.nan
+        empty = np.asarray(sizes) == 0  # [S]
+        a[empty], b[empty] = np.nan, np.nan
+    return (jnp.asarray(x, dtype), jnp.asarray(a, dtype), jnp.asarray(b, dtype),
+            jnp.asarray(sizes, jnp.int32))
+
+
+def lora_batch_sizes(m: int, num_slots: int, seed: int) -> tuple[list[int], int]:
+    """A serving batch of m tokens, each with a random slot or none (-1), as the runtime sorts
+    it: (tokens per slot, tokens of no adapter, which come after them)."""
+    slots = np.random.default_rng(seed).integers(-1, num_slots, size=m)
+    return np.bincount(slots[slots >= 0], minlength=num_slots).tolist(), int((slots < 0).sum())
+
+
+def lora_row_slots(sizes: Sequence[int], m: int) -> np.ndarray:
+    """Each row's slot `[M]` (-1: rows past the groups), from the group sizes."""
+    slots = np.full(m, -1, np.int64)
+    ends = np.cumsum(sizes)
+    for g, (start, end) in enumerate(zip(ends - np.asarray(sizes), ends)):
+        slots[min(start, m):min(end, m)] = g
+    return slots
+
+
+def lora_error_bound(x, a, b, slots: np.ndarray, ref: np.ndarray, dtype) -> np.ndarray:
+    """Elementwise bound on |kernel - reference| (see LORA_TOLERANCE) for rows whose slot is
+    `slots [M]` (-1: none); computed in float64 from the (finite) used weights."""
+    import jax.numpy as jnp
+    tol = LORA_TOLERANCE[jnp.dtype(dtype).name]
+    x64, a64, b64 = (np.asarray(np.asarray(v, np.float32), np.float64) for v in (x, a, b))
+    bound = tol["rtol"] * np.abs(np.asarray(ref, np.float64)) + tol["atol"]  # [M, N]
+    if tol["h_ulp"]:
+        for g in np.unique(slots[slots >= 0]):
+            rows = slots == g
+            h = np.abs(x64[rows] @ a64[g])  # [rows, R]
+            bound[rows] += tol["h_ulp"] * (h @ np.abs(b64[g]))
+    return bound

@@ -99,7 +99,8 @@ def combine(item_out, group_sizes, first_tile, first_item, m: int, tm: int):
     return jnp.where(in_group[:, None], out, 0.0)
 
 
-def _pad_rows(x, tm: int):
+def pad_rows(x, tm: int):
+    """x `[M, K]` with zero rows appended up to whole tiles of tm rows."""
     m = x.shape[0]
     return jnp.pad(x, ((0, -(-m // tm) * tm - m), (0, 0)))  # [T * tm, K]
 
@@ -117,7 +118,8 @@ def _check(x, w, group_sizes, scales):
                              f"{w.dtype} {w.shape}, scales {scales.shape}")
 
 
-def _pow2_divisor(n: int, cap: int) -> int:
+def pow2_divisor(n: int, cap: int) -> int:
+    """The largest power of 2 dividing n and at most cap (a block size)."""
     b = 1
     while b * 2 <= cap and n % (b * 2) == 0:
         b *= 2
@@ -190,8 +192,8 @@ def grouped_matmul(x, w, group_sizes, scales=None, *, tm=None, block_n=None, blo
     if why:
         raise ValueError(f"grouped_matmul kernel: {why}")
     tm = tm or pick_tm(m)
-    bn = block_n or _pow2_divisor(n, _MAX_BLOCK_N)
-    bk = block_k or _pow2_divisor(k, _MAX_BLOCK_K)
+    bn = block_n or pow2_divisor(n, _MAX_BLOCK_N)
+    bk = block_k or pow2_divisor(k, _MAX_BLOCK_K)
     for name, b, dim in (("tm", tm, None), ("block_n", bn, n), ("block_k", bk, k)):
         if b < _MIN_DOT or b & (b - 1) or (dim is not None and dim % b):
             raise ValueError(f"{name}={b} must be a power of 2 >= {_MIN_DOT}"
@@ -201,7 +203,7 @@ def grouped_matmul(x, w, group_sizes, scales=None, *, tm=None, block_n=None, blo
     if m == 0:
         return jnp.zeros((0, n), jnp.float32)
     tile, group, valid, first_tile, first_item = schedule(group_sizes, m, tm)
-    xp = _pad_rows(x, tm)  # [T * tm, K]
+    xp = pad_rows(x, tm)  # [T * tm, K]
     items = tile.shape[0]
 
     def whole(a):
@@ -238,7 +240,7 @@ def grouped_matmul_tiled(x, w, group_sizes, scales=None, *, tm: int = 16):
     if m == 0:
         return jnp.zeros((0, w.shape[1] if scales is not None else w.shape[2]), jnp.float32)
     tile, group, _, first_tile, first_item = schedule(group_sizes, m, tm)
-    xt = _pad_rows(x, tm).reshape(-1, tm, x.shape[1])[tile]  # [I, tm, K]
+    xt = pad_rows(x, tm).reshape(-1, tm, x.shape[1])[tile]  # [I, tm, K]
     if scales is None:
         wt = w[group].astype(x.dtype)  # [I, K, N]
         y = jnp.einsum("itk,ikn->itn", xt, wt, preferred_element_type=jnp.float32)

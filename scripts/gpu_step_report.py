@@ -30,15 +30,20 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only: no GPU needed (or
 
 import warnings  # noqa: E402
 
+from jaxserve.runtime.runner_spec import LoRASlots  # noqa: E402
 from jaxserve.tools import deviceless, gpu_step  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
 
 STEPS = {"decode": 64, "mixed": 512}
-PALLAS = ("ragged_paged_attention", "int4_matmul", "paged_attention")  # ptxas entry names
+PALLAS = ("ragged_paged_attention", "int4_matmul", "paged_attention",  # ptxas entry names
+          "lora_sgmv")  # the LoRA kernel, once a step carries adapters
 VARIANTS = {
     "gpu": dict(unroll_layers=True, branch_free_sampling=True),
     "loop": dict(unroll_layers=False, branch_free_sampling=False),
+    # The GPU program serving LoRA adapters: 4 slots of rank 16 on all seven projections.
+    "gpu-lora": dict(unroll_layers=True, branch_free_sampling=True,
+                     lora=LoRASlots(max_loras=4, max_rank=16)),
     "loop-cublas-dsf": dict(unroll_layers=False, branch_free_sampling=False, compiler_options=(
         ("xla_gpu_enable_dynamic_slice_fusion", True), ("xla_gpu_enable_triton_gemm", False))),
     "loop-cmdbuf": dict(unroll_layers=False, branch_free_sampling=False, compiler_options=(
@@ -50,7 +55,8 @@ COLUMNS = (("kernels/layer", "kernels_per_layer"), ("copies/layer", "copies_per_
            ("launches/step", "launches_per_step"), ("kernels/step", "kernels_per_step"),
            ("CUDA graphs", "command_buffers"), ("host syncs", "host_sync"),
            ("alias MB", "alias_bytes"), ("cache MB", "cache_bytes"),
-           ("temp MB", "temp_bytes"), ("compile s", "compile_s"))
+           ("temp MB", "temp_bytes"), ("LoRA slots MB", "lora_slot_bytes"),
+           ("compile s", "compile_s"))
 
 
 def row(model: str, weights: str, step: str, variant: str) -> dict:

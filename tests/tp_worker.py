@@ -154,7 +154,42 @@ def case_smollm2(sizes):
     return out
 
 
-CASES = {"tokens": case_tokens, "hlo": case_hlo, "int4": case_int4, "smollm2": case_smollm2,
+def case_lora(sizes):
+    """Adapters over a tensor-parallel base: two adapters and the base in one batch; the slots'
+    partition specs follow their kernels' roles."""
+    import tempfile
+
+    from jaxserve import LoRARequest
+    from jaxserve.testing.peft_files import write_adapter
+    model = random_model(GQA, seed=3)
+    ps = prompts(GQA.vocab_size)
+    out = {}
+    with tempfile.TemporaryDirectory() as root:
+        loras = [None] + [LoRARequest(f"a{i}", i, f"{root}/a{i}") for i in (1, 2)]
+        write_adapter(loras[1].lora_path, GQA, rank=8, seed=1,
+                      targets=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                               "down_proj"])
+        write_adapter(loras[2].lora_path, GQA, rank=4, seed=2, targets=["v_proj", "down_proj"])
+        for n in sizes:
+            eng = engine(model, n, max_num_seqs=6, enable_lora=True, max_loras=2,
+                         max_lora_rank=8)
+            params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+            for i, (p, lora) in enumerate((p, lora) for p in ps for lora in loras):
+                eng.add_request(str(i), p, params, lora_request=lora)
+            done = {}
+            while eng.has_unfinished_requests():
+                for o in eng.step():
+                    if o.finished:
+                        done[int(o.request_id)] = list(o.outputs[0].token_ids)
+            layers = eng.runner.model.params["layers"]
+            specs = {name: [str(getattr(layers[parent][name][leaf].sharding, "spec", None))
+                            for leaf in ("lora_a", "lora_b")]
+                     for parent, name in (("attn", "q_proj"), ("mlp", "down_proj"))}
+            out[n] = {"tokens": [done[i] for i in range(len(done))], "specs": specs}
+    return out
+
+
+CASES = {"lora": case_lora, "tokens": case_tokens, "hlo": case_hlo, "int4": case_int4, "smollm2": case_smollm2,
          "warmup": case_warmup}
 
 

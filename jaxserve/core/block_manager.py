@@ -244,7 +244,8 @@ class BlockManager:
             elif run:
                 first, bs = run[0], self.block_size
                 self.events.stored([hashes[j] for j in run], hashes[first - 1] if first else None,
-                                   seq.token_ids_slice(first * bs, (run[-1] + 1) * bs), bs)
+                                   seq.token_ids_slice(first * bs, (run[-1] + 1) * bs), bs,
+                                   seq.lora_id or None)
                 run = []
 
     def _take(self) -> int:

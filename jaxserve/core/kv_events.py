@@ -23,6 +23,7 @@ class BlockStored:
     parent_block_hash: bytes | None  # the block before the first one; None at a prompt's start
     token_ids: tuple[int, ...]        # the blocks' tokens, block_size per hash, in order
     block_size: int
+    lora_id: int | None = None        # the LoRA adapter whose KV the blocks hold (None: base)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,10 +50,10 @@ class KVEventLog:
         self._removed: list[bytes] = []  # removals not yet closed into an event
 
     def stored(self, block_hashes: list[bytes], parent: bytes | None, token_ids: list[int],
-               block_size: int) -> None:
+               block_size: int, lora_id: int | None = None) -> None:
         self._close_removals()
         self._events.append(BlockStored(tuple(block_hashes), parent, tuple(token_ids),
-                                        block_size))
+                                        block_size, lora_id))
 
     def removed(self, block_hash: bytes) -> None:
         self._removed.append(block_hash)

@@ -64,7 +64,7 @@ class ModelRunner:
 
     def __init__(self, model: Model, spec: RunnerSpec, *, attention: AttentionBackend,
                  linear=None, head=None, grouped_matmul=None, tp: TensorParallel | None = None,
-                 lora_fn=None):
+                 lora_backend=None):
         """Built by runner_factory.build_runner, which prepares the arguments for `spec`.
 
         model: params as spec.program's step reads them (per-layer trees when it unrolls the
@@ -72,9 +72,9 @@ class ModelRunner:
         linear: None is the model's dense dot. head: the tied LM head's backend
         (backends.head_backend; None: the model's einsum). grouped_matmul: the MoE experts'
         backend (jaxserve/runtime/grouped_matmul.py; None: models/moe.py's ragged_dot),
-        already wrapped for tp where it needs to be. lora_fn: the adapters' delta backend
-        (jaxserve/runtime/lora.py; None: models/lora.py's XLA path), used when spec.program
-        has LoRA slots (the params then hold them: runner_factory.prepare_weights).
+        already wrapped for tp where it needs to be. lora_backend: the adapters' delta
+        (jaxserve/runtime/lora.py's kernel; None: models/lora.py's XLA path, DENSE), used when
+        spec.program has LoRA slots (the params then hold them: prepare_weights).
         spec.program's unroll_layers and branch_free_sampling are the GPU program's shape
         (backends.gpu_step): layers unrolled so no weight slice is copied, and a sampler
         without conditionals, each of which would make the host wait for the device mid-step.
@@ -126,8 +126,9 @@ class ModelRunner:
         self.branch_free_sampling, self.unroll_layers = (program.branch_free_sampling,
                                                          program.unroll_layers)
         self.lora = program.lora  # LoRASlots, or None: no adapters
+        self.lora_backend = lora_backend or lora_slots.DENSE
         self._module = step_module(model, attention, linear, self.unroll_layers, grouped_matmul,
-                                   head, lora_fn)
+                                   head, self.lora_backend.delta if lora_backend else None)
         if self.lora is not None:
             leaves = lora_slots.slot_leaves(model.params, c.num_layers)
             if not leaves:
@@ -168,8 +169,10 @@ class ModelRunner:
             # Decode inputs not known on the host come from the slot's last sample.
             tokens = jnp.where(f("feed") != 0, state.last_tokens[token_slot], f("tokens"))  # [T]
             history = state.history.at[token_slot, meta.positions[0]].set(tokens)
-            # Each token's adapter slot, from its batch slot (idle tokens: the idle slot's -1).
-            lora = state.lora[token_slot] if self.lora is not None else None  # [T]
+            # Each token's adapter slot, from its batch slot (idle tokens: the idle slot's -1),
+            # indexed once for the step's L x 7 adapted linears.
+            lora = (self.lora_backend.index(state.lora[token_slot], self.lora.max_loras)
+                    if self.lora is not None else None)
             logits, cache = self._module.apply({"params": params}, tokens[None], meta.positions,
                                                cache, meta, logits_index=logits_index, lora=lora)
             if self.tp is not None:  # one gather of vocab-parallel logits; sampler replicated

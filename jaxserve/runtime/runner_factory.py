@@ -66,10 +66,10 @@ def build_runner(model: Model, spec: RunnerSpec, *, tp: TensorParallel | None = 
     if tp is not None and kind != "xla":  # the kernels run per shard
         linear = tp.linear(linear)
         gmm = tp.grouped_matmul(gmm) if gmm is not None else None
-    lora_fn = None  # the XLA path (models/lora.py), which XLA partitions under tp
+    lora_backend = None  # the XLA path (models/lora.py), which XLA partitions under tp
     if program.lora is not None and kind in ("pallas", "pallas-interpret") and tp is None:
-        from jaxserve.runtime.lora import kernel_lora_delta
-        lora_fn = kernel_lora_delta(interpret=kind == "pallas-interpret")
+        from jaxserve.runtime.lora import kernel_lora_backend
+        lora_backend = kernel_lora_backend(interpret=kind == "pallas-interpret")
     return ModelRunner(model, spec, attention=attention, linear=linear,
                        head=backends.head_backend(kind), grouped_matmul=gmm, tp=tp,
-                       lora_fn=lora_fn)
+                       lora_backend=lora_backend)

@@ -72,7 +72,7 @@ def wire_event(event: core.KVEvent) -> KVCacheEvent:
         parent = event.parent_block_hash
         return BlockStored([wire_hash(h) for h in event.block_hashes],
                            None if parent is None else wire_hash(parent),
-                           list(event.token_ids), event.block_size, lora_id=None,
+                           list(event.token_ids), event.block_size, lora_id=event.lora_id,
                            medium=MEDIUM, lora_name=None)
     if isinstance(event, core.BlockRemoved):
         return BlockRemoved([wire_hash(h) for h in event.block_hashes], medium=MEDIUM)

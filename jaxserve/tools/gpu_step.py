@@ -21,10 +21,11 @@ import numpy as np
 from jaxserve.runtime.kv_cache import KVCache
 from jaxserve.runtime.runner import ModelRunner
 from jaxserve.runtime.runner_factory import build_runner
-from jaxserve.runtime.runner_spec import RunnerSpec, StepProgram
+from jaxserve.runtime.runner_spec import LoRASlots, RunnerSpec, StepProgram
 from jaxserve.tools import compiled_report, deviceless, thunks
 from jaxserve.tools.hlo_text import Module, array_type
 from models.config import ModelConfig
+from models import lora as lora_slots
 from models.llama import Llama
 from models.model import Model
 
@@ -44,6 +45,7 @@ class StepSpec:
     unroll_layers: bool = True       # the GPU default (ModelRunner.unroll_layers)
     branch_free_sampling: bool = True  # the GPU default (ModelRunner.branch_free_sampling)
     compiler_options: tuple = ()     # extra XLA options, as (name, value) pairs
+    lora: LoRASlots | None = None    # adapter slots: every adapted linear runs the LoRA kernel
 
     def __post_init__(self):
         if self.weights not in ("bf16", "int4"):
@@ -76,7 +78,7 @@ def _runner(spec: StepSpec, params) -> ModelRunner:
         block_size=spec.block_size, num_blocks=2, max_model_len=spec.max_model_len,
         program=StepProgram(attention_backend="pallas", linear_backend="pallas",
                             unroll_layers=spec.unroll_layers,
-                            branch_free_sampling=spec.branch_free_sampling)))
+                            branch_free_sampling=spec.branch_free_sampling, lora=spec.lora)))
 
 
 def step_report(spec: StepSpec) -> tuple[compiled_report.StepReport, dict]:
@@ -101,7 +103,11 @@ def step_report(spec: StepSpec) -> tuple[compiled_report.StepReport, dict]:
         tree, Module.parse(hlo), num_layers=c.num_layers, stacked=stacked,
         memory=out.compiled.memory_analysis(), cache_bytes=2 * int(np.prod(cache.shape)) * 2,
         ptxas_log=out.ptxas_log)
-    return report, {"compile_s": out.compile_s, "ptxas_note": out.ptxas_note}
+    lora_bytes = sum(int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize
+                     for pair in lora_slots.slot_leaves(runner.model.params,
+                                                        c.num_layers).values() for x in pair)
+    return report, {"compile_s": out.compile_s, "ptxas_note": out.ptxas_note,
+                    "lora_slot_bytes": lora_bytes}
 
 
 def model_shapes() -> dict[str, ModelConfig]:

@@ -24,7 +24,8 @@ def make_workload(seed: int, n: int, prompt_len, output_len,
 
 
 def run_workload(engine, requests: list[dict]) -> dict:
-    """Submits every request at once (greedy, EOS ignored) and steps until all finish.
+    """Submits every request at once (greedy, EOS ignored; a request's "lora_request", if any,
+    picks its adapter) and steps until all finish.
 
     Returns wall seconds, token counts and throughput; preemptions and compiles are deltas
     over this run.
@@ -37,7 +38,8 @@ def run_workload(engine, requests: list[dict]) -> dict:
     for r in requests:
         rid = engine.next_request_id()
         engine.add_request(rid, r["prompt"], SamplingParams(
-            temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True))
+            temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True),
+            lora_request=r.get("lora_request"))
         ids.append(rid)
     generated = dict.fromkeys(ids, 0)
     while engine.has_unfinished_requests():

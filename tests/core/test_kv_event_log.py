@@ -103,3 +103,17 @@ def test_no_log_no_events():
     bm = manager(log=False)
     admit(bm, make_seq("a", list(range(9))))
     assert bm.events is None and len(bm.cache) == 2
+
+
+def test_an_adapters_blocks_are_stored_with_its_id_under_their_own_hashes():
+    bm = manager()
+    prompt = list(range(10, 18))
+    admit(bm, make_seq("base", prompt))
+    base = bm.events.drain()
+    seq = Sequence("lora", prompt, SimpleNamespace(max_tokens=8), lora_id=7)
+    admit(bm, seq)
+    [stored] = bm.events.drain()
+    # Same tokens, another adapter: new blocks (not a hit on the base's), tagged with the id.
+    assert stored.lora_id == 7 and base[0].lora_id is None
+    assert stored.token_ids == tuple(prompt) and not set(stored.block_hashes) & set(
+        base[0].block_hashes)

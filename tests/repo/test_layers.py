@@ -52,11 +52,11 @@ def test_core_module_imports_without_jax(module):
 def test_public_names_are_lazy():
     r = _run_without_jax("""
         import jaxserve
-        from jaxserve import SamplingParams, RequestOutput
+        from jaxserve import LoRARequest, SamplingParams, RequestOutput
         assert SamplingParams(temperature=0).temperature == 0
         assert 'jax' not in sys.modules
         assert sorted(jaxserve.__all__) == ['CompletionOutput', 'EngineConfig', 'LLM',
-                                            'LLMEngine', 'RequestOutput', 'RequestOutputKind',
+                                            'LLMEngine', 'LoRARequest', 'RequestOutput', 'RequestOutputKind',
                                             'SamplingParams']
     """)
     assert r.returncode == 0, r.stderr[-2000:]

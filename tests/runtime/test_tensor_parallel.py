@@ -64,10 +64,25 @@ def runs():
         "int8_kernel": ["tokens", {"config_name": "gqa", "sizes": [2], "kv_cache_dtype": "int8",
                                    "attention_backend": "pallas-interpret"}],
         "hlo": ["hlo", {"n": 4}],
+        # LoRA slots split by their kernels' roles; two adapters and the base in one batch.
+        "lora": ["lora", {"sizes": [1, 2, 4]}],
         "warmup": ["warmup", {"n": 4}],
         "hlo_int4_kernel": ["hlo", {"n": 2, "quantization": "int4",
                                     "linear_backend": "pallas-interpret"}],
     })
+
+
+def test_lora_adapters_under_tensor_parallelism_equal_one_device(runs):
+    lora = runs["lora"]
+    one = lora["1"]["tokens"]
+    # Prompts x (base, adapter 1, adapter 2): the adapters change what the base says.
+    assert one[0] != one[1] and one[0] != one[2]
+    for n in ("2", "4"):
+        assert lora[n]["tokens"] == one, n
+        # Column-parallel q_proj: A whole, B split on N; row-parallel down_proj: A split on K.
+        assert lora[n]["specs"] == {
+            "q_proj": ["P(None, None, None, None)", "P(None, None, None, 'model')"],
+            "down_proj": ["P(None, None, 'model', None)", "P(None, None, None, None)"]}, n
 
 
 # ---- head layout (pure Python) ------------------------------------------------------------

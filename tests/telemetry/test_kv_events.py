@@ -260,3 +260,13 @@ def test_events_need_prefix_caching_and_a_rank_of_zero_or_more():
         EngineConfig(data_parallel_rank=-1)
     with pytest.raises(ValueError, match="65535"):
         EngineConfig(kv_events_endpoint="tcp://*:65535", data_parallel_rank=1)
+
+
+def test_an_adapters_stored_blocks_carry_its_lora_id():
+    from jaxserve.core.kv_events import BlockStored
+    from jaxserve.telemetry.kv_event_wire import encode_batch
+    enc = msgspec.msgpack.Encoder()
+    events = [BlockStored((b"\x01" * 32,), None, (1, 2, 3, 4), BS, lora_id=3),
+              BlockStored((b"\x02" * 32,), None, (1, 2, 3, 4), BS)]
+    batch = DECODER.decode(encode_batch(enc, 1.0, events, 0))
+    assert [e.lora_id for e in batch.events] == [3, None]

@@ -80,6 +80,9 @@ def test_kernels_within_tolerance(dry_run):
     for row in res["int4_matmul"]:
         assert row["finite"] and row["within_tol"], row
         assert 0 <= row["max_rel_err"] <= row["tolerance"]["rel"] + row["tolerance"]["scale"]
+    assert len(res["lora_sgmv"]) == len(profile["lora_cases"]) >= 1
+    for row in res["lora_sgmv"]:  # the kernel and the runtime wrapper, within the tests' bound
+        assert row["finite"] and row["within_tol"] and row["max_abs_err"] >= 0, row
 
 
 @pytest.mark.subprocess
@@ -107,6 +110,11 @@ def test_timings_and_engine_runs_are_complete(dry_run):
         for impl in ("kernel", "xla_engine_path"):
             assert row[impl]["median_s"] > 0 and row[impl]["bytes_per_s"] > 0, row
         assert math.isfinite(row["kernel_over_xla_engine_path"])
+    assert len(timings["lora_sgmv"]) == len(report["profile"]["lora_cases"])
+    for row in timings["lora_sgmv"]:
+        for impl in ("kernel", "xla_tiled", "wrapper", "per_token_xla"):
+            assert row[impl]["median_s"] > 0 and row[impl]["flops_per_s"] > 0, row
+        assert math.isfinite(row["kernel_over_xla_tiled"])
     assert report["sections"]["bandwidth"]["result"]["copy_bw_Bps"] > 0
     for name in ("e2e_llama3_8b", "e2e_smollm2"):
         res = report["sections"][name]["result"]

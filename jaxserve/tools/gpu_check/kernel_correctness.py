@@ -1,6 +1,7 @@
-"""Section `kernel_correctness`: paged attention (decode and ragged) and the int4 matmul on the
-device against their jax.numpy references, within the kernel tests' tolerances; plus an f32
-ragged step and one over a > 4 GiB cache (Pallas indexes it with 64-bit offsets)."""
+"""Section `kernel_correctness`: paged attention (decode and ragged), the int4 matmul and the
+multi-LoRA kernel on the device against their jax.numpy references, within the kernel tests'
+tolerances; plus an f32 ragged step and one over a > 4 GiB cache (Pallas indexes it with 64-bit
+offsets)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import gc
 
 from jaxserve.tools.gpu_check.context import Ctx, run_cases
 from jaxserve.tools.gpu_check.kernel_inputs import attention_case, int4_case, ragged_step_case
+from jaxserve.tools.gpu_check.lora_kernel import check_lora
 from pallas_kernels.cases import ATTENTION_TOLERANCE, INT4_TOLERANCE
 
 
@@ -83,12 +85,14 @@ def section_kernel_correctness(ctx: Ctx) -> dict:
     ragged, s3 = run_cases(ctx, ctx.prof.ragged_cases, check_ragged, "ragged attention")
     # An f32 step (the kernel's other dtype) and a cache over 4 GiB (64-bit offsets).
     extra, s4 = run_cases(ctx, ctx.prof.ragged_extra_cases, check_ragged, "ragged extra")
+    lora, s5 = run_cases(ctx, ctx.prof.lora_cases, check_lora, "lora")
     gc.collect()
-    rows = attn + int4 + ragged + extra
+    rows = attn + int4 + ragged + extra + lora
     bad = [r for r in rows if "error" in r or not r.get("within_tol")]
     res = {"paged_attention": attn, "int4_matmul": int4, "ragged_attention": ragged,
-           "ragged_extra": extra, "num_cases": len(rows), "num_bad": len(bad)}
-    s3 = s3 + s4
+           "ragged_extra": extra, "lora_sgmv": lora, "num_cases": len(rows),
+           "num_bad": len(bad)}
+    s3 = s3 + s4 + s5
     if s1 or s2 or s3:
         res["skipped_cases"] = s1 + s2 + s3
     if bad:

@@ -1,7 +1,7 @@
 """Section `kernel_timings`: the kernel cases timed (warm, median) against the nominal and the
 measured bandwidth, side by side with the XLA paths the engine runs on the same inputs (its XLA
 ragged attention over the same rows and pages, laid out by step_layout.build; the XLA int4
-dequantize-matmul) and the jitted f32 references."""
+dequantize-matmul; the LoRA kernel's tiling in XLA) and the jitted f32 references."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import gc
 
 from jaxserve.tools.gpu_check.context import Ctx, next_pow2, rates, run_cases, time_calls
 from jaxserve.tools.gpu_check.kernel_inputs import attention_case, int4_case, ragged_step_case
+from jaxserve.tools.gpu_check.lora_kernel import time_lora
 
 
 def xla_step_inputs(page_table, context_lens, block_size: int, query_start=None,
@@ -174,15 +175,18 @@ def section_kernel_timings(ctx: Ctx) -> dict:
         attn, s1 = run_cases(ctx, ctx.prof.attn_cases, time_attention, "attention timing")
         int4, s2 = run_cases(ctx, ctx.prof.int4_cases, time_int4, "int4 timing")
         ragged, s3 = run_cases(ctx, ctx.prof.ragged_cases, time_ragged, "ragged timing")
+        lora, s4 = run_cases(ctx, ctx.prof.lora_cases, time_lora, "lora timing")
     finally:
         ctx.cases.clear()
         gc.collect()
-    s2 += s3
+    s2 += s3 + s4
     res = {"paged_attention": attn, "int4_matmul": int4, "ragged_attention": ragged,
+           "lora_sgmv": lora,
            "method": f"median of {ctx.prof.reps} samples of {ctx.prof.iters} back-to-back "
                      "calls (inputs cycled to exceed L2), one block_until_ready per sample; "
-                     "bytes = K+V pages read (attention), packed + scales + offsets (int4)"}
-    if any("error" in r for r in attn + int4 + ragged):
+                     "bytes = K+V pages read (attention), packed + scales + offsets (int4), "
+                     "x + used adapters' a and b + f32 result (lora)"}
+    if any("error" in r for r in attn + int4 + ragged + lora):
         res["_status"] = "failed"
     elif s1 or s2:
         res.update(_status="partial", _reason="time budget exceeded", skipped_cases=s1 + s2)

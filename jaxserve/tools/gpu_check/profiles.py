@@ -68,6 +68,8 @@ class Profile:
     ragged_cases: tuple = ()
     # Checked only: (model, block_size, max_context, decode rows, dtype, min cache GiB).
     ragged_extra_cases: tuple = ()
+    # Multi-LoRA (SGMV) kernel, checked and timed: (model, K, N, tokens, slots, rank), bf16.
+    lora_cases: tuple = ()
     defaults_prompts: int = 4    # plain LLM() run: prompts of prompt_len, new_tokens each
     # (section, seconds): a section starts only with this much budget left (8B init + compiles).
     section_min_s: tuple = ()
@@ -85,6 +87,9 @@ GPU_PROFILE = Profile(
     max_model_len=256, ragged_cases=(("llama3_8b", 16, 2048, 48),),
     ragged_extra_cases=(("smollm2", 16, 1024, 8, "float32", 0.0),
                         ("llama3_8b", 16, 2048, 8, "bfloat16", 4.5)),
+    # SmolLM2's up projection at a decode batch and a 256-token step; an 8B MLP projection.
+    lora_cases=(("smollm2", 576, 1536, 16, 4, 16), ("smollm2", 576, 1536, 256, 4, 16),
+                ("llama3_8b", 4096, 14336, 256, 4, 16)),
     # llm_defaults warms up every bucket (its construct_s is that start-up cost).
     section_min_s=(("e2e_llama3_8b", 90.0), ("llm_defaults", 60.0), ("hf_peer", 20.0)),
     variant_min_s=25.0)
@@ -103,4 +108,5 @@ DRY_PROFILE = Profile(
     # compiled deviceless in tests/kernels/test_ragged_paged_attention.py.
     ragged_extra_cases=(("smollm2", 16, 64, 2, "float32", 0.0),
                         ("llama3_8b", 16, 64, 2, "bfloat16", 1 / 256)),
+    lora_cases=(("smollm2", 576, 192, 8, 3, 8),),
     defaults_prompts=2)

@@ -36,7 +36,8 @@ def md_bandwidth(r: dict) -> list[str]:
 
 def md_correctness(r: dict) -> list[str]:
     out = ["| kernel | case | max abs err | max rel err | ok |", "|---|---|---|---|---|"]
-    for kind in ("paged_attention", "int4_matmul", "ragged_attention", "ragged_extra"):
+    for kind in ("paged_attention", "int4_matmul", "ragged_attention", "ragged_extra",
+                 "lora_sgmv"):
         for row in r.get(kind, []):
             if "error" in row:
                 out.append(f"| {kind} | {row['case']} | ERROR: {row['error'][:120]} | | no |")
@@ -47,10 +48,30 @@ def md_correctness(r: dict) -> list[str]:
                     f"maxlen {row['max_len']}" if kind == "ragged_attention" else
                     f"{row['model']} bs{row['block_size']} R{row['rows']} {row['dtype']} "
                     f"cache {row['cache_bytes'] / 2**30:.2f} GiB" if kind == "ragged_extra" else
+                    lora_case_name(row) if kind == "lora_sgmv" else
                     f"{row['model']} {row['K']}->{row['N']} M{row['M']} g{row['group_size']}")
             out.append(f"| {kind} | {case} | {fmt(row['max_abs_err'])} | "
                        f"{fmt(row['max_rel_err'])} | {'yes' if row['within_tol'] else 'NO'} |")
     return out
+
+
+def lora_case_name(row: dict) -> str:
+    return (f"{row['model']} {row['K']}->{row['N']} M{row['M']} S{row['slots']} "
+            f"R{row['rank']} ({row['no_adapter']} without)")
+
+
+def md_lora_timing(row: dict) -> str:
+    """A lora_sgmv row of the timings table: XLA = the same tiling in XLA."""
+    if "error" in row:
+        return f"| lora_sgmv | {row['case']} | ERROR: {row['error'][:120]} ||||||||"
+    k, x = row["kernel"], row["xla_tiled"]
+    return (f"| lora_sgmv | {lora_case_name(row)} | {row['bytes_per_call'] / 1e6:.2f} | "
+            f"{k['median_s'] * 1e6:.1f} | {k['bytes_per_s'] / 1e12:.3f} | "
+            f"{k['vs_nominal_bw']:.2f} | {fmt(k.get('vs_measured_copy_bw'), '.2f')} | "
+            f"{fmt(k.get('vs_measured_read_bw'), '.2f')} | {x['median_s'] * 1e6:.1f} | "
+            f"{row['kernel_over_xla_tiled']:.2f} | wrapper (sort + scatter) "
+            f"{row['wrapper']['median_s'] * 1e6:.1f} us; per-token gather XLA "
+            f"{row['per_token_xla']['median_s'] * 1e6:.1f} us |")
 
 
 def md_timings(r: dict) -> list[str]:
@@ -88,6 +109,7 @@ def md_timings(r: dict) -> list[str]:
                    f"{fmt(k.get('vs_measured_read_bw'), '.2f')} | {x['median_s'] * 1e6:.1f} | "
                    f"{row['kernel_over_xla_engine_path']:.2f} | f32 ref "
                    f"{ref['median_s'] * 1e6:.1f} us ({row['kernel_over_reference_f32']:.2f}x) |")
+    out += [md_lora_timing(row) for row in r.get("lora_sgmv", [])]
     return out
 
 
