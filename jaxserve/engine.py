@@ -178,9 +178,7 @@ class LLMEngine:
             if self.lora is None:
                 raise LoRAError("this engine serves no LoRA adapters: start it with "
                                 "enable_lora=True")
-            if not isinstance(lora_request, LoRARequest):
-                raise LoRAError(f"lora_request must be a LoRARequest, got "
-                                f"{type(lora_request).__name__}")
+            self.lora.check(lora_request)
         text, ids = self._prompt_ids(prompt)
         compiling = self.structured.num_compiling if self.structured is not None else 0
         check_admission(self.config, self.scheduler, compiling, len(ids), priority)

@@ -68,8 +68,7 @@ class LoRAAdapters:
     def add(self, request: LoRARequest) -> LoRARequest:
         """Registers `request` and loads its files (raises LoRAError, registering nothing, when
         they cannot be served). The same request again is a no-op."""
-        if not isinstance(request, LoRARequest):
-            raise LoRAError(f"expected a LoRARequest, got {type(request).__name__}")
+        self.check(request)
         with self._lock:
             known = self._check_new(request)
             if known:
@@ -85,6 +84,13 @@ class LoRAAdapters:
         log.info("LoRA adapter %r (id %d) loaded from %s", request.lora_name,
                  request.lora_int_id, request.lora_path)
         return request
+
+    @staticmethod
+    def check(request) -> None:
+        """Raises LoRAError unless `request` is a LoRARequest."""
+        if not isinstance(request, LoRARequest):
+            raise LoRAError(f"lora_request must be a LoRARequest, got "
+                            f"{type(request).__name__}")
 
     def _check_new(self, request: LoRARequest) -> bool:
         """True when exactly this adapter is registered; raises when its name or id is another

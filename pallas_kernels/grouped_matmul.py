@@ -89,7 +89,10 @@ def combine(item_out, group_sizes, first_tile, first_item, m: int, tm: int):
     """
     ends = jnp.cumsum(jnp.maximum(group_sizes.astype(jnp.int32), 0))  # [E]
     rows = jnp.arange(m, dtype=jnp.int32)  # [m]
-    g = jnp.searchsorted(ends, rows, side="right").astype(jnp.int32)  # [m]: E past the groups
+    # compare_all: E is small, and the default scan becomes a while loop on the GPU, outside
+    # the step's CUDA graph (docs/gpu_step_report.md).
+    g = jnp.searchsorted(ends, rows, side="right",
+                         method="compare_all").astype(jnp.int32)  # [m]: E past the groups
     in_group = g < group_sizes.shape[0]
     g = jnp.minimum(g, group_sizes.shape[0] - 1)
     item = first_item[g] + rows // tm - first_tile[g]  # [m]
@@ -261,6 +264,6 @@ def grouped_matmul_reference(x, w, group_sizes, scales=None):
         wf = jnp.swapaxes(wf, 1, 2) * scales.astype(f32)[:, None, :]  # [E, K, N]
     every = jnp.einsum("mk,ekn->emn", x.astype(f32), wf, precision=lax.Precision.HIGHEST)
     ends = jnp.cumsum(group_sizes.astype(jnp.int32))
-    g = jnp.searchsorted(ends, jnp.arange(x.shape[0]), side="right")  # [M]
+    g = jnp.searchsorted(ends, jnp.arange(x.shape[0]), side="right", method="compare_all")  # [M]
     mask = g[None, :] == jnp.arange(w.shape[0])[:, None]  # [E, M]
     return jnp.sum(jnp.where(mask[..., None], every, 0.0), axis=0)  # [M, N]
