@@ -19,6 +19,7 @@ from typing import Any, Callable, NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 # Plain-Python facts about adapters, kept free of jax (models/lora_names.py).
 from models.lora_names import MODULE_PARENT, module_shapes  # noqa: F401 (re-exported)
@@ -59,8 +60,28 @@ def slots_index(token_slots, num_slots: int):
     return token_slots
 
 
-# The XLA path (the CPU's, and any backend's under tensor parallelism).
+# The XLA path without conditionals (a GPU program under tensor parallelism: a conditional
+# would make the host wait for the device mid-step).
 DENSE = LoRABackend(dense_lora_delta, slots_index)
+
+
+def skipping_index(token_slots, num_slots: int):
+    """(token slots, whether any token of the step has an adapter), once per step."""
+    del num_slots
+    return token_slots, jnp.any(token_slots >= 0)
+
+
+def skipping_lora_delta(x, a, b, index):
+    """`dense_lora_delta`, skipped (zeros) in a step where no token has an adapter: the base
+    model's requests then pay nothing for the slots (the CPU path)."""
+    token_slots, any_adapter = index
+    n = b.shape[-1]
+    return lax.cond(any_adapter, lambda: dense_lora_delta(x, a, b, token_slots),
+                    lambda: jnp.zeros((x.shape[0], n), jnp.float32))
+
+
+# The CPU's XLA path.
+SKIPPING = LoRABackend(skipping_lora_delta, skipping_index)
 
 
 def apply_lora(y, x, a, b, index, lora_fn: LoRAFn):

@@ -126,9 +126,12 @@ class ModelRunner:
         self.branch_free_sampling, self.unroll_layers = (program.branch_free_sampling,
                                                          program.unroll_layers)
         self.lora = program.lora  # LoRASlots, or None: no adapters
-        self.lora_backend = lora_backend or lora_slots.DENSE
+        # The XLA path without a conditional in a GPU program (branch-free), else skipped in
+        # steps without adapters.
+        self.lora_backend = lora_backend or (lora_slots.DENSE if program.branch_free_sampling
+                                             else lora_slots.SKIPPING)
         self._module = step_module(model, attention, linear, self.unroll_layers, grouped_matmul,
-                                   head, self.lora_backend.delta if lora_backend else None)
+                                   head, self.lora_backend.delta if self.lora else None)
         if self.lora is not None:
             leaves = lora_slots.slot_leaves(model.params, c.num_layers)
             if not leaves:

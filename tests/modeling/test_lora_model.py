@@ -118,3 +118,15 @@ def test_write_slot_sets_one_slot_and_leaves_the_others():
     assert put["embedding"] is params["embedding"]  # nothing else copied
     np.testing.assert_array_equal(np.asarray(put["layers"]["attn"]["q_proj"]["lora_a"][:, 1]),
                                   ad["q_proj"][0])
+
+
+def test_the_skipping_path_equals_the_dense_one_and_is_zero_without_adapters():
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((6, 32)), jnp.float32)
+    a = jnp.asarray(rng.standard_normal((2, 32, 4)), jnp.float32)
+    b = jnp.asarray(rng.standard_normal((2, 4, 16)), jnp.float32)
+    f = jax.jit(lambda x, a, b, s: lora.SKIPPING.delta(x, a, b, lora.SKIPPING.index(s, 2)))
+    some = jnp.asarray([0, -1, 1, 1, -1, 0], jnp.int32)
+    np.testing.assert_allclose(np.asarray(f(x, a, b, some)),
+                               np.asarray(lora.dense_lora_delta(x, a, b, some)), rtol=1e-6)
+    assert not np.asarray(f(x, a, b, jnp.full((6,), -1, jnp.int32))).any()
