@@ -1,9 +1,10 @@
 """LoRA adapters inside the model: device slots of adapter weights and the per-token delta.
 
 An engine serving adapters keeps `S = max_loras` device slots per adapted linear, stored beside
-its kernel in the params tree: `lora_a [S, K, R]` and `lora_b [S, R, N]` (R = max_lora_rank;
+its kernel in the params tree: `lora_a [K, S, R]` and `lora_b [S, R, N]` (R = max_lora_rank;
 an adapter of smaller rank is zero-padded, its scaling folded into B), stacked `[L, ...]` like
-every layer weight. Loading an adapter writes one slot; the shapes never change, so nothing
+every layer weight; A is K-major so that every slot's A is one `[K, S * R]` matrix, the
+XLA path's shrink. Loading an adapter writes one slot; the shapes never change, so nothing
 recompiles. Each token of a step carries the slot of its sequence's adapter (`token_slots [T]`,
 -1 for none), and every adapted `Linear` adds
 
@@ -24,7 +25,7 @@ from jax import lax
 # Plain-Python facts about adapters, kept free of jax (models/lora_names.py).
 from models.lora_names import MODULE_PARENT, module_shapes  # noqa: F401 (re-exported)
 
-# (x [T, K], lora_a [S, K, R], lora_b [S, R, N], index) -> delta [T, N] float32, where index is
+# (x [T, K], lora_a [K, S, R], lora_b [S, R, N], index) -> delta [T, N] float32, where index is
 # what the backend's `index` made of the step's token slots (here: the slots themselves).
 LoRAFn = Callable[[jnp.ndarray, jnp.ndarray, jnp.ndarray, Any], jnp.ndarray]
 
@@ -41,17 +42,18 @@ NO_ADAPTER = -1  # a token slot meaning "the base model"
 
 
 def dense_lora_delta(x, a, b, token_slots):
-    """The XLA path: shrink x against every slot in one matmul, zero the other slots' columns,
-    expand in one matmul. S * R columns cost `S * R * (K + N)` per token, and decode steps read
-    every slot's weights anyway: two dense products beat a per-token gather of weights (T * K * R
+    """The XLA path: shrink x against every slot in one matmul (`[T, K] x [K, S * R]`, a's
+    K-major layout), zero the other slots' columns, expand in one matmul (`[T, S * R] x
+    [S * R, N]`). S * R columns cost `S * R * (K + N)` per token, and decode steps read every
+    slot's weights anyway: two plain products beat a per-token gather of weights (T * K * R
     bytes) and any sorting on XLA:CPU."""
-    num_slots = a.shape[0]
-    h = jnp.einsum("tk,skr->tsr", x, a.astype(x.dtype),
-                   preferred_element_type=jnp.float32)  # [T, S, R]
+    k, num_slots, r = a.shape
+    h = jnp.dot(x, a.reshape(k, num_slots * r).astype(x.dtype),
+                preferred_element_type=jnp.float32).reshape(-1, num_slots, r)  # [T, S, R]
     mine = token_slots[:, None] == jnp.arange(num_slots, dtype=token_slots.dtype)  # [T, S]
-    h = jnp.where(mine[:, :, None], h, 0.0).astype(x.dtype)
-    return jnp.einsum("tsr,srn->tn", h, b.astype(x.dtype),
-                      preferred_element_type=jnp.float32)  # [T, N]
+    h = jnp.where(mine[:, :, None], h, 0.0).astype(x.dtype).reshape(-1, num_slots * r)
+    return jnp.dot(h, b.reshape(num_slots * r, -1).astype(x.dtype),
+                   preferred_element_type=jnp.float32)  # [T, N]
 
 
 def slots_index(token_slots, num_slots: int):
@@ -92,12 +94,12 @@ def apply_lora(y, x, a, b, index, lora_fn: LoRAFn):
 
 
 def slot_arrays(config, targets, max_loras: int, max_rank: int, dtype) -> dict:
-    """Zeroed slots for every target: {module: (a [L, S, K, R], b [L, S, R, N])} as numpy."""
+    """Zeroed slots for every target: {module: (a [L, K, S, R], b [L, S, R, N])} as numpy."""
     shapes, layers = module_shapes(config), config.num_layers
     out = {}
     for name in targets:
         k, n = shapes[name]
-        out[name] = (np.zeros((layers, max_loras, k, max_rank), dtype),  # [L, S, K, R]
+        out[name] = (np.zeros((layers, k, max_loras, max_rank), dtype),  # [L, K, S, R]
                      np.zeros((layers, max_loras, max_rank, n), dtype))  # [L, S, R, N]
     return out
 
@@ -150,10 +152,10 @@ def write_slot(leaves: dict, slot, weights: dict) -> dict:
     for (name, layer), (a, b) in leaves.items():
         wa, wb = weights[name]
         if layer is None:
-            out[(name, layer)] = (a.at[:, slot].set(wa.astype(a.dtype)),
-                                  b.at[:, slot].set(wb.astype(b.dtype)))
+            out[(name, layer)] = (a.at[:, :, slot].set(wa.astype(a.dtype)),  # [L, K, S, R]
+                                  b.at[:, slot].set(wb.astype(b.dtype)))     # [L, S, R, N]
         else:
-            out[(name, layer)] = (a.at[slot].set(wa[layer].astype(a.dtype)),
+            out[(name, layer)] = (a.at[:, slot].set(wa[layer].astype(a.dtype)),
                                   b.at[slot].set(wb[layer].astype(b.dtype)))
     return out
 

@@ -48,6 +48,7 @@ def kernel_lora_backend(interpret: bool = False) -> LoRABackend:
 
     def delta(x, a, b, index):
         order, sizes = index
+        a = jnp.transpose(a, (1, 0, 2))  # the slots' K-major [K, S, R] as the kernel reads it
         k, n = x.shape[1], b.shape[2]
         why = kernel_unsupported(k, n)
         if why:
@@ -67,7 +68,8 @@ def kernel_lora_delta(interpret: bool = False) -> Delta:
     backend = kernel_lora_backend(interpret)
 
     def delta(x, a, b, token_slots):
-        return backend.delta(x, a, b, backend.index(token_slots, a.shape[0]))
+        k_major = jnp.transpose(a, (1, 0, 2))  # [K, S, R], as the engine stores slots
+        return backend.delta(x, k_major, b, backend.index(token_slots, a.shape[0]))
 
     return delta
 

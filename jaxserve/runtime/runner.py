@@ -142,7 +142,7 @@ class ModelRunner:
             self._write_lora = jax.jit(lora_slots.write_slot, donate_argnums=(0,), **shard)
             # What a load carries per module: A [L, K, R], B [L, R, N] (zeros: not adapted).
             self._lora_zeros = {
-                name: (np.zeros((c.num_layers,) + a.shape[-2:], np.float32),
+                name: (np.zeros((c.num_layers, a.shape[-3], a.shape[-1]), np.float32),
                        np.zeros((c.num_layers,) + b.shape[-2:], np.float32))
                 for (name, layer), (a, b) in leaves.items() if layer in (None, 0)}
         self._step = jax.jit(self._step_impl, donate_argnums=(1, 2), **jit_kwargs)

@@ -33,8 +33,9 @@ def test_dense_delta_matches_a_per_token_loop(dtype, t, s, k, r, n):
     slots = rng.integers(-1, s, size=t).astype(np.int32)  # -1: no adapter
     slots[0] = -1
     dt = jnp.dtype(dtype)
+    k_major = np.transpose(a, (1, 0, 2))  # [K, S, R]: the slots' stored layout
     got = np.asarray(jax.jit(lora.dense_lora_delta)(
-        jnp.asarray(x, dt), jnp.asarray(a, dt), jnp.asarray(b, dt), jnp.asarray(slots)))
+        jnp.asarray(x, dt), jnp.asarray(k_major, dt), jnp.asarray(b, dt), jnp.asarray(slots)))
     # The reference sees the same rounded inputs: the tolerance is for the product only.
     rx, ra, rb = (np.asarray(jnp.asarray(v, dt).astype(jnp.float32)) for v in (x, a, b))
     want = numpy_delta(rx, ra, rb, slots)
@@ -80,7 +81,7 @@ def test_slots_equal_merged_kernels_per_token(unrolled):
     slots = lora.slot_arrays(c, list(targets), 2, 8, np.float32)
     for s, ad in enumerate([ad1, ad2]):
         for name, (a, b) in ad.items():
-            slots[name][0][:, s], slots[name][1][:, s] = a, b
+            slots[name][0][:, :, s], slots[name][1][:, s] = a, b  # a [L, K, S, R]
     with_slots = lora.with_slots(params, slots)
     module = model.module(unroll_layers=unrolled)
     if unrolled:
@@ -111,19 +112,19 @@ def test_write_slot_sets_one_slot_and_leaves_the_others():
     new = jax.jit(lora.write_slot)(leaves, jnp.int32(1), ad)
     for name in targets:
         a, b = (np.asarray(v) for v in new[(name, None)])
-        np.testing.assert_array_equal(a[:, 1], ad[name][0])
-        np.testing.assert_array_equal(b[:, 1], ad[name][1])
-        assert not a[:, [0, 2]].any() and not b[:, [0, 2]].any()
+        np.testing.assert_array_equal(a[:, :, 1], ad[name][0])  # a [L, K, S, R]
+        np.testing.assert_array_equal(b[:, 1], ad[name][1])     # b [L, S, R, N]
+        assert not a[:, :, [0, 2]].any() and not b[:, [0, 2]].any()
     put = lora.replace_slot_leaves(params, new)
     assert put["embedding"] is params["embedding"]  # nothing else copied
-    np.testing.assert_array_equal(np.asarray(put["layers"]["attn"]["q_proj"]["lora_a"][:, 1]),
-                                  ad["q_proj"][0])
+    np.testing.assert_array_equal(
+        np.asarray(put["layers"]["attn"]["q_proj"]["lora_a"][:, :, 1]), ad["q_proj"][0])
 
 
 def test_the_skipping_path_equals_the_dense_one_and_is_zero_without_adapters():
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((6, 32)), jnp.float32)
-    a = jnp.asarray(rng.standard_normal((2, 32, 4)), jnp.float32)
+    a = jnp.asarray(rng.standard_normal((32, 2, 4)), jnp.float32)  # [K, S, R]
     b = jnp.asarray(rng.standard_normal((2, 4, 16)), jnp.float32)
     f = jax.jit(lambda x, a, b, s: lora.SKIPPING.delta(x, a, b, lora.SKIPPING.index(s, 2)))
     some = jnp.asarray([0, -1, 1, 1, -1, 0], jnp.int32)

@@ -82,7 +82,7 @@ def test_lora_adapters_under_tensor_parallelism_equal_one_device(runs):
         # Column-parallel q_proj: A whole, B split on N; row-parallel down_proj: A split on K.
         assert lora[n]["specs"] == {
             "q_proj": ["P(None, None, None, None)", "P(None, None, None, 'model')"],
-            "down_proj": ["P(None, None, 'model', None)", "P(None, None, None, None)"]}, n
+            "down_proj": ["P(None, 'model', None, None)", "P(None, None, None, None)"]}, n
 
 
 # ---- head layout (pure Python) ------------------------------------------------------------
