@@ -28,7 +28,7 @@ from models import windowed
 from models.config import ModelConfig
 from models.moe import GroupedMatmulFn, MoEMLP, ragged_gmm
 from models.gemma import GemmaRMSNorm
-from models.lora import LoRAFn, apply_lora, dense_lora_delta
+from models.lora import SLOT_LEAVES, LoRAFn, apply_lora, dense_lora_delta
 from models.quantized import is_quantized
 from models.rope import apply_rope, attention_factor, inv_frequencies
 
@@ -171,7 +171,8 @@ class Linear(nn.Module):
     @nn.compact
     def __call__(self, x, lora=None):
         """lora: each token's adapter slot `[T]` (models/lora.py), or None; applied when the
-        params hold adapter slots for this layer (lora_a, lora_b beside the kernel)."""
+        params hold adapter slots for this layer (lora_a, lora_b, lora_on beside the
+        kernel)."""
         # A quantized checkpoint stores an Int4Weight/Int8Weight under "kernel"; `param` would
         # check it against the float kernel's shape, so read it directly.
         stored = self.get_variable("params", "kernel")
@@ -179,8 +180,8 @@ class Linear(nn.Module):
             "kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features), self.dtype)
         y = self.linear(x, kernel, self.parallel)
         if lora is not None and self.has_variable("params", "lora_a"):
-            y = apply_lora(y, x, self.get_variable("params", "lora_a"),
-                           self.get_variable("params", "lora_b"), lora, self.lora_fn)
+            slots = tuple(self.get_variable("params", leaf) for leaf in SLOT_LEAVES)
+            y = apply_lora(y, x, slots, lora, self.lora_fn)
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
         return y.astype(self.out_dtype or self.dtype)

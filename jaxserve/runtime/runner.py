@@ -144,7 +144,7 @@ class ModelRunner:
             self._lora_zeros = {
                 name: (np.zeros((c.num_layers, a.shape[-3], a.shape[-1]), np.float32),
                        np.zeros((c.num_layers,) + b.shape[-2:], np.float32))
-                for (name, layer), (a, b) in leaves.items() if layer in (None, 0)}
+                for (name, layer), (a, b, _) in leaves.items() if layer in (None, 0)}
         self._step = jax.jit(self._step_impl, donate_argnums=(1, 2), **jit_kwargs)
         self._write_slots = jax.jit(slot_state.write_slots, donate_argnums=(0,))
         # Copy-on-write copies run in fixed batches of (src, dst) pairs, padded with (0, 0)

@@ -48,7 +48,8 @@ SPLIT = {"column": "out", "row": "in", None: None}
 FLOAT_LAYOUT = {"kernel": ("in", "out"), "bias": ("out",),  # kernel [.., K, N], bias [.., N]
                 # LoRA slots beside a kernel (models/lora.py): a [.., K, S, R], b [.., S, R, N],
                 # split with their kernel's K or N (slots and rank never split).
-                "lora_a": ("in", "slot", "rank"), "lora_b": ("rank", "out")}
+                "lora_a": ("in", "slot", "rank"), "lora_b": ("rank", "out"),
+                "lora_on": ("slot",)}  # which slots adapt the layer [.., S]
 # Weights a non-XLA linear backend runs through a Pallas kernel, which the SPMD partitioner
 # cannot split: they run per shard (shard_map). int8 weights run XLA dots and are partitioned
 # like float ones, with the same (global) per-token activation scales as on one device.

@@ -82,6 +82,7 @@ def test_slots_equal_merged_kernels_per_token(unrolled):
     for s, ad in enumerate([ad1, ad2]):
         for name, (a, b) in ad.items():
             slots[name][0][:, :, s], slots[name][1][:, s] = a, b  # a [L, K, S, R]
+            slots[name][2][:, s] = 1
     with_slots = lora.with_slots(params, slots)
     module = model.module(unroll_layers=unrolled)
     if unrolled:
@@ -111,7 +112,8 @@ def test_write_slot_sets_one_slot_and_leaves_the_others():
     ad = _adapter(c, 7, 4, targets, 4)
     new = jax.jit(lora.write_slot)(leaves, jnp.int32(1), ad)
     for name in targets:
-        a, b = (np.asarray(v) for v in new[(name, None)])
+        a, b, on = (np.asarray(v) for v in new[(name, None)])
+        assert on[:, 1].all() and not on[:, [0, 2]].any()
         np.testing.assert_array_equal(a[:, :, 1], ad[name][0])  # a [L, K, S, R]
         np.testing.assert_array_equal(b[:, 1], ad[name][1])     # b [L, S, R, N]
         assert not a[:, :, [0, 2]].any() and not b[:, [0, 2]].any()
@@ -126,8 +128,13 @@ def test_the_skipping_path_equals_the_dense_one_and_is_zero_without_adapters():
     x = jnp.asarray(rng.standard_normal((6, 32)), jnp.float32)
     a = jnp.asarray(rng.standard_normal((32, 2, 4)), jnp.float32)  # [K, S, R]
     b = jnp.asarray(rng.standard_normal((2, 4, 16)), jnp.float32)
-    f = jax.jit(lambda x, a, b, s: lora.SKIPPING.delta(x, a, b, lora.SKIPPING.index(s, 2)))
+    f = jax.jit(lambda x, a, b, s, on: lora.SKIPPING.delta(x, a, b, lora.SKIPPING.index(s, 2),
+                                                           on))
     some = jnp.asarray([0, -1, 1, 1, -1, 0], jnp.int32)
-    np.testing.assert_allclose(np.asarray(f(x, a, b, some)),
+    both = jnp.ones((2,), jnp.int32)
+    np.testing.assert_allclose(np.asarray(f(x, a, b, some, both)),
                                np.asarray(lora.dense_lora_delta(x, a, b, some)), rtol=1e-6)
-    assert not np.asarray(f(x, a, b, jnp.full((6,), -1, jnp.int32))).any()
+    assert not np.asarray(f(x, a, b, jnp.full((6,), -1, jnp.int32), both)).any()
+    # Tokens only of slot 1, which does not adapt this layer: skipped.
+    assert not np.asarray(f(x, a, b, jnp.asarray([1, -1, 1, 1, 1, 1], jnp.int32),
+                            jnp.asarray([1, 0], jnp.int32))).any()
