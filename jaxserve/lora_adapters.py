@@ -55,6 +55,9 @@ class LoRAAdapters:
         self._cpu: collections.OrderedDict[int, Any] = collections.OrderedDict()  # LRU first
         self._users: collections.Counter[int] = collections.Counter()  # live requests
         self._request_lora: dict[str, int] = {}
+        # Ids removed since: a request naming one is refused, not silently re-registered
+        # (an unload racing the server's accepted request); `add` takes one back.
+        self._removed: set[int] = set()
         self._waiting: dict[str, Waiting] = {}
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxserve-lora")
         self._slot_adapter: list[int | None] = [None] * max_loras  # slot -> lora_int_id
@@ -79,6 +82,7 @@ class LoRAAdapters:
                 return request
             self._by_name[request.lora_name] = request
             self._by_id[request.lora_int_id] = request
+            self._removed.discard(request.lora_int_id)
             self._cache(request.lora_int_id, weights)
             self.num_host_loads += 1
         log.info("LoRA adapter %r (id %d) loaded from %s", request.lora_name,
@@ -118,6 +122,7 @@ class LoRAAdapters:
                 raise AdapterInUse(f"LoRA adapter {name!r} is in use by {users} unfinished "
                                    "request(s); unload it when they have finished")
             del self._by_name[name], self._by_id[request.lora_int_id]
+            self._removed.add(request.lora_int_id)
             self._cpu.pop(request.lora_int_id, None)
             for slot, held in enumerate(self._slot_adapter):
                 if held == request.lora_int_id:
@@ -142,7 +147,13 @@ class LoRAAdapters:
     def use(self, request_id: str, request: LoRARequest) -> bool:
         """A new request `request_id` runs with `request` (registered and loaded here if new:
         raises LoRAError, counting nothing, on bad files). Returns whether the adapter's
-        weights are in host memory; if not, `wait` the request until they are."""
+        weights are in host memory; if not, `wait` the request until they are. An adapter
+        removed since is refused (UnknownAdapter) until `add`ed again."""
+        with self._lock:
+            if request.lora_int_id in self._removed and self._by_id.get(
+                    request.lora_int_id) is None:
+                raise UnknownAdapter(f"LoRA adapter {request.lora_name!r} was unloaded; load "
+                                     "it again to use it")
         self.add(request)
         with self._lock:
             self._users[request.lora_int_id] += 1

@@ -38,6 +38,7 @@ from jaxserve.runtime import buckets, kv_quant, slot_state, spec_points, step_la
 from jaxserve.runtime.attention_backends import AttentionBackend
 from jaxserve.core.outputs import SampleResult
 from jaxserve.runtime.kv_cache import new_cache
+from jaxserve.runtime.lora_writer import SlotWriter
 from jaxserve.runtime.runner_spec import RunnerSpec
 from jaxserve.runtime.sampler import SamplerOutput, sample
 from jaxserve.runtime.slot_state import SlotsCall, SlotState
@@ -132,19 +133,9 @@ class ModelRunner:
                                              else lora_slots.SKIPPING)
         self._module = step_module(model, attention, linear, self.unroll_layers, grouped_matmul,
                                    head, self.lora_backend.delta if self.lora else None)
-        if self.lora is not None:
-            leaves = lora_slots.slot_leaves(model.params, c.num_layers)
-            if not leaves:
-                raise ValueError("the program has LoRA slots but the params hold none: build "
-                                 "the runner with runner_factory.build_runner")
-            shard = {"out_shardings": jax.tree.map(lambda x: x.sharding, leaves)} \
-                if tp is not None else {}
-            self._write_lora = jax.jit(lora_slots.write_slot, donate_argnums=(0,), **shard)
-            # What a load carries per module: A [L, K, R], B [L, R, N] (zeros: not adapted).
-            self._lora_zeros = {
-                name: (np.zeros((c.num_layers, a.shape[-3], a.shape[-1]), np.float32),
-                       np.zeros((c.num_layers,) + b.shape[-2:], np.float32))
-                for (name, layer), (a, b, _) in leaves.items() if layer in (None, 0)}
+        self.lora_writer = (SlotWriter(model.params, c.num_layers, self.lora.max_loras,
+                                       sharded=tp is not None)
+                            if self.lora is not None else None)
         self._step = jax.jit(self._step_impl, donate_argnums=(1, 2), **jit_kwargs)
         self._write_slots = jax.jit(slot_state.write_slots, donate_argnums=(0,))
         # Copy-on-write copies run in fixed batches of (src, dst) pairs, padded with (0, 0)
@@ -292,19 +283,8 @@ class ModelRunner:
         return CopyCall(np.zeros((self.copy_batch, 2), np.int32))  # [C, 2]
 
     def lora_call(self, slot: int, adapter) -> LoRACall:
-        """Writing `adapter` (models/lora_weights.py AdapterWeights; None: zeros) into device
-        slot `slot`: every adapted module, zeros where the adapter leaves one alone."""
-        if not 0 <= slot < self.lora.max_loras:
-            raise ValueError(f"LoRA slot {slot} is out of range [0, {self.lora.max_loras})")
-        modules = {} if adapter is None else adapter.modules
-        weights = {}
-        for name, (za, zb) in self._lora_zeros.items():
-            a, b = modules.get(name, (za, zb))
-            if np.shape(a) != za.shape or np.shape(b) != zb.shape:
-                raise ValueError(f"LoRA weights of {name}: shapes {np.shape(a)}, {np.shape(b)} "
-                                 f"where the slots hold {za.shape}, {zb.shape}")
-            weights[name] = (np.asarray(a, np.float32), np.asarray(b, np.float32))
-        return LoRACall(np.int32(slot), weights)
+        """Writing `adapter` (AdapterWeights; None: zeros) into device slot `slot`."""
+        return self.lora_writer.call(slot, adapter)
 
     # ---- the one entry point for device work ----------------------------------------------
 
@@ -325,8 +305,7 @@ class ModelRunner:
         if isinstance(call, SlotsCall):
             return self._write_slots, (self.state, call)
         if isinstance(call, LoRACall):
-            leaves = lora_slots.slot_leaves(self.model.params, self.model.config.num_layers)
-            return self._write_lora, (leaves, call.slot, call.weights)
+            return self.lora_writer.write, self.lora_writer.arguments(self.model.params, call)
         return self._step, (self.model.params, self.cache, self.state, call.inputs)
 
     @staticmethod
@@ -354,7 +333,7 @@ class ModelRunner:
             self.state = exe(*args)
             return None
         if isinstance(call, LoRACall):  # the new slot arrays replace the old (donated) ones
-            params = lora_slots.replace_slot_leaves(self.model.params, exe(*args))
+            params = self.lora_writer.apply(self.model.params, exe(*args))
             self.model = dataclasses.replace(self.model, params=params)
             return None
         self.cache, self.state, sampled = exe(*args)

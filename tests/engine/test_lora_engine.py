@@ -145,6 +145,10 @@ def test_an_adapter_in_use_cannot_be_removed(engine, adapters):
         engine.step()
     assert engine.lora.remove("a3") == a3
     assert engine.lora.get("a3") is None
+    # A request naming the unloaded adapter is refused, not a silent re-registration.
+    with pytest.raises(UnknownAdapter, match="unloaded"):
+        engine.add_request("late", PROMPTS[0], lora_request=a3)
+    assert not engine.has_unfinished_requests() and engine.lora.get("a3") is None
     engine.lora.add(a3)  # back, for the other tests
 
 
