@@ -17,26 +17,15 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
-import platform
 import statistics
 import tempfile
 
 from jaxserve import EngineConfig, LLMEngine, LoRARequest
 from jaxserve.testing.peft_files import write_adapter
+from jaxserve.tools.machine import cpu_name
 from jaxserve.tools.workload import make_workload, run_workload
 from models import load_model
 from models.lora_names import LORA_TARGETS
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def parse_args(argv=None) -> argparse.Namespace:

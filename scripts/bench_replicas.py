@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import random
 import re
 import signal
@@ -32,19 +31,9 @@ import numpy as np
 import requests
 
 from bench_serving import WORDS, Result, read_stream
+from jaxserve.tools.machine import cpu_name
 
 STARTUP_TIMEOUT_S = 600
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 class Server:
