@@ -323,6 +323,7 @@ def test_sharded_kernel_step_compiles_for_4_h200s():
     runner.tp, runner.ragged, runner.max_model_len, runner.block_size = tp, False, 64, bs
     runner.num_slots, runner.idle_slot = 4, 4
     runner.poison_rows, runner.num_speculative_tokens = False, 0  # no fault hook, no drafts
+    runner.lora = None  # no adapter slots
     runner.page_table = np.zeros((5, 64 // bs), np.int32)
     runner._module = step_module(model, tp.attention(attention),
                                  tp.linear(backends.linear_backend("pallas")))
