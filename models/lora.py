@@ -175,8 +175,3 @@ def write_slot(leaves: dict, slot, weights: dict) -> dict:
                                   b.at[slot].set(wb[layer].astype(b.dtype)),
                                   on.at[slot].set(adapts[layer]))
     return out
-
-
-def token_slots_of(batch_slot_adapter, token_batch_slot):
-    """Each token's adapter slot: its batch slot's adapter (-1 for none)."""
-    return jnp.take(batch_slot_adapter, token_batch_slot, axis=0)
