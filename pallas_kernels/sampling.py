@@ -40,6 +40,7 @@ from jax.experimental.pallas import triton as plgpu
 DEFAULT_CHUNK = 2048     # row elements per loop step (16 per thread at 4 warps)
 _NEG = float("-inf")
 _SIGN = 0x8000_0000
+_GREEDY, _WANT = 1, 2  # the per-row flags' bits (one argument: one XLA fusion makes them)
 
 __all__ = ["sample_rows", "sample_rows_reference", "order_key", "DEFAULT_CHUNK"]
 
@@ -68,8 +69,7 @@ def _bisect(pred, hi):
     return lax.while_loop(lambda lohi: lohi[1] - lohi[0] > 1, step, (jnp.uint32(0), hi))[0]
 
 
-def _sampling_kernel(k_ref, greedy_ref, top_p_ref, log_min_p_ref, u_ref, want_ref,
-                     scaled_ref, raw_ref, tok_ref, lp_ref, ids_ref, tlp_ref, *, v, chunk,
+def _sampling_kernel(k_ref, flags_ref, top_p_ref, log_min_p_ref, u_ref, scaled_ref, raw_ref, tok_ref, lp_ref, ids_ref, tlp_ref, *, v, chunk,
                      num_logprobs):
     r = pl.program_id(0)
     nc = pl.cdiv(v, chunk)
@@ -86,7 +86,8 @@ def _sampling_kernel(k_ref, greedy_ref, top_p_ref, log_min_p_ref, u_ref, want_re
         return plgpu.load(ref.at[r, pl.ds(c * chunk, chunk)], mask=ok, other=_NEG), idx, ok
 
     # ---- pass 1: max / argmax of scaled, online logsumexp and top list of raw ----
-    want = want_ref[0] != 0
+    flags = flags_ref[r]
+    want = (flags & _WANT) != 0
 
     def merge(vals, idx, ok, lv, li, n):
         """The top-num_logprobs list (lv, li sorted, n filled) with this chunk's logits merged:
@@ -135,7 +136,7 @@ def _sampling_kernel(k_ref, greedy_ref, top_p_ref, log_min_p_ref, u_ref, want_re
 
     # ---- pass 2: the filters' cutoff (rows with a filter only) ----
     k, top_p, log_min_p = k_ref[r], top_p_ref[r], log_min_p_ref[r]
-    greedy = greedy_ref[r] != 0
+    greedy = (flags & _GREEDY) != 0
     has_k, has_p = k < v, top_p < 1.0
     filtered = ~greedy & (has_k | has_p | (log_min_p > _NEG))
 
@@ -218,9 +219,9 @@ def sample_rows(scaled, raw, k, top_p, log_min_p, u, greedy, want, *, num_logpro
         raise ValueError(f"num_logprobs must be in [0, V={v}], got {num_logprobs}")
     chunk = min(chunk, max(16, 1 << (v - 1).bit_length()))  # no wider than the row needs
     nl = max(num_logprobs, 1)  # the kernel always has the outputs; K = 0 is sliced off
-    rows = [jnp.minimum(k, v).astype(jnp.int32), greedy.astype(jnp.int32),
-            top_p.astype(jnp.float32), log_min_p.astype(jnp.float32), u.astype(jnp.float32),
-            jnp.asarray(want, jnp.int32).reshape(1)]
+    flags = (jnp.where(greedy, _GREEDY, 0) | jnp.where(want, _WANT, 0)).astype(jnp.int32)
+    rows = [jnp.minimum(k, v).astype(jnp.int32), flags, top_p.astype(jnp.float32),  # [S] each
+            log_min_p.astype(jnp.float32), u.astype(jnp.float32)]
     kernel = functools.partial(_sampling_kernel, v=v, chunk=chunk, num_logprobs=num_logprobs)
 
     def whole(shape):
