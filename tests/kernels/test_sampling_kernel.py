@@ -116,6 +116,22 @@ def test_logprobs_not_wanted_are_zeros_and_zero_wide():
     _check(args, True, 0)
 
 
+def test_non_finite_rows_give_a_non_finite_logprob_and_a_valid_token():
+    """The engine fails a request whose logits hold NaN or inf by its non-finite logprob
+    (engine.py); such a row must still end every loop and give a token id inside V."""
+    v = 5000
+    args = list(_case(9, v, ROWS[:6]))
+    x = np.asarray(args[0]).copy()
+    x[1, 17] = np.nan       # one NaN, an unfiltered draw
+    x[3, :] = np.inf        # a whole row of inf, top-k
+    x[4, 123] = np.inf      # one inf, top-k and top-p
+    args[0] = args[1] = jnp.asarray(x)
+    tokens, logprob, _, _ = (np.asarray(a) for a in sample_rows(*args, True, num_logprobs=5,
+                                                                interpret=True))
+    assert ((tokens >= 0) & (tokens < v)).all()
+    assert not np.isfinite(logprob[[1, 3, 4]]).any() and np.isfinite(logprob[[0, 2, 5]]).all()
+
+
 def test_rows_are_independent():
     """A row's results do not change when the other rows change (batch independence)."""
     v = 5000
