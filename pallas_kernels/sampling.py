@@ -40,6 +40,7 @@ from jax.experimental.pallas import triton as plgpu
 DEFAULT_CHUNK = 2048     # row elements per loop step (16 per thread at 4 warps)
 _NEG = float("-inf")
 _SIGN = 0x8000_0000
+_MAX_KEY = 0xFFFF_FFFF
 _GREEDY, _WANT = 1, 2  # the per-row flags' bits (one argument: one XLA fusion makes them)
 
 __all__ = ["sample_rows", "sample_rows_reference", "order_key", "DEFAULT_CHUNK"]
@@ -57,14 +58,18 @@ def _from_order_key(k):
                                     jnp.float32)
 
 
-def _bisect(pred, hi):
+def _bisect(probe, hi):
     """Largest uint32 key t in [0, hi) with pred(t), given pred(0) and pred monotone (true below
-    a threshold). Stops when the bracket is one key wide (at most 32 steps)."""
+    a threshold). probe(t) -> (pred(t), the smallest element key >= t, the largest < t): pred
+    changes only at element keys, so the bracket snaps to them, and once it holds no element
+    key strictly inside (a row of ~1e5 logits over 2^32 keys: after ~17 halvings, not 32) the
+    answer is its low end."""
     def step(lohi):
         lo, hi = lohi
         mid = lo + (hi - lo) // 2
-        ok = pred(mid)
-        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+        ok, above, below = probe(mid)
+        return (jnp.where(ok, jnp.maximum(mid, jnp.minimum(above, hi - 1)), lo),
+                jnp.where(ok, hi, jnp.maximum(below + 1, lo + 1)))
 
     return lax.while_loop(lambda lohi: lohi[1] - lohi[0] > 1, step, (jnp.uint32(0), hi))[0]
 
@@ -140,29 +145,43 @@ def _sampling_kernel(k_ref, flags_ref, top_p_ref, log_min_p_ref, u_ref, scaled_r
     has_k, has_p = k < v, top_p < 1.0
     filtered = ~greedy & (has_k | has_p | (log_min_p > _NEG))
 
-    def over_row(f, init):
+    def measure(t, weight, floor):
+        """(sum of weight(scaled) over keys >= max(t, floor), the smallest key >= t, the
+        largest key < t) over the row."""
         def body(c, acc):
+            total, above, below = acc
             sc, _, ok = load(scaled_ref, c)
-            return acc + f(sc, order_key(sc), ok)
-        return lax.fori_loop(0, nc, body, init)
+            key = order_key(sc)
+            ge = ok & (key >= t)
+            w = weight(sc)
+            return (total + jnp.sum(jnp.where(ge & (key >= floor), w, jnp.zeros_like(w))),
+                    jnp.minimum(above, jnp.min(jnp.where(ge, key, jnp.uint32(_MAX_KEY)))),
+                    jnp.maximum(below, jnp.max(jnp.where(ok & ~ge, key, jnp.uint32(0)))))
+        zero = jnp.zeros((), weight(top).dtype)
+        return lax.fori_loop(0, nc, body, (zero, jnp.uint32(_MAX_KEY), jnp.uint32(0)))
 
-    def count_ge(t):
-        return over_row(lambda sc, key, ok: jnp.sum((ok & (key >= t)).astype(jnp.int32)),
-                        jnp.int32(0))
+    def one(sc):
+        return jnp.ones(sc.shape, jnp.int32)
 
-    def mass_ge(t):  # weight exp(scaled - top) of keys >= t
-        return over_row(lambda sc, key, ok: jnp.sum(jnp.where(ok & (key >= t),
-                                                              jnp.exp(sc - top), 0.0)),
-                        jnp.float32(0.0))
+    def prob(sc):  # exp(scaled - top): the top-k weights before normalisation
+        return jnp.exp(sc - top)
 
     # Triton lowering: a lax.cond branch must not return a literal, so skipped sides return
     # their (traced) operand; a filter that is off gets a one-key bracket (no bisection step).
     def cutoff(_):
         hi = order_key(top) + jnp.uint32(1)  # no key passes max + 1
-        k_key = _bisect(lambda t: count_ge(t) >= k, jnp.where(has_k, hi, jnp.uint32(1)))
-        need = lax.cond(has_p, lambda p: p * mass_ge(k_key), lambda p: p, top_p)
-        p_key = _bisect(lambda t: mass_ge(jnp.maximum(t, k_key)) >= need,
-                        jnp.where(has_p, hi, jnp.uint32(1)))
+        def count_probe(t):
+            n, above, below = measure(t, one, jnp.uint32(0))
+            return n >= k, above, below
+
+        k_key = _bisect(count_probe, jnp.where(has_k, hi, jnp.uint32(1)))
+        need = lax.cond(has_p, lambda p: p * measure(k_key, prob, k_key)[0], lambda p: p, top_p)
+
+        def mass_probe(t):
+            mass, above, below = measure(t, prob, k_key)
+            return mass >= need, above, below
+
+        p_key = _bisect(mass_probe, jnp.where(has_p, hi, jnp.uint32(1)))
         kept = jnp.where(has_k | has_p, _from_order_key(jnp.maximum(k_key, p_key)), _NEG)
         return jnp.maximum(kept, top + log_min_p)
 
