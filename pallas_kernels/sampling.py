@@ -74,13 +74,12 @@ def _bisect(probe, hi):
     return lax.while_loop(lambda lohi: lohi[1] - lohi[0] > 1, step, (jnp.uint32(0), hi))[0]
 
 
-def _sampling_kernel(k_ref, flags_ref, top_p_ref, log_min_p_ref, u_ref, scaled_ref, raw_ref, tok_ref, lp_ref, ids_ref, tlp_ref, *, v, chunk,
-                     num_logprobs):
+def _sampling_kernel(k_ref, flags_ref, top_p_ref, log_min_p_ref, u_ref, scaled_ref, raw_ref,
+                     tok_ref, lp_ref, ids_ref, tlp_ref, *, v, chunk, num_logprobs):
     r = pl.program_id(0)
     nc = pl.cdiv(v, chunk)
     lane = lax.broadcasted_iota(jnp.int32, (chunk,), 0)  # [C]
-    kp = ids_ref.shape[1] if num_logprobs else 1
-    kpow = max(1, 1 << (max(kp, 1) - 1).bit_length())
+    kpow = 1 << (max(num_logprobs, 1) - 1).bit_length()  # the top list's power-of-2 width
     slot = lax.broadcasted_iota(jnp.int32, (kpow,), 0)  # [KP]
     prev = (lax.broadcasted_iota(jnp.int32, (kpow, kpow), 1)
             == lax.broadcasted_iota(jnp.int32, (kpow, kpow), 0) - 1)  # [KP, KP]: j-1 -> j
@@ -123,7 +122,8 @@ def _sampling_kernel(k_ref, flags_ref, top_p_ref, log_min_p_ref, u_ref, scaled_r
         raw, idx, ok = load(raw_ref, c)
         sc, _, _ = load(scaled_ref, c)
         new_m = jnp.maximum(m_raw, jnp.max(raw))
-        fresh = jnp.where(ok, jnp.exp(raw - new_m), 0.0)
+        # -inf logits add nothing (a chunk of them before any finite one would add NaN).
+        fresh = jnp.where(ok & (raw != _NEG), jnp.exp(raw - new_m), 0.0)
         s_raw = jnp.where(m_raw == new_m, s_raw, s_raw * jnp.exp(m_raw - new_m)) + jnp.sum(fresh)
         cmax = jnp.max(sc)
         carg = jnp.min(jnp.where(sc == cmax, idx, v))  # first index of the chunk's max

@@ -8,6 +8,7 @@ ties (integers: ties at the cutoffs and in the top logprobs), -inf entries (a gr
 bitmask), rows with fewer finite logits than top-k or the top logprobs; top logprobs wanted or
 not. Tokens and top-logprob ids must match exactly; log-probabilities to float32 rounding
 (the kernel's logsumexp is online and chunk-wise, the reference's XLA's two-pass one).
+Cases and tolerance: pallas_kernels/cases.py (shared with scripts/gpu_check.py).
 """
 
 from __future__ import annotations
@@ -20,40 +21,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels.cases import SAMPLING_LOGPROB_ATOL, SAMPLING_ROWS, sampling_case
 from pallas_kernels.sampling import DEFAULT_CHUNK, sample_rows, sample_rows_reference
 from tests import cuda_lowering
 
-# |logsumexp| < 20 here: a few float32 ulps of it, summed in another order.
-LOGPROB_ATOL = 2e-5
 INF = float("inf")
-
-# A row: (greedy, top_k (0: off), top_p, min_p).
-GREEDY = (True, 0, 1.0, 0.0)
-PLAIN = (False, 0, 1.0, 0.0)
-ROWS = [GREEDY, PLAIN, (False, 1, 1.0, 0.0), (False, 5, 1.0, 0.0), (False, 50, 0.9, 0.0),
-        (False, 0, 0.5, 0.0), (False, 0, 0.95, 0.0), (False, 0, 0.99, 0.0),
-        (False, 0, 1.0, 0.05), (False, 40, 0.8, 0.02), (False, 3000, 1.0, 0.0),
-        (False, 10 ** 9, 1.0, 0.0), (False, 0, 0.9, 0.3), (True, 5, 0.5, 0.1)]
-
-
-def _case(seed, v, rows, *, ties=False, masked=0.0, scale=3.0):
-    """scaled and raw [S, V] logits (raw = scaled; greedy rows' scaled is theirs anyway) and
-    per-row arguments. ties: integer logits; masked: the share of entries at -inf."""
-    rng = np.random.default_rng(seed)
-    s = len(rows)
-    x = rng.normal(0.0, scale, (s, v)).astype(np.float32)  # [S, V]
-    if ties:
-        x = np.round(x).astype(np.float32)
-    if masked:
-        x[rng.random((s, v)) < masked] = -INF
-        x[:, rng.integers(0, v)] = 1.0  # at least one token allowed per row
-    greedy, k, top_p, min_p = (np.asarray(c) for c in zip(*rows))
-    k = np.where((k <= 0) | (k > v), v, k).astype(np.int32)
-    with np.errstate(divide="ignore"):
-        log_min_p = np.log(min_p.astype(np.float32))
-    u = rng.random(s).astype(np.float32)
-    return (jnp.asarray(x), jnp.asarray(x), jnp.asarray(k), jnp.asarray(top_p, jnp.float32),
-            jnp.asarray(log_min_p), jnp.asarray(u), jnp.asarray(greedy))
+ROWS = SAMPLING_ROWS
+GREEDY = SAMPLING_ROWS[0]
+_case = sampling_case
 
 
 def _check(args, want_logprobs, num_logprobs, chunk=DEFAULT_CHUNK):
@@ -63,8 +38,8 @@ def _check(args, want_logprobs, num_logprobs, chunk=DEFAULT_CHUNK):
     tokens, logprob, ids, lps = (np.asarray(a) for a in got)
     np.testing.assert_array_equal(tokens, np.asarray(want[0]), err_msg="tokens")
     np.testing.assert_array_equal(ids, np.asarray(want[2]), err_msg="top ids")
-    np.testing.assert_allclose(logprob, np.asarray(want[1]), rtol=0, atol=LOGPROB_ATOL)
-    np.testing.assert_allclose(lps, np.asarray(want[3]), rtol=0, atol=LOGPROB_ATOL)
+    np.testing.assert_allclose(logprob, np.asarray(want[1]), rtol=0, atol=SAMPLING_LOGPROB_ATOL)
+    np.testing.assert_allclose(lps, np.asarray(want[3]), rtol=0, atol=SAMPLING_LOGPROB_ATOL)
     assert ids.shape == (len(tokens), num_logprobs)
     return tokens
 
@@ -114,6 +89,15 @@ def test_logprobs_not_wanted_are_zeros_and_zero_wide():
     args = _case(5, 300, ROWS)
     _check(args, False, 20)
     _check(args, True, 0)
+
+
+def test_a_chunk_of_minus_inf_before_the_first_finite_logit():
+    """Raw logits -inf over the whole first chunk (a row's online logsumexp starts at -inf)."""
+    args = list(_case(4, 5000, ROWS[:4]))
+    x = np.asarray(args[0]).copy()
+    x[:, :DEFAULT_CHUNK + 5] = -INF
+    args[0] = args[1] = jnp.asarray(x)
+    _check(args, True, 20)
 
 
 def test_non_finite_rows_give_a_non_finite_logprob_and_a_valid_token():
