@@ -1,5 +1,6 @@
-"""The sampling kernel (pallas_kernels/sampling.py), interpreted, against its sort-based
-reference; its CUDA lowering and sm_90a compile (registers, no spills).
+"""The sampling kernel (pallas_kernels/sampling.py), interpreted (and compiled on a GPU: the
+`interpret` fixture), against its sort-based reference; its CUDA lowering and sm_90a compile
+(registers, no spills).
 
 Grid: V in {49152 (SmolLM2), 128256 (Llama 3), 5000 (not a multiple of the 2048 chunk), 300,
 7 (one chunk narrower than the default)}; rows greedy, unfiltered draws, top-k (1, small,
@@ -31,9 +32,9 @@ GREEDY = SAMPLING_ROWS[0]
 _case = sampling_case
 
 
-def _check(args, want_logprobs, num_logprobs, chunk=DEFAULT_CHUNK):
+def _check(args, want_logprobs, num_logprobs, interpret, chunk=DEFAULT_CHUNK):
     got = sample_rows(*args, want_logprobs, num_logprobs=num_logprobs, chunk=chunk,
-                      interpret=True)
+                      interpret=interpret)
     want = sample_rows_reference(*args, want_logprobs, num_logprobs=num_logprobs)
     tokens, logprob, ids, lps = (np.asarray(a) for a in got)
     np.testing.assert_array_equal(tokens, np.asarray(want[0]), err_msg="tokens")
@@ -47,19 +48,19 @@ def _check(args, want_logprobs, num_logprobs, chunk=DEFAULT_CHUNK):
 @pytest.mark.parametrize("v,rows", [
     (49152, ROWS[:8]), (49152, ROWS[8:]), (128256, ROWS[1:10:2]), (128256, ROWS[0:10:2]),
 ], ids=["smollm2-a", "smollm2-b", "llama3-a", "llama3-b"])
-def test_model_vocabularies(v, rows):
-    _check(_case(v, v, rows), True, 20)
+def test_model_vocabularies(v, rows, interpret):
+    _check(_case(v, v, rows), True, 20, interpret)
 
 
 @pytest.mark.parametrize("v", [5000, 300])
 @pytest.mark.parametrize("ties,masked", [(False, 0.0), (True, 0.0), (True, 0.5), (False, 0.98)],
                          ids=["plain", "ties", "ties-bitmask", "few-allowed"])
-def test_ragged_vocabularies_ties_and_bitmasks(v, ties, masked):
+def test_ragged_vocabularies_ties_and_bitmasks(v, ties, masked, interpret):
     rows = ROWS + [(False, v - 1, 1.0, 0.0), (False, v, 0.7, 0.0)]
-    _check(_case(7 + v, v, rows, ties=ties, masked=masked), True, 20)
+    _check(_case(7 + v, v, rows, ties=ties, masked=masked), True, 20, interpret)
 
 
-def test_ties_at_the_cutoff_are_all_kept():
+def test_ties_at_the_cutoff_are_all_kept(interpret):
     """Row of ten 5s, then lower logits: top_k = 3 keeps all ten 5s (not 3), so across 64
     uniforms every draw is a 5 and more than 3 distinct 5s are drawn."""
     v, s = 300, 64
@@ -70,37 +71,37 @@ def test_ties_at_the_cutoff_are_all_kept():
     args = list(_case(0, v, rows))
     args[0] = args[1] = jnp.asarray(x)
     args[5] = jnp.asarray((np.arange(s) + 0.5) / s, jnp.float32)  # uniforms over [0, 1)
-    tokens = _check(args, True, 20)
+    tokens = _check(args, True, 20, interpret)
     assert set(tokens.tolist()) <= set(fives.tolist()) and len(set(tokens.tolist())) > 3
 
 
-def test_small_vocabulary_narrower_than_a_chunk():
+def test_small_vocabulary_narrower_than_a_chunk(interpret):
     rows = [(False, 2, 1.0, 0.0), (False, 0, 0.5, 0.0), GREEDY, (False, 7, 1.0, 0.0),
             (False, 0, 1.0, 0.5)]
-    _check(_case(3, 7, rows, ties=True), True, 7)  # all 7 logprobs: K = V
+    _check(_case(3, 7, rows, ties=True), True, 7, interpret)  # all 7 logprobs: K = V
 
 
 @pytest.mark.parametrize("chunk", [16, 64])
-def test_chunk_sizes_agree(chunk):
-    _check(_case(11, 1000, ROWS, ties=True), True, 5, chunk=chunk)
+def test_chunk_sizes_agree(chunk, interpret):
+    _check(_case(11, 1000, ROWS, ties=True), True, 5, interpret, chunk=chunk)
 
 
-def test_logprobs_not_wanted_are_zeros_and_zero_wide():
+def test_logprobs_not_wanted_are_zeros_and_zero_wide(interpret):
     args = _case(5, 300, ROWS)
-    _check(args, False, 20)
-    _check(args, True, 0)
+    _check(args, False, 20, interpret)
+    _check(args, True, 0, interpret)
 
 
-def test_a_chunk_of_minus_inf_before_the_first_finite_logit():
+def test_a_chunk_of_minus_inf_before_the_first_finite_logit(interpret):
     """Raw logits -inf over the whole first chunk (a row's online logsumexp starts at -inf)."""
     args = list(_case(4, 5000, ROWS[:4]))
     x = np.asarray(args[0]).copy()
     x[:, :DEFAULT_CHUNK + 5] = -INF
     args[0] = args[1] = jnp.asarray(x)
-    _check(args, True, 20)
+    _check(args, True, 20, interpret)
 
 
-def test_non_finite_rows_give_a_non_finite_logprob_and_a_valid_token():
+def test_non_finite_rows_give_a_non_finite_logprob_and_a_valid_token(interpret):
     """The engine fails a request whose logits hold NaN or inf by its non-finite logprob
     (engine.py); such a row must still end every loop and give a token id inside V."""
     v = 5000
@@ -111,18 +112,18 @@ def test_non_finite_rows_give_a_non_finite_logprob_and_a_valid_token():
     x[4, 123] = np.inf      # one inf, top-k and top-p
     args[0] = args[1] = jnp.asarray(x)
     tokens, logprob, _, _ = (np.asarray(a) for a in sample_rows(*args, True, num_logprobs=5,
-                                                                interpret=True))
+                                                                interpret=interpret))
     assert ((tokens >= 0) & (tokens < v)).all()
     assert not np.isfinite(logprob[[1, 3, 4]]).any() and np.isfinite(logprob[[0, 2, 5]]).all()
 
 
-def test_rows_are_independent():
+def test_rows_are_independent(interpret):
     """A row's results do not change when the other rows change (batch independence)."""
     v = 5000
     a, b = _case(1, v, ROWS[:6]), _case(2, v, ROWS[6:12])
     mixed = [jnp.concatenate([x[:3], y[3:]]) for x, y in zip(a, b)]
-    full = sample_rows(*a, True, num_logprobs=5, interpret=True)
-    part = sample_rows(*mixed, True, num_logprobs=5, interpret=True)
+    full = sample_rows(*a, True, num_logprobs=5, interpret=interpret)
+    part = sample_rows(*mixed, True, num_logprobs=5, interpret=interpret)
     for f, p in zip(full, part):
         np.testing.assert_array_equal(np.asarray(f)[:3], np.asarray(p)[:3])
 
