@@ -224,7 +224,7 @@ def _sampling_kernel(k_ref, flags_ref, top_p_ref, log_min_p_ref, u_ref, scaled_r
 def sample_rows(scaled, raw, k, top_p, log_min_p, u, greedy, want, *, num_logprobs: int,
                 chunk: int = DEFAULT_CHUNK, num_warps: int | None = None,
                 interpret: bool = False):
-    """scaled, raw [S, V] f32; k [S] i32 (top-k, V or more: off); top_p [S] f32 (1: off);
+    """scaled, raw [S, V] f32; k [S] i32 (top-k; <= 0 or >= V: off); top_p [S] f32 (1: off);
     log_min_p [S] f32 (-inf: off); u [S] f32 uniforms in [0, 1); greedy [S] bool; want: scalar
     bool (top logprobs wanted). Returns tokens [S] i32, logprob [S] f32, top_ids [S, K] i32 and
     top_logprobs [S, K] f32, K = num_logprobs (module docstring). chunk: a power of 2."""
@@ -239,7 +239,8 @@ def sample_rows(scaled, raw, k, top_p, log_min_p, u, greedy, want, *, num_logpro
     chunk = min(chunk, max(16, 1 << (v - 1).bit_length()))  # no wider than the row needs
     nl = max(num_logprobs, 1)  # the kernel always has the outputs; K = 0 is sliced off
     flags = (jnp.where(greedy, _GREEDY, 0) | jnp.where(want, _WANT, 0)).astype(jnp.int32)
-    rows = [jnp.minimum(k, v).astype(jnp.int32), flags, top_p.astype(jnp.float32),  # [S] each
+    k = jnp.where(k <= 0, v, jnp.minimum(k, v)).astype(jnp.int32)  # [S]; V: off
+    rows = [k, flags, top_p.astype(jnp.float32),  # [S] each
             log_min_p.astype(jnp.float32), u.astype(jnp.float32)]
     kernel = functools.partial(_sampling_kernel, v=v, chunk=chunk, num_logprobs=num_logprobs)
 

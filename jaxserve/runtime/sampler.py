@@ -9,7 +9,8 @@ compile serves all batches. The costly parts (penalties, filtering, the draw, to
 under `lax.cond`, so batches that do not use them skip them. With `branch_free` (the GPU step)
 every part runs and selects replace the conds: XLA:GPU runs a conditional by copying its
 predicate to the host and waiting for it, which stalls the host mid-step; the tokens are the
-same either way.
+same either way. The GPU step itself (backend "pallas") runs the branch-free sampler's
+filters, draw and top logprobs in one Pallas kernel: jaxserve/runtime/sampler_kernel.py.
 
 Batch independence: a slot's token depends only on its own row, seed and position. Filters
 become a per-row logit cutoff and the draw is always made in vocab order, so a slot gets the
@@ -155,7 +156,7 @@ def sample(logits: jax.Array, st: SamplingTensors, history: jax.Array, context_l
     raw, logits = logits, apply_token_bitmask(logits, mask)  # logprobs stay those of raw
     choose = functools.partial(_choose, st, positions, top_candidates, branch_free)
     if branch_free:  # neutral penalties and inactive bans leave a row's logits unchanged
-        tokens = choose(_ban_stop_ids(apply_penalties(logits, st, history, context_lens,
+        tokens = choose(ban_stop_ids(apply_penalties(logits, st, history, context_lens,
                                                       prompt_lens), st))
     else:
         adjust = jnp.any((st.repetition_penalty != 1.0) | (st.presence_penalty != 0.0)
@@ -163,7 +164,7 @@ def sample(logits: jax.Array, st: SamplingTensors, history: jax.Array, context_l
         # Branches return only [S] tokens: on XLA:CPU an [S, V] cond result costs ~10 ms at
         # S=64, V=49152 (more than the whole greedy path), so the choice runs inside each.
         tokens = lax.cond(adjust,
-                          lambda x: choose(_ban_stop_ids(
+                          lambda x: choose(ban_stop_ids(
                               apply_penalties(x, st, history, context_lens, prompt_lens), st)),
                           choose, logits)
     logprob = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0] - lse  # [S]
@@ -223,7 +224,8 @@ def apply_penalties(x, st, history, context_lens, prompt_lens):
     return x - st.presence_penalty[:, None] * (out_counts > 0).astype(jnp.float32)
 
 
-def _ban_stop_ids(x, st):
+def ban_stop_ids(x, st):
+    """x [S, V] with each slot's stop ids at -inf while it is under its min_tokens."""
     # Compared against an iota rather than scattered: the compare fuses into the consumers,
     # a scatter materialises a copy of x (~10 ms on CPU at S=64, V=49152).
     v = x.shape[-1]

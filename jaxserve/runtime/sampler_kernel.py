@@ -33,16 +33,15 @@ def sample(logits: jax.Array, st: xla_sampler.SamplingTensors, history: jax.Arra
     static."""
     raw = logits.astype(jnp.float32)  # [S, V]; logprobs are of these
     x = xla_sampler.apply_token_bitmask(raw, mask)
-    x = xla_sampler._ban_stop_ids(xla_sampler.apply_penalties(x, st, history, context_lens,
-                                                              prompt_lens), st)
+    x = xla_sampler.apply_penalties(x, st, history, context_lens, prompt_lens)
+    x = xla_sampler.ban_stop_ids(x, st)  # [S, V]
     v = x.shape[-1]
     greedy = st.temperature < xla_sampler.GREEDY_EPS  # [S]
     # Greedy rows divide by 1 (exact), so the kernel's argmax of `scaled` is theirs of x.
     scaled = x / jnp.where(greedy, 1.0, st.temperature)[:, None]  # [S, V]
-    k = jnp.where((st.top_k <= 0) | (st.top_k > v), v, st.top_k)  # [S]; V: off
     u = jax.vmap(xla_sampler.uniform)(st.seed, positions)  # [S]
     tokens, logprob, top_ids, top_lps = sample_rows(
-        scaled, raw, k, st.top_p, jnp.log(st.min_p), u, greedy, want_logprobs,
+        scaled, raw, st.top_k, st.top_p, jnp.log(st.min_p), u, greedy, want_logprobs,
         num_logprobs=min(max_logprobs, v), interpret=interpret)
     return xla_sampler.SamplerOutput(tokens=tokens, logprob=logprob, top_ids=top_ids,
                                      top_logprobs=top_lps)
