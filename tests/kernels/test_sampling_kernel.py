@@ -2,7 +2,7 @@
 `interpret` fixture), against its sort-based reference; its CUDA lowering and sm_90a compile
 (registers, no spills).
 
-Grid: V in {49152 (SmolLM2), 128256 (Llama 3), 5000 (not a multiple of the 2048 chunk), 300,
+Grid: V in {49152 (SmolLM2), 128256 (Llama 3), 5000 (not a multiple of the 4096 chunk), 300,
 7 (one chunk narrower than the default)}; rows greedy, unfiltered draws, top-k (1, small,
 deep, V - 1, >= V), top-p (0.5 .. 0.99, 1), min-p and their combinations; logits with many
 ties (integers: ties at the cutoffs and in the top logprobs), -inf entries (a grammar's
