@@ -19,8 +19,8 @@ The kernel walks the row in power-of-2 chunks (the last one masked): one pass fo
 argmax, logsumexp (online) and the running top-`num_logprobs` list (a chunk is merged only
 while it holds a logit above the list's last); for rows with a filter, the exact cutoffs by
 bisection on the floats' order keys (32-bit keys with the floats' order; each step one pass
-counting keys >= t, or summing the weights of those keys), stopping once the bracket is one key
-wide; for rows that draw, one pass for the total weight and one that stops at the chunk holding
+counting keys >= t, or summing the weights of those keys), the bracket snapped to the row's
+keys so the search ends once no key lies strictly inside it; for rows that draw, one pass for the total weight and one that stops at the chunk holding
 the draw. Rows without a filter skip the bisections, greedy rows the draw: a per-row branch
 inside the kernel, which costs no host synchronisation. Every value is float32; sums are
 chunk-wise (another order than XLA's), so a row whose top-p mass or draw lands within float
