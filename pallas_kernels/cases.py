@@ -255,3 +255,47 @@ def lora_error_bound(x, a, b, slots: np.ndarray, ref: np.ndarray, dtype) -> np.n
             h = np.abs(x64[rows] @ a64[g])  # [rows, R]
             bound[rows] += tol["h_ulp"] * (h @ np.abs(b64[g]))
     return bound
+
+# ---- sampling (one row per program) ------------------------------------------------------------
+
+# Tokens and top-logprob ids must match the reference exactly. Log-probabilities: the kernel's
+# logsumexp is online and chunk-wise, the reference's XLA's two-pass one; with |logsumexp| < 20
+# (logits of scale <= 3 over V <= 128256) they differ by a few float32 ulps.
+SAMPLING_LOGPROB_ATOL = 2e-5
+
+# The engine's vocabularies per model.
+SAMPLING_MODEL_VOCABS = {"smollm2": 49152, "llama3_8b": 128256}
+
+# Rows as (greedy, top_k (0: off), top_p, min_p): greedy, an unfiltered draw, top-k 1 / small /
+# deep / >= V, top-p 0.5 .. 0.99, min-p and combinations.
+SAMPLING_ROWS = [(True, 0, 1.0, 0.0), (False, 0, 1.0, 0.0), (False, 1, 1.0, 0.0),
+                 (False, 5, 1.0, 0.0), (False, 50, 0.9, 0.0), (False, 0, 0.5, 0.0),
+                 (False, 0, 0.95, 0.0), (False, 0, 0.99, 0.0), (False, 0, 1.0, 0.05),
+                 (False, 40, 0.8, 0.02), (False, 3000, 1.0, 0.0), (False, 10 ** 9, 1.0, 0.0),
+                 (False, 0, 0.9, 0.3), (True, 5, 0.5, 0.1)]
+
+
+def sampling_case(seed: int, v: int, rows, *, ties: bool = False, masked: float = 0.0,
+                  scale: float = 3.0):
+    """Arguments of `pallas_kernels.sampling.sample_rows` before `want`: scaled and raw logits
+    `[S, V]` (the same array: a greedy row's scaled logits are its raw ones anyway), k `[S]`
+    (V when off), top_p, log(min_p) (-inf when off), uniforms and greedy flags `[S]`, for
+    `rows` of (greedy, top_k, top_p, min_p). ties: integer logits (ties at every cutoff and in
+    the top logprobs); masked: the share of logits at -inf (a grammar's bitmask; one token
+    per row stays allowed)."""
+    import jax.numpy as jnp
+    rng = np.random.default_rng(seed)
+    s = len(rows)
+    x = rng.normal(0.0, scale, (s, v)).astype(np.float32)  # [S, V]
+    if ties:
+        x = np.round(x).astype(np.float32)
+    if masked:
+        x[rng.random((s, v)) < masked] = -np.inf
+        x[:, rng.integers(0, v)] = 1.0
+    greedy, k, top_p, min_p = (np.asarray(c) for c in zip(*rows))
+    k = np.where((k <= 0) | (k > v), v, k).astype(np.int32)
+    with np.errstate(divide="ignore"):
+        log_min_p = np.log(min_p.astype(np.float32))
+    u = rng.random(s).astype(np.float32)
+    return (jnp.asarray(x), jnp.asarray(x), jnp.asarray(k), jnp.asarray(top_p, jnp.float32),
+            jnp.asarray(log_min_p), jnp.asarray(u), jnp.asarray(greedy))

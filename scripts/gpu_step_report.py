@@ -37,9 +37,13 @@ warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated
 
 STEPS = {"decode": 64, "mixed": 512}
 PALLAS = ("ragged_paged_attention", "int4_matmul", "paged_attention",  # ptxas entry names
-          "lora_sgmv")  # the LoRA kernel, once a step carries adapters
+          "lora_sgmv", "sample_rows")  # the LoRA kernel, once a step carries adapters
 VARIANTS = {
     "gpu": dict(unroll_layers=True, branch_free_sampling=True),
+    # The GPU program with the branch-free sampler in XLA (candidates' top-k and two unrolled
+    # bisections) instead of the sampling kernel.
+    "gpu-xla-sampler": dict(unroll_layers=True, branch_free_sampling=True,
+                            sampler_backend="xla"),
     "loop": dict(unroll_layers=False, branch_free_sampling=False),
     # The GPU program serving LoRA adapters: 4 slots of rank 16 on all seven projections.
     "gpu-lora": dict(unroll_layers=True, branch_free_sampling=True,

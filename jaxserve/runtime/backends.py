@@ -125,6 +125,15 @@ def gpu_step() -> bool:
     return jax.default_backend() == "gpu"
 
 
+def sampler_backend() -> str:
+    """StepProgram.sampler_backend: the GPU step samples with the Pallas kernel
+    (runtime/sampler_kernel.py), interpreted where jax runs on CPU (a GPU-shaped step there, as
+    tests make one); the CPU step keeps XLA's conditional sampler."""
+    if not gpu_step():
+        return "xla"
+    return "pallas" if jax.default_backend() == "gpu" else "pallas-interpret"
+
+
 def fine_decode_buckets() -> bool:
     """Whether decode steps get 3/4 token buckets too (step_layout.token_buckets): on CPU a
     step's linears, LM head and sampler cost grows with its padded rows (48 rows ran at 64);

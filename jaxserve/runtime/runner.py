@@ -62,6 +62,7 @@ class ModelRunner:
     # The CPU program's shape unless __init__ says otherwise (see its docstring).
     unroll_layers: bool = False
     branch_free_sampling: bool = False
+    sampler_backend: str = "xla"
 
     def __init__(self, model: Model, spec: RunnerSpec, *, attention: AttentionBackend,
                  linear=None, head=None, grouped_matmul=None, tp: TensorParallel | None = None,
@@ -126,6 +127,7 @@ class ModelRunner:
         self.attention = attention
         self.branch_free_sampling, self.unroll_layers = (program.branch_free_sampling,
                                                          program.unroll_layers)
+        self.sampler_backend = program.sampler_backend
         self.lora = program.lora  # LoRASlots, or None: no adapters
         # The XLA path without a conditional in a GPU program (branch-free), else skipped in
         # steps without adapters.
@@ -177,7 +179,8 @@ class ModelRunner:
                 st = slot_state.rows_sampling(state, row_slot, ctx)
                 want = f("scalars")[1] != 0
                 out = sample(logits, st, history[row_slot], ctx, state.prompt_lens[row_slot], ctx,
-                             want, mask=inp.mask, branch_free=self.branch_free_sampling)
+                             want, mask=inp.mask, branch_free=self.branch_free_sampling,
+                             backend=self.sampler_backend)
             written = jnp.where(samples, row_slot, self.idle_slot)
             state = dataclasses.replace(state, history=history,
                                         last_tokens=state.last_tokens.at[written].set(out.tokens))

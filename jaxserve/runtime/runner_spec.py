@@ -27,6 +27,8 @@ from jaxserve.runtime import backends
 
 # A backend as the step runs it: config.Backend without "auto".
 ResolvedBackend = Literal["xla", "cpu", "pallas", "pallas-interpret"]
+# The sampler: XLA's (sampler.py), or the GPU step's kernel (sampler_kernel.py; interpreted).
+SamplerBackend = Literal["xla", "pallas", "pallas-interpret"]
 
 _FLAGS = ("attention_fallback", "unroll_layers", "branch_free_sampling", "fine_decode_buckets",
           "structured_outputs", "poison_rows")
@@ -83,6 +85,8 @@ class StepProgram:
     # lax.scan over the stacked weights (compile time flat in depth).
     unroll_layers: bool = False
     branch_free_sampling: bool = False   # a sampler without conditionals (the GPU's)
+    # The branch-free sampler's filters, draw and top logprobs in one Pallas kernel (the GPU's).
+    sampler_backend: SamplerBackend = "xla"
     fine_decode_buckets: bool = False    # also the 3/4 decode token buckets (the CPU's)
     kv_cache_dtype: KVCacheDtype = "auto"  # "auto": the weights' dtype
     structured_outputs: bool = False     # a token-bitmask variant of every step program
@@ -96,6 +100,10 @@ class StepProgram:
                 raise ValueError(f"{name} must be resolved for this machine, got 'auto'; build "
                                  "the program with StepProgram.from_config(config)")
         check_choices(self)  # the backends and kv_cache_dtype
+        if self.sampler_backend != "xla" and not self.branch_free_sampling:
+            raise ValueError(f"sampler_backend={self.sampler_backend!r} is the branch-free "
+                             "sampler's kernel: set branch_free_sampling=True, or use "
+                             "sampler_backend='xla'")
         for name in _FLAGS:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -128,6 +136,7 @@ class StepProgram:
             unroll_layers=backends.unroll_layers(config.layer_loop, tensor_parallel,
                                                  params=params, linear_kind=linear),
             branch_free_sampling=backends.gpu_step(),
+            sampler_backend=backends.sampler_backend(),
             fine_decode_buckets=backends.fine_decode_buckets(),
             kv_cache_dtype=config.kv_cache_dtype,
             structured_outputs=config.structured_outputs and tokenizer and not draft,

@@ -9,7 +9,8 @@ compile serves all batches. The costly parts (penalties, filtering, the draw, to
 under `lax.cond`, so batches that do not use them skip them. With `branch_free` (the GPU step)
 every part runs and selects replace the conds: XLA:GPU runs a conditional by copying its
 predicate to the host and waiting for it, which stalls the host mid-step; the tokens are the
-same either way.
+same either way. The GPU step itself (backend "pallas") runs the branch-free sampler's
+filters, draw and top logprobs in one Pallas kernel: jaxserve/runtime/sampler_kernel.py.
 
 Batch independence: a slot's token depends only on its own row, seed and position. Filters
 become a per-row logit cutoff and the draw is always made in vocab order, so a slot gets the
@@ -131,18 +132,31 @@ class SamplerOutput:
 def sample(logits: jax.Array, st: SamplingTensors, history: jax.Array, context_lens: jax.Array,
            prompt_lens: jax.Array, positions: jax.Array, want_logprobs: jax.Array | bool = True,
            *, max_logprobs: int = MAX_LOGPROBS, top_candidates: int = TOP_CANDIDATES,
-           mask: jax.Array | None = None, branch_free: bool = False) -> SamplerOutput:
+           mask: jax.Array | None = None, branch_free: bool = False,
+           backend: str = "xla") -> SamplerOutput:
     """Pick one token per slot. logits [S, V]; history [S, L] ids (valid below context_lens
     [S], prompt below prompt_lens [S]); positions [S] = position of the token being sampled.
     mask [S, ceil(V / 32)] int32: a packed bitmask of allowed tokens (bit t % 32 of word
     t // 32), applied before everything else; None (a separate program) allows all.
-    max_logprobs, top_candidates and branch_free are static (mark them static when jitting)."""
+    backend "pallas" / "pallas-interpret" (branch_free only): the GPU step's kernel sampler
+    (jaxserve/runtime/sampler_kernel.py), compiled or interpreted.
+    max_logprobs, top_candidates, branch_free and backend are static (mark them static when
+    jitting)."""
+    if backend != "xla":
+        from jaxserve.runtime import sampler_kernel  # it imports this module
+        if backend not in sampler_kernel.KERNEL_BACKENDS or not branch_free:
+            raise ValueError(f"sampler backend must be 'xla', or one of "
+                             f"{sampler_kernel.KERNEL_BACKENDS} with branch_free=True; got "
+                             f"{backend!r} with branch_free={branch_free}")
+        return sampler_kernel.sample(logits, st, history, context_lens, prompt_lens, positions,
+                                     want_logprobs, max_logprobs=max_logprobs, mask=mask,
+                                     interpret=backend == "pallas-interpret")
     logits = logits.astype(jnp.float32)
     lse = jax.nn.logsumexp(logits, axis=-1)  # [S]
     raw, logits = logits, apply_token_bitmask(logits, mask)  # logprobs stay those of raw
     choose = functools.partial(_choose, st, positions, top_candidates, branch_free)
     if branch_free:  # neutral penalties and inactive bans leave a row's logits unchanged
-        tokens = choose(_ban_stop_ids(apply_penalties(logits, st, history, context_lens,
+        tokens = choose(ban_stop_ids(apply_penalties(logits, st, history, context_lens,
                                                       prompt_lens), st))
     else:
         adjust = jnp.any((st.repetition_penalty != 1.0) | (st.presence_penalty != 0.0)
@@ -150,7 +164,7 @@ def sample(logits: jax.Array, st: SamplingTensors, history: jax.Array, context_l
         # Branches return only [S] tokens: on XLA:CPU an [S, V] cond result costs ~10 ms at
         # S=64, V=49152 (more than the whole greedy path), so the choice runs inside each.
         tokens = lax.cond(adjust,
-                          lambda x: choose(_ban_stop_ids(
+                          lambda x: choose(ban_stop_ids(
                               apply_penalties(x, st, history, context_lens, prompt_lens), st)),
                           choose, logits)
     logprob = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0] - lse  # [S]
@@ -210,7 +224,8 @@ def apply_penalties(x, st, history, context_lens, prompt_lens):
     return x - st.presence_penalty[:, None] * (out_counts > 0).astype(jnp.float32)
 
 
-def _ban_stop_ids(x, st):
+def ban_stop_ids(x, st):
+    """x [S, V] with each slot's stop ids at -inf while it is under its min_tokens."""
     # Compared against an iota rather than scattered: the compare fuses into the consumers,
     # a scatter materialises a copy of x (~10 ms on CPU at S=64, V=49152).
     v = x.shape[-1]
@@ -231,11 +246,12 @@ def _sample_random(top_candidates, branch_free, x, st, positions):
     cutoff = _branch(branch_free, jnp.any(_filters_on(st, v)),
                      functools.partial(_filter_cutoff, top_candidates, branch_free),
                      lambda scaled, st: jnp.full(scaled.shape[:1], -jnp.inf), scaled, st)  # [S]
-    u = jax.vmap(_uniform)(st.seed, positions)  # [S]
+    u = jax.vmap(uniform)(st.seed, positions)  # [S]
     return _inverse_cdf(scaled, cutoff, u)
 
 
-def _uniform(seed, position):
+def uniform(seed, position):
+    """The slot's uniform in [0, 1) for the draw at `position`."""
     # Keyed by (seed, position) only, so the draw never depends on the batch or on the step.
     key = jax.random.fold_in(jax.random.key(seed), position)
     return jax.random.uniform(key, (), jnp.float32)

@@ -44,6 +44,8 @@ class StepSpec:
     block_size: int = 16
     unroll_layers: bool = True       # the GPU default (ModelRunner.unroll_layers)
     branch_free_sampling: bool = True  # the GPU default (ModelRunner.branch_free_sampling)
+    # The GPU default: the branch-free sampler's kernel ("pallas"); "xla": its XLA form.
+    sampler_backend: Literal["xla", "pallas"] = "pallas"
     compiler_options: tuple = ()     # extra XLA options, as (name, value) pairs
     lora: LoRASlots | None = None    # adapter slots: every adapted linear runs the LoRA kernel
 
@@ -78,7 +80,10 @@ def _runner(spec: StepSpec, params) -> ModelRunner:
         block_size=spec.block_size, num_blocks=2, max_model_len=spec.max_model_len,
         program=StepProgram(attention_backend="pallas", linear_backend="pallas",
                             unroll_layers=spec.unroll_layers,
-                            branch_free_sampling=spec.branch_free_sampling, lora=spec.lora)))
+                            branch_free_sampling=spec.branch_free_sampling,
+                            sampler_backend=(spec.sampler_backend if spec.branch_free_sampling
+                                             else "xla"),
+                            lora=spec.lora)))
 
 
 def step_report(spec: StepSpec) -> tuple[compiled_report.StepReport, dict]:

@@ -43,6 +43,8 @@ def generate(model, gpu_shape: bool, monkeypatch):
               max_num_batched_tokens=32, max_model_len=64, warmup=False)
     assert llm.engine.runner.unroll_layers == gpu_shape
     assert llm.engine.runner.branch_free_sampling == gpu_shape
+    # The GPU step's sampling kernel, interpreted on this CPU.
+    assert llm.engine.runner.sampler_backend == ("pallas-interpret" if gpu_shape else "xla")
     prompts = [[5, 9, 13, 2, 7], [100, 3], [42] * 20, [7, 7, 8]]
     params = [SamplingParams(max_tokens=8, temperature=0.0),
               SamplingParams(max_tokens=8, temperature=0.9, top_p=0.8, seed=3),

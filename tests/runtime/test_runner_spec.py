@@ -61,8 +61,8 @@ def test_from_config_resolves_auto_for_a_gpu(machine):
     program = StepProgram.from_config(config())
     assert program == StepProgram(
         attention_backend="pallas", attention_fallback=True, linear_backend="pallas",
-        unroll_layers=True, branch_free_sampling=True, fine_decode_buckets=False,
-        kv_cache_dtype="auto", structured_outputs=True)
+        unroll_layers=True, branch_free_sampling=True, sampler_backend="pallas",
+        fine_decode_buckets=False, kv_cache_dtype="auto", structured_outputs=True)
     # Tensor parallel keeps the layer loop; a model without a tokenizer has no grammars; a
     # draft neither grammars nor verification.
     assert not StepProgram.from_config(config(), tensor_parallel=True).unroll_layers
@@ -105,6 +105,10 @@ GOOD = dict(num_blocks=8, **SHAPES)
     (dict(unroll_layers=1), "unroll_layers must be True or False, got 1"),
     (dict(num_speculative_tokens=-1), "num_speculative_tokens must be an integer >= 0"),
     (dict(num_speculative_tokens=True), "num_speculative_tokens must be an integer >= 0"),
+    (dict(sampler_backend="cpu"), "sampler_backend must be one of ('xla', 'pallas', "
+                                  "'pallas-interpret'), got 'cpu'"),
+    (dict(sampler_backend="pallas"), "sampler_backend='pallas' is the branch-free sampler's "
+                                     "kernel: set branch_free_sampling=True"),
 ])
 def test_program_refuses_what_no_step_compiles(kw, message):
     with pytest.raises(ValueError) as err:
