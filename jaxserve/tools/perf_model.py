@@ -236,11 +236,13 @@ def _pallas_cost(name, ins, hm, ctx, rows, scope) -> KernelCost:
         return _attention_cost(name, ins.name, ops, out, ctx, rows, scope)
     moved = sum(map(type_bytes, ops)) + out
     if "int4" in name:
-        packed = next((o for o in ops if o[0] in ("u8", "s8") and len(o[1]) == 2), None)
+        # Packed codes [..., N], two per byte over K (however the kernel views K: [K/2] or
+        # [K/g, g/2]); activations: the first float operand, M * K elements.
+        packed = next((o for o in ops if o[0] in ("u8", "s8") and len(o[1]) >= 2), None)
         x = next((o for o in ops if o[0] in _FLOATS), None)
         flops = 0
         if packed and x:
-            k, n = 2 * packed[1][0], packed[1][1]
+            k, n = 2 * math.prod(packed[1][:-1]), packed[1][-1]
             flops = 2 * (math.prod(x[1]) // k) * n * k
         return KernelCost(name, ins.name, "int4_matmul", moved, flops, scope=scope)
     return KernelCost(name, ins.name, "pallas", moved, 0, scope=scope)
