@@ -93,9 +93,14 @@ def _runner(spec: StepSpec, params) -> ModelRunner:
                             branch_free_sampling=spec.branch_free_sampling, lora=spec.lora)))
 
 
-def weight_bytes(params) -> int:
-    """Bytes of a params tree as stored (int4 codes packed two to a byte)."""
-    return sum(type_bytes(array_type(x.dtype, x.shape)) for x in jax.tree.leaves(params))
+def weight_bytes(params, config: ModelConfig) -> int:
+    """Bytes of the weights one decode step must read, as stored (int4 codes packed two to a
+    byte): all of them, less an untied input embedding, of which a step gathers its rows."""
+    total = sum(type_bytes(array_type(x.dtype, x.shape)) for x in jax.tree.leaves(params))
+    if not config.tie_word_embeddings:
+        total -= sum(type_bytes(array_type(x.dtype, x.shape))
+                     for x in jax.tree.leaves(params["embedding"]))
+    return total
 
 
 def step_report(spec: StepSpec) -> tuple[compiled_report.StepReport, dict]:
@@ -118,7 +123,7 @@ def step_report(spec: StepSpec) -> tuple[compiled_report.StepReport, dict]:
         tree, hlo = thunks.load_dump(dump, STEP_MODULE)
     costs = perf_model.costs_of(tree, HloModule.parse(hlo), context_len=spec.context_len,
                                 rows=spec.live_rows)
-    weights = weight_bytes(params)
+    weights = weight_bytes(params, c)
     prediction = perf_model.predict(costs, perf_model.H200, tokens=spec.live_rows,
                                     weight_bytes=weights)
     stacked = {array_type(x.dtype, x.shape) for x in jax.tree.leaves(params["layers"])}

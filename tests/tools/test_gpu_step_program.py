@@ -82,3 +82,14 @@ def test_performance_model_reads_every_kernel(report):
     assert max(c.bytes for c in costs) < r.cache_bytes / 2, max(costs, key=lambda c: c.bytes)
     p = extra["prediction"]
     assert p.floor_s <= p.step_s and 0 < p.mbu < 1, p.as_dict()
+
+
+def test_weight_bytes_are_what_a_decode_step_reads():
+    """The MBU numerator's weights: all, less an untied input embedding (a step gathers its
+    rows); tied, the table is read whole as the LM head. No compile: abstract params only."""
+    c = dataclasses.replace(gpu_step.model_shapes()["smollm2"], num_layers=2)
+    tied = gpu_step.weight_bytes(gpu_step.abstract_params(c, "bf16"), c)
+    layer = (2 * 576 * 576 + 2 * 576 * 192 + 3 * 576 * 1536 + 2 * 576) * 2
+    assert tied == 49152 * 576 * 2 + 2 * layer + 576 * 2
+    u = dataclasses.replace(c, tie_word_embeddings=False)
+    assert gpu_step.weight_bytes(gpu_step.abstract_params(u, "bf16"), u) == tied  # LM head
