@@ -161,6 +161,27 @@ def fit(costs: list[KernelCost], measured_s: dict[str, float], hw: Hardware, *,
     return out
 
 
+def compare(costs: list[KernelCost], measured_s: dict[str, float], hw: Hardware) -> dict:
+    """Per kernel name: launches per step, bytes and FLOPs per launch, the predicted duration
+    per launch (launch gap excluded, as a trace's kernel events exclude it) and the measured
+    one (measured_s as for `fit`; None where the trace lacks the kernel), in microseconds."""
+    out: dict[str, dict] = {}
+    for c in costs:
+        row = out.setdefault(c.name, {"kind": c.kind, "launches": 0, "bytes": 0, "flops": 0,
+                                      "predicted_us": 0.0, "measured_us": None})
+        row["launches"] += 1
+        row["bytes"] += c.bytes
+        row["flops"] += c.flops
+        row["predicted_us"] += (kernel_time(c, hw) - hw.launch_s) * 1e6
+        t = measured_s.get(c.name, measured_s.get(c.hlo or ""))
+        if t is not None:
+            row["measured_us"] = t * 1e6
+    for row in out.values():
+        for k in ("bytes", "flops", "predicted_us"):
+            row[k] /= row["launches"]
+    return out
+
+
 # --- reading a compiled step -------------------------------------------------------------
 
 

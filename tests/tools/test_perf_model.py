@@ -242,3 +242,13 @@ def test_fit_needs_measured_kernels_of_the_step():
     costs, _ = llama_1b_step()
     with pytest.raises(ValueError, match=">= 3 measured kernels"):
         pm.fit(costs, {"not_a_kernel": 1e-6}, pm.H200)
+
+
+def test_compare_lines_up_predicted_and_measured_per_kernel_name():
+    costs, _ = llama_1b_step()
+    rows = pm.compare(costs, {"down": 20e-6}, pm.H200)
+    assert rows["down"]["launches"] == 16 and rows["down"]["measured_us"] == pytest.approx(20)
+    down = costs[5]
+    assert rows["down"]["predicted_us"] == pytest.approx(
+        (pm.kernel_time(down, pm.H200) - pm.H200.launch_s) * 1e6)
+    assert rows["o"]["measured_us"] is None and rows["lm_head"]["launches"] == 1
