@@ -1,11 +1,14 @@
 """The engine's step compiled for an H200 without a GPU, and what the compiled program does.
 
-For each model shape (SmolLM2-135M, a Llama-3-8B-shaped random model), weights (bf16, int4),
-step (decode: the batch-64 token bucket; mixed: the 512-token bucket that carries decodes and
-prefill chunks together) and program variant, it compiles the runner's step deviceless
-(jax-cuda13-plugin) and prints kernels / copies / weight copies per layer, launches per step,
-CUDA graphs, host-synchronising branches, alias vs KV cache bytes, temporaries, Pallas kernels'
-registers and spills, and compile seconds (jaxserve/tools/gpu_step.py).
+For each model shape (SmolLM2-135M, Llama-3.2-1B, a Llama-3-8B-shaped random model), weights
+(bf16, int4), step (decode1: the 1-token bucket, one live sequence; decode: the batch-64 token
+bucket; mixed: the 512-token bucket that carries decodes and prefill chunks together) and
+program variant, it compiles the runner's step deviceless (jax-cuda13-plugin) and prints
+kernels / copies / weight copies per layer, launches per step, CUDA graphs, host-synchronising
+branches, alias vs KV cache bytes, temporaries, Pallas kernels' registers and spills, compile
+seconds (jaxserve/tools/gpu_step.py), and for decode steps the performance model's predicted
+H200 step time, tokens/s and MBU at `--context-len` tokens per sequence
+(jaxserve/tools/perf_model.py, docs/perf_model.md).
 
 Variants: `gpu` is what the engine runs on a GPU (unrolled layers over per-layer weights, a
 branch-free sampler); `loop` is the step as the CPU runs it (layer loop, lax.cond sampler);
@@ -13,6 +16,7 @@ branch-free sampler); `loop` is the step as the CPU runs it (layer loop, lax.con
 asks XLA to capture loops and conditionals in CUDA graphs too.
 
   .venv/bin/python scripts/gpu_step_report.py [--json] [--md docs/gpu_step_report_table.md]
+      [--context-len 1024]
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from jaxserve.tools import deviceless, gpu_step  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
 
-STEPS = {"decode": 64, "mixed": 512}
+STEPS = {"decode1": 1, "decode": 64, "mixed": 512}
 PALLAS = ("ragged_paged_attention", "int4_matmul", "paged_attention",  # ptxas entry names
           "lora_sgmv", "sample_rows")  # the LoRA kernel, once a step carries adapters
 VARIANTS = {
@@ -60,15 +64,19 @@ COLUMNS = (("kernels/layer", "kernels_per_layer"), ("copies/layer", "copies_per_
            ("CUDA graphs", "command_buffers"), ("host syncs", "host_sync"),
            ("alias MB", "alias_bytes"), ("cache MB", "cache_bytes"),
            ("temp MB", "temp_bytes"), ("LoRA slots MB", "lora_slot_bytes"),
-           ("compile s", "compile_s"))
+           ("compile s", "compile_s"), ("pred. step us", "predicted_step_us"),
+           ("pred. tok/s", "predicted_tokens_per_s"), ("pred. MBU", "predicted_mbu"))
 
 
-def row(model: str, weights: str, step: str, variant: str) -> dict:
+def row(model: str, weights: str, step: str, variant: str, context_len: int = 1024) -> dict:
     spec = gpu_step.StepSpec(config=gpu_step.model_shapes()[model], weights=weights,
-                             tokens=STEPS[step], **VARIANTS[variant])
+                             tokens=STEPS[step], context_len=context_len, **VARIANTS[variant])
     report, extra = gpu_step.step_report(spec)
     out = {"model": model, "weights": weights, "step": step, "variant": variant,
            **report.as_dict(), **extra}
+    out.update(prediction_fields(out.pop("kernel_costs"), out.pop("prediction"),
+                                 decode=step.startswith("decode"), rows=spec.live_rows,
+                                 context_len=context_len))
     # Pallas kernels by name; XLA's own fusions (hundreds) only as a count of those spilling.
     kernels = out.pop("kernels")
     out["pallas_kernels"] = {n: k for n, k in kernels.items() if n.startswith(PALLAS)}
@@ -77,7 +85,31 @@ def row(model: str, weights: str, step: str, variant: str) -> dict:
     return out
 
 
+def prediction_fields(costs, p, *, decode: bool, rows: int, context_len: int) -> dict:
+    """The model's H200 prediction as report columns (decode steps only: a mixed step's
+    prefill rows have no single context length), with its time per scope (layers, sampler,
+    the rest) and per kernel kind."""
+    if not decode:
+        return {"predicted_step_us": None, "predicted_tokens_per_s": None,
+                "predicted_mbu": None}
+    by_scope, by_kind = {}, {}
+    for c, t in zip(costs, p.kernel_s):
+        by_scope[c.scope or "other"] = by_scope.get(c.scope or "other", 0.0) + t * 1e6
+        by_kind[c.kind] = by_kind.get(c.kind, 0.0) + t * 1e6
+    return {"context_len": context_len, "live_rows": rows,
+            "predicted_step_us": p.step_s * 1e6, "predicted_tokens_per_s": p.tokens_per_s,
+            "predicted_mbu": p.mbu, "predicted_floor_us": p.floor_s * 1e6,
+            "predicted_overhead_us": p.overhead_s * 1e6, "model_kernels": p.kernels,
+            "model_bytes": sum(c.bytes for c in costs),
+            "model_flops": sum(c.flops for c in costs),
+            "predicted_us_by_scope": by_scope, "predicted_us_by_kind": by_kind}
+
+
 def fmt(key: str, value) -> str:
+    if value is None:
+        return "-"
+    if key == "predicted_mbu":
+        return f"{value:.0%}"
     if key.endswith("_bytes"):
         return f"{value / 1e6:.0f}"
     if isinstance(value, float):
@@ -107,9 +139,11 @@ def markdown(rows: list[dict]) -> str:
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", default="smollm2,llama3-8b")
+    ap.add_argument("--models", default="smollm2,llama3.2-1b,llama3-8b")
     ap.add_argument("--weights", default="bf16,int4")
-    ap.add_argument("--steps", default="decode,mixed")
+    ap.add_argument("--steps", default="decode1,decode,mixed")
+    ap.add_argument("--context-len", type=int, default=1024,
+                    help="tokens of context per live sequence, for the predicted figures")
     ap.add_argument("--variants", default="loop,gpu", help=f"of {sorted(VARIANTS)}")
     ap.add_argument("--json", action="store_true", help="print JSON instead of the table")
     ap.add_argument("--md", type=pathlib.Path, help="also write the table here")
@@ -134,10 +168,15 @@ def main(argv=None) -> int:
         for weights in args.weights.split(","):
             for step in args.steps.split(","):
                 for variant in args.variants.split(","):
-                    rows.append(row(model, weights, step, variant))
+                    rows.append(row(model, weights, step, variant, args.context_len))
+                    r = rows[-1]
+                    pred = "" if r["predicted_mbu"] is None else (
+                        f", predicted H200 {r['predicted_step_us']:.0f} us/step, "
+                        f"{r['predicted_mbu']:.0%} MBU at context {args.context_len}")
                     print(f"{model} {weights} {step} {variant}: "
-                          f"{rows[-1]['weight_copies_per_layer']} weight copies/layer, "
-                          f"{rows[-1]['compile_s']:.0f} s", file=sys.stderr, flush=True)
+                          f"{r['kernels_per_step']} kernels, "
+                          f"{r['weight_copies_per_layer']} weight copies/layer{pred}, "
+                          f"{r['compile_s']:.0f} s", file=sys.stderr, flush=True)
                     if args.out:  # after every compile: a long run keeps what it measured
                         args.out.write_text(json.dumps(rows, indent=1))
     table = markdown(rows)

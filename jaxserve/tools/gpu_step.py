@@ -5,7 +5,9 @@ step with Pallas attention and linears) for an abstract model (`jax.ShapeDtypeSt
 an 8B shape costs no memory), compiles it deviceless (jaxserve/tools/deviceless.py) and reads
 the program (jaxserve/tools/compiled_report.py). A decode step is the token bucket of
 `max_num_seqs` tokens; the mixed step is the `max_num_batched_tokens` bucket (decodes and
-prefill chunks share one program per bucket, whatever the mix).
+prefill chunks share one program per bucket, whatever the mix). Each report carries the
+performance model's prediction of the step on an H200 (jaxserve/tools/perf_model.py) for live
+rows of `context_len` tokens of context each.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from jaxserve.runtime.kv_cache import KVCache
 from jaxserve.runtime.runner import ModelRunner
 from jaxserve.runtime.runner_factory import build_runner
 from jaxserve.runtime.runner_spec import LoRASlots, RunnerSpec, StepProgram
-from jaxserve.tools import compiled_report, deviceless, thunks
+from jaxserve.tools import compiled_report, deviceless, perf_model, thunks
+from jaxserve.tools.hlo_costs import HloModule, type_bytes
 from jaxserve.tools.hlo_text import Module, array_type
 from models.config import ModelConfig
 from models import lora as lora_slots
@@ -48,6 +51,7 @@ class StepSpec:
     sampler_backend: Literal["xla", "pallas"] = "pallas"
     compiler_options: tuple = ()     # extra XLA options, as (name, value) pairs
     lora: LoRASlots | None = None    # adapter slots: every adapted linear runs the LoRA kernel
+    context_len: int = 1024          # the performance model's context per live row
 
     def __post_init__(self):
         if self.weights not in ("bf16", "int4"):
@@ -55,6 +59,14 @@ class StepSpec:
         if self.tokens < 1 or self.tokens > self.max_model_len * self.max_num_seqs:
             raise ValueError(f"tokens must be in [1, max_num_seqs * max_model_len], got "
                              f"{self.tokens}")
+        if not 1 <= self.context_len <= self.max_model_len:
+            raise ValueError(f"context_len must be in [1, max_model_len={self.max_model_len}], "
+                             f"got {self.context_len}")
+
+    @property
+    def live_rows(self) -> int:
+        """Sequences the step serves: a decode bucket's tokens, at most max_num_seqs."""
+        return min(self.tokens, self.max_num_seqs)
 
 
 def abstract_params(config: ModelConfig, weights: str):
@@ -86,8 +98,19 @@ def _runner(spec: StepSpec, params) -> ModelRunner:
                             lora=spec.lora)))
 
 
+def weight_bytes(params, config: ModelConfig) -> int:
+    """Bytes of the weights one decode step must read, as stored (int4 codes packed two to a
+    byte): all of them, less an untied input embedding, of which a step gathers its rows."""
+    total = sum(type_bytes(array_type(x.dtype, x.shape)) for x in jax.tree.leaves(params))
+    if not config.tie_word_embeddings:
+        total -= sum(type_bytes(array_type(x.dtype, x.shape))
+                     for x in jax.tree.leaves(params["embedding"]))
+    return total
+
+
 def step_report(spec: StepSpec) -> tuple[compiled_report.StepReport, dict]:
-    """(report, extras: compile seconds, ptxas note) of the engine's step for `spec`."""
+    """(report, extras: compile seconds, ptxas note, the performance model's kernel costs and
+    H200 prediction) of the engine's step for `spec`."""
     params = abstract_params(spec.config, spec.weights)
     runner = _runner(spec, params)
     c = spec.config
@@ -103,6 +126,11 @@ def step_report(spec: StepSpec) -> tuple[compiled_report.StepReport, dict]:
                                           donate_argnums=(1, 2),
                                           compiler_options=dict(spec.compiler_options))
         tree, hlo = thunks.load_dump(dump, STEP_MODULE)
+    costs = perf_model.costs_of(tree, HloModule.parse(hlo), context_len=spec.context_len,
+                                rows=spec.live_rows)
+    weights = weight_bytes(params, c)
+    prediction = perf_model.predict(costs, perf_model.H200, tokens=spec.live_rows,
+                                    weight_bytes=weights)
     stacked = {array_type(x.dtype, x.shape) for x in jax.tree.leaves(params["layers"])}
     report = compiled_report.analyse(
         tree, Module.parse(hlo), num_layers=c.num_layers, stacked=stacked,
@@ -112,11 +140,13 @@ def step_report(spec: StepSpec) -> tuple[compiled_report.StepReport, dict]:
                      for pair in lora_slots.slot_leaves(runner.model.params,
                                                         c.num_layers).values() for x in pair)
     return report, {"compile_s": out.compile_s, "ptxas_note": out.ptxas_note,
-                    "lora_slot_bytes": lora_bytes}
+                    "lora_slot_bytes": lora_bytes, "weight_bytes": weights,
+                    "kernel_costs": costs, "prediction": prediction}
 
 
 def model_shapes() -> dict[str, ModelConfig]:
-    """The shapes the report covers: SmolLM2-135M and a Llama-3-8B-shaped model."""
+    """The shapes the report covers: SmolLM2-135M, Llama-3.2-1B and a Llama-3-8B-shaped
+    model."""
     from models.config import RopeScaling
     return {
         "smollm2": ModelConfig(
@@ -124,6 +154,13 @@ def model_shapes() -> dict[str, ModelConfig]:
             num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
             max_position_embeddings=8192, tie_word_embeddings=True, bos_token_id=1,
             eos_token_ids=(2,)),
+        "llama3.2-1b": ModelConfig(
+            vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16,
+            num_heads=32, num_kv_heads=8, head_dim=64, rms_norm_eps=1e-5, rope_theta=500000.0,
+            rope_scaling=RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                     original_max_position_embeddings=8192),
+            max_position_embeddings=131072, tie_word_embeddings=True, bos_token_id=128000,
+            eos_token_ids=(128001, 128008, 128009)),
         "llama3-8b": ModelConfig(
             vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
             num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,

@@ -63,3 +63,35 @@ def test_pallas_kernels_do_not_spill(report):
     assert {"ragged_paged_attention", "sample_rows"} <= set(pallas), pallas
     assert all(k["registers"] for k in pallas.values()), pallas
     assert all(k["spill_bytes"] == 0 for k in pallas.values()), pallas
+
+
+def test_performance_model_reads_every_kernel(report):
+    """jaxserve/tools/perf_model.py on the real compiled step: one cost per kernel the report
+    counts, attention charged the live context's pages (64 rows of 1024 tokens, 3 KV heads of
+    64, K and V in bf16), every layer weight read by a linear kernel, no kernel charged a
+    whole cache operand (the KV writes and attention touch pages), a prediction above its
+    floor."""
+    r, extra = report
+    costs = extra["kernel_costs"]
+    assert sum(c.kind != "copy" for c in costs) == r.kernels_per_step
+    attention = [c for c in costs if c.kind == "attention"]
+    assert len(attention) == LAYERS
+    assert all(c.kv_bytes == 64 * 1024 * 3 * 64 * 2 * 2 for c in attention), attention[0]
+    layer_weights = extra["weight_bytes"] - 49152 * 576 * 2 - 576 * 2  # less embedding, norm
+    linears = sum(c.bytes for c in costs if c.kind in ("gemm", "int4_matmul")
+                  and c.scope == "layer")
+    assert layer_weights <= linears, (layer_weights, linears)
+    assert max(c.bytes for c in costs) < r.cache_bytes / 2, max(costs, key=lambda c: c.bytes)
+    p = extra["prediction"]
+    assert p.floor_s <= p.step_s and 0 < p.mbu < 1, p.as_dict()
+
+
+def test_weight_bytes_are_what_a_decode_step_reads():
+    """The MBU numerator's weights: all, less an untied input embedding (a step gathers its
+    rows); tied, the table is read whole as the LM head. No compile: abstract params only."""
+    c = dataclasses.replace(gpu_step.model_shapes()["smollm2"], num_layers=2)
+    tied = gpu_step.weight_bytes(gpu_step.abstract_params(c, "bf16"), c)
+    layer = (2 * 576 * 576 + 2 * 576 * 192 + 3 * 576 * 1536 + 2 * 576) * 2
+    assert tied == 49152 * 576 * 2 + 2 * layer + 576 * 2
+    u = dataclasses.replace(c, tie_word_embeddings=False)
+    assert gpu_step.weight_bytes(gpu_step.abstract_params(u, "bf16"), u) == tied  # LM head
