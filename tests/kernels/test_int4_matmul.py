@@ -125,15 +125,41 @@ def test_default_blocks_are_valid(m, k, n):
         assert bn == 64
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_nibble_unpacking_is_exact_for_every_byte(dtype):
-    """The mantissa-bias unpacking gives each byte's two codes exactly (vs numpy's shifts)."""
-    from pallas_kernels.int4_matmul import _unpack_nibbles
-    q = np.arange(256, dtype=np.uint8).reshape(16, 16)
-    lo, hi = jax.jit(_unpack_nibbles, static_argnums=1)(jnp.asarray(q), dtype)
-    assert lo.dtype == hi.dtype == dtype
-    np.testing.assert_array_equal(np.asarray(lo, np.float32), q & 0xF)
-    np.testing.assert_array_equal(np.asarray(hi, np.float32), q >> 4)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_word_unpacking_is_exact_for_every_byte(dtype):
+    """Each byte value at each of a word's 4 positions gives its two codes exactly (plus the
+    dtype's bias), in word order (vs numpy's shifts on the bytes)."""
+    from pallas_kernels.int4_matmul import _bias, _unpack_words, word_order, words_of
+    q = np.stack([np.roll(np.arange(256, dtype=np.uint8), 64 * j) for j in range(4)],
+                 axis=-1).reshape(16, 64)  # [16, 64]: every byte at every position
+    lo, hi = jax.jit(lambda w: _unpack_words(w, dtype))(words_of(jnp.asarray(q)))
+    assert lo.dtype == hi.dtype == dtype and lo.shape == q.shape
+    b = _bias(dtype)
+    np.testing.assert_array_equal(np.asarray(word_order(lo), np.float32) - b, q & 0xF)
+    np.testing.assert_array_equal(np.asarray(word_order(hi), np.float32) - b, q >> 4)
+
+
+def test_word_order_is_its_own_inverse_and_swaps_1_and_2():
+    from pallas_kernels.int4_matmul import word_order
+    v = jnp.arange(16, dtype=jnp.float32).reshape(2, 8)
+    np.testing.assert_array_equal(word_order(v)[0], [0, 2, 1, 3, 4, 6, 5, 7])
+    np.testing.assert_array_equal(word_order(word_order(v)), v)
+
+
+# The engine's GEMMs at decode batches 1..64 and a prefill chunk (bf16 activations and the GPU
+# format's bf16 scales, quantization/gpu_format.py): SmolLM2's up projection (g = 64) and
+# Llama-3-8B's (g = 128).
+ENGINE_GRID = [(m, k, n) for k, n in ((576, 1536), (4096, 14336)) for m in (1, 16, 33, 64, 512)]
+
+
+@pytest.mark.parametrize("m,k,n", ENGINE_GRID)
+def test_kernel_matches_reference_engine_grid_bf16_scales(m, k, n, interpret):
+    g = int4_group_size(k)
+    packed, scales, offsets = _quantized(k, n, g, False, scale_dtype=jnp.bfloat16)
+    x = _x(m, k, jnp.bfloat16)
+    y = int4_matmul(x, packed, scales, offsets, group_size=g, interpret=interpret)
+    assert y.dtype == jnp.bfloat16 and y.shape == (m, n)
+    _assert_close(y, x, packed, scales, offsets, g)
 
 
 @pytest.mark.parametrize("model", sorted(INT4_MODEL_SHAPES))
@@ -284,3 +310,30 @@ def test_compiles_for_h200(m, k, n):
         pytest.skip(reason)
     g = 64 if k == 576 else 128
     cuda_lowering.compile_for_h200(_engine_fn(g, False), *_engine_args(m, k, n, g, False))
+
+
+def _ptxas_report(log: str) -> tuple[int, int]:
+    """(registers, spill store bytes) of the int4_matmul entry in a ptxas -v log."""
+    import re
+    part = log.split("Compiling entry function 'int4_matmul'")[1]
+    return (int(re.search(r"Used (\d+) registers", part).group(1)),
+            int(re.search(r"(\d+) bytes spill stores", part).group(1)))
+
+
+@pytest.mark.parametrize("m,k,n", ENGINE_GRID + [(32, 4096, 4096)])
+def test_tile_choices_compile_without_spills(m, k, n, tmp_path):
+    """sm_90a compile of each default tile choice (bf16 activations, GPU-format bf16 scales):
+    ptxas reports 0 spilled bytes and at most 255 registers (docs/perf_kernels.md lists them)."""
+    from jaxserve.tools import deviceless
+    reason = deviceless.unavailable_reason() or (
+        None if deviceless.cuda_root() else "no CUDA toolkit with ptxas")
+    if reason:
+        pytest.skip(reason)
+    g = int4_group_size(k)
+    s = jax.ShapeDtypeStruct
+    args = [s((m, k), jnp.bfloat16), s((k // 2, n), jnp.uint8),
+            s((k // g, n), jnp.bfloat16), s((k // g, n), jnp.bfloat16)]
+    out = deviceless.compile_for_h200(
+        lambda x, p, sc, o: int4_matmul(x, p, sc, o, group_size=g), args, dump_dir=tmp_path)
+    registers, spilled = _ptxas_report(out.ptxas_log)
+    assert spilled == 0 and registers <= 255, (pick_blocks(m, k, n, g), registers, spilled)
