@@ -5,8 +5,9 @@ Weight format for one [K, N] matrix with group size g along K (g in {32, 64, 128
           in group G (rows G*g .. G*g + g - 1), byte row G*g/2 + i (0 <= i < g/2) holds row
           G*g + i in its low nibble and row G*g + g/2 + i in its high nibble. For g = 32 this is
           GGUF's Q4_0/Q4_1 block layout (qs[i] = q[i] | q[i + 16] << 4), stored [K, N]-major.
-  scales  [K // g, N] f32 (or the activation dtype)
-  offsets [K // g, N] like scales, or None for the symmetric variant
+  scales  [K // g, N] any float dtype (stored f32; the engine's GPU program passes bf16,
+          jaxserve/quantization/gpu_format.py)
+  offsets [K // g, N] any float dtype (f32 in the engine), or None for the symmetric variant
   w[k, n] = scales[k // g, n] * u[k, n] + offsets[k // g, n]
   offsets None means offsets = -8 * scales, i.e. w = s * (u - 8) (GGUF Q4_0). An asymmetric
   s * (u - z) loads as offsets = -s * z; GGUF Q4_1's d * u + m loads as offsets = m.
@@ -15,10 +16,13 @@ Why per-group halves: Triton cannot interleave nibbles into rows (no value slici
 concatenation). The kernel instead views x [M, K] as [M, K/g, 2, g/2] (a free reshape) and
 multiplies low nibbles by the first half of each group's activations, high nibbles by the second.
 
-Kernel math, per tile of T packed rows inside group G (u_lo, u_hi are the raw codes, exact in bf16):
-  acc += s_G * (x_lo @ u_lo + x_hi @ u_hi) + b_G * (sum(x_lo) + sum(x_hi))
+The kernel reads the bytes as uint32 words (4 columns each) and unpacks two codes per 32-bit
+operation, as c = 2^p + u in the activation dtype (`_unpack_words`). Kernel math, per tile of T
+packed rows inside group G (c_lo, c_hi exact; xs = sum(x_lo) + sum(x_hi)):
+  acc += s_G * (x_lo @ c_lo + x_hi @ c_hi) + xs * (b_G - 2^p s_G)
 Scales and offsets are applied in f32 after the dot, so bf16 activations lose nothing to a rounded
-bf16 dequantized weight; the only bf16 rounding is the final cast of the output.
+bf16 dequantized weight; the only bf16 rounding is the final cast of the output. Tiles, and so
+acc, hold their columns in `word_order`; the store puts them back.
 """
 
 from __future__ import annotations
@@ -32,6 +36,12 @@ from jax.experimental.pallas import triton as pltriton
 
 _MIN_DOT = 16   # Triton dot needs every dimension >= 16
 _NUM_SMS = 132  # H200; split-K aims for at least one program per SM
+# From this many tile rows the kernel sums each row's activations per group with a dot
+# against ones ([bm, T] x [T, 16], 1/8 of the main dot's tensor work) instead of converting
+# and adding the [bm, 2T] tile (~2 instructions per packed byte at 64 rows). Below it the
+# 16-wide row max of the dot's layout costs more than it saves (PTX counts,
+# docs/perf_kernels.md "16-64 rows").
+_ONES_DOT_ROWS = 64
 
 
 # Per activation dtype: (bits of 2^p, 2^p) for a float with p mantissa bits, whose OR with a code
@@ -132,7 +142,11 @@ def _int4_matmul_kernel(x_ref, packed_ref, scales_ref, *rest, group_size, block_
         dot = functools.partial(jnp.dot, preferred_element_type=f32,
                                 precision=jax.lax.Precision.HIGHEST)
         d = dot(x_lo, u_lo) + dot(x_hi, u_hi)                       # [bm, bn]
-        xs = jnp.sum(x_lo.astype(f32) + x_hi.astype(f32), axis=1, keepdims=True)  # [bm, 1]
+        if x_lo.shape[0] >= _ONES_DOT_ROWS:  # row sums on the tensor cores: 16 equal columns
+            ones = jnp.ones((tile, _MIN_DOT), dtype)                # [T, 16]
+            xs = jnp.max(dot(x_lo, ones) + dot(x_hi, ones), axis=1, keepdims=True)
+        else:
+            xs = jnp.sum(x_lo.astype(f32) + x_hi.astype(f32), axis=1, keepdims=True)  # [bm, 1]
         # The tile's columns (so d's and acc's) are in word order: so are the scales'.
         s = word_order(scales_ref[pl.ds(grp, 1), :].astype(f32))    # [1, bn]
         # Codes come biased by 2^p (exact in the dot: x times integers < 2^(p+1) is exact in
@@ -231,13 +245,13 @@ def _modelled_cost(m: int, k: int, n: int, block_m: int, block_n: int, split_k: 
                    group_size: int) -> float:
     """Relative time of one launch in a bandwidth model: bytes moved over the share of SMs busy.
 
-    Weights and scales are read once; split-K partials are written and read back once (one
-    row when M = 1, else the padded M) and weighted by a quarter, since at these sizes they stay
-    in the 50 MB L2. Fewer programs than SMs leave SMs idle.
+    Weights, scales and offsets are read once; split-K partials are written and read back once
+    (one row when M = 1, else the padded M) and weighted by a quarter, since at these sizes they
+    stay in the 50 MB L2. Fewer programs than SMs leave SMs idle.
     """
     mp = -(-m // block_m) * block_m
     programs = (mp // block_m) * (n // block_n) * split_k
-    weights = k * n // 2 + 2 * 4 * (k // group_size) * n
+    weights = k * n // 2 + 6 * (k // group_size) * n  # GPU format: bf16 scales, f32 offsets
     partials = 0 if split_k == 1 else 2 * split_k * (1 if m == 1 else mp) * n * 4
     return (weights + partials / 4) / min(1.0, programs / _NUM_SMS)
 

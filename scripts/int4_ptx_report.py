@@ -52,14 +52,15 @@ def _ptxas(log: str) -> str:
     return f"{regs.group(1) if regs else '?'} regs, {spill.group(1) if spill else '?'} B spill"
 
 
-def report(mod, m: int, k: int, n: int, scale_dtype) -> dict:
+def report(mod, m: int, k: int, n: int, scale_dtype, num_warps: int | None = None) -> dict:
     g = 64 if k == 576 else 128
     s = jax.ShapeDtypeStruct
     args = [s((m, k), jnp.bfloat16), s((k // 2, n), jnp.uint8), s((k // g, n), scale_dtype),
             s((k // g, n), scale_dtype)]
     with tempfile.TemporaryDirectory(prefix="int4-ptx-") as dump:
         out = deviceless.compile_for_h200(
-            lambda x, p, sc, o: mod.int4_matmul(x, p, sc, o, group_size=g), args,
+            lambda x, p, sc, o: mod.int4_matmul(x, p, sc, o, group_size=g,
+                                                num_warps=num_warps), args,
             dump_dir=dump, keep_ptx=True)
         ptx = next(t for f in sorted(pathlib.Path(dump, "ptx").glob("*.ptx"))
                    if ".entry int4_matmul(" in (t := f.read_text()))
@@ -79,6 +80,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", nargs="*", default=CASES, help="MxKxN, bf16 activations")
     ap.add_argument("--kernel", help="another int4_matmul.py to count instead")
+    ap.add_argument("--num-warps", type=int, help="Triton warps (default: the kernel's)")
     ap.add_argument("--scale-dtype", default="bfloat16", choices=("bfloat16", "float32"))
     a = ap.parse_args(argv)
     mod = _module(a.kernel)
@@ -87,7 +89,7 @@ def main(argv=None) -> None:
     print("|---|---|---|---|---|---|")
     for case in a.cases:
         m, k, n = map(int, case.split("x"))
-        r = report(mod, m, k, n, jnp.dtype(a.scale_dtype))
+        r = report(mod, m, k, n, jnp.dtype(a.scale_dtype), a.num_warps)
         print(f"| {r['case']} | {r['blocks']} | {r['bytes']:g} | {r['total']:.2f} | "
               f"{r['bit']:.2f} | {r['ptxas']} |", flush=True)
 
