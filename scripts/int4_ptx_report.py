@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import pathlib
 import re
 import sys
 import tempfile
@@ -62,8 +61,7 @@ def report(mod, m: int, k: int, n: int, scale_dtype, num_warps: int | None = Non
             lambda x, p, sc, o: mod.int4_matmul(x, p, sc, o, group_size=g,
                                                 num_warps=num_warps), args,
             dump_dir=dump, keep_ptx=True)
-        ptx = next(t for f in sorted(pathlib.Path(dump, "ptx").glob("*.ptx"))
-                   if ".entry int4_matmul(" in (t := f.read_text()))
+        ptx = ptx_loop.entry_ptx(dump, "int4_matmul")
     body = ptx_loop.kernel_body(ptx, "int4_matmul")
     loop, looped = ptx_loop.main_loop(body)
     ops = ptx_loop.opcodes(loop)

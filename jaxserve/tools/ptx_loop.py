@@ -55,3 +55,14 @@ def threads_per_block(lines: list[str]) -> int:
         if m:
             return int(m.group(1)) * int(m.group(2)) * int(m.group(3))
     raise ValueError("no .maxntid/.reqntid in the kernel")
+
+
+def entry_ptx(dump_dir, name: str) -> str:
+    """The PTX module kept by `compile_for_h200(..., keep_ptx=True)` in `dump_dir` that defines
+    entry `name`."""
+    import pathlib
+    for f in sorted(pathlib.Path(dump_dir, "ptx").glob("*.ptx")):
+        text = f.read_text()
+        if f".entry {name}(" in text:
+            return text
+    raise FileNotFoundError(f"no kept PTX file in {dump_dir}/ptx defines .entry {name}")
