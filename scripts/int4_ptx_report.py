@@ -55,7 +55,7 @@ def report(mod, m: int, k: int, n: int, scale_dtype, num_warps: int | None = Non
     g = 64 if k == 576 else 128
     s = jax.ShapeDtypeStruct
     args = [s((m, k), jnp.bfloat16), s((k // 2, n), jnp.uint8), s((k // g, n), scale_dtype),
-            s((k // g, n), scale_dtype)]
+            s((k // g, n), jnp.float32)]  # offsets: float32, as the engine passes them
     with tempfile.TemporaryDirectory(prefix="int4-ptx-") as dump:
         out = deviceless.compile_for_h200(
             lambda x, p, sc, o: mod.int4_matmul(x, p, sc, o, group_size=g,

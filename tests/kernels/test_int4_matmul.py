@@ -150,7 +150,7 @@ def test_word_order_is_its_own_inverse_and_swaps_1_and_2():
 
 
 # The engine's GEMMs at decode batches 1..64 and a prefill chunk (bf16 activations and the GPU
-# format's bf16 scales, quantization/gpu_format.py): SmolLM2's up projection (g = 64) and
+# format: bf16 scales, f32 offsets, quantization/gpu_format.py): SmolLM2's up projection (g = 64) and
 # Llama-3-8B's (g = 128).
 ENGINE_GRID = [(m, k, n) for k, n in ((576, 1536), (4096, 14336)) for m in (1, 16, 33, 64, 512)]
 
@@ -158,7 +158,8 @@ ENGINE_GRID = [(m, k, n) for k, n in ((576, 1536), (4096, 14336)) for m in (1, 1
 @pytest.mark.parametrize("m,k,n", ENGINE_GRID)
 def test_kernel_matches_reference_engine_grid_bf16_scales(m, k, n, interpret):
     g = int4_group_size(k)
-    packed, scales, offsets = _quantized(k, n, g, False, scale_dtype=jnp.bfloat16)
+    packed, scales, offsets = _quantized(k, n, g, False, scale_dtype=jnp.bfloat16,
+                                         offset_dtype=jnp.float32)
     x = _x(m, k, jnp.bfloat16)
     y = int4_matmul(x, packed, scales, offsets, group_size=g, interpret=interpret)
     assert y.dtype == jnp.bfloat16 and y.shape == (m, n)
@@ -325,7 +326,7 @@ def _ptxas_report(log: str) -> tuple[int, int]:
 
 @pytest.mark.parametrize("m,k,n", ENGINE_GRID + [(32, 4096, 4096)])
 def test_tile_choices_compile_without_spills(m, k, n, tmp_path):
-    """sm_90a compile of each default tile choice (bf16 activations, GPU-format bf16 scales):
+    """sm_90a compile of each default tile choice (bf16 activations, the GPU format):
     ptxas reports 0 spilled bytes and at most 255 registers (docs/perf_kernels.md lists them)."""
     from jaxserve.tools import deviceless
     reason = deviceless.unavailable_reason() or (
@@ -335,7 +336,7 @@ def test_tile_choices_compile_without_spills(m, k, n, tmp_path):
     g = int4_group_size(k)
     s = jax.ShapeDtypeStruct
     args = [s((m, k), jnp.bfloat16), s((k // 2, n), jnp.uint8),
-            s((k // g, n), jnp.bfloat16), s((k // g, n), jnp.bfloat16)]
+            s((k // g, n), jnp.bfloat16), s((k // g, n), jnp.float32)]  # the GPU format
     out = deviceless.compile_for_h200(
         lambda x, p, sc, o: int4_matmul(x, p, sc, o, group_size=g), args, dump_dir=tmp_path)
     registers, spilled = _ptxas_report(out.ptxas_log)
