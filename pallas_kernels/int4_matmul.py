@@ -12,9 +12,11 @@ Weight format for one [K, N] matrix with group size g along K (g in {32, 64, 128
   offsets None means offsets = -8 * scales, i.e. w = s * (u - 8) (GGUF Q4_0). An asymmetric
   s * (u - z) loads as offsets = -s * z; GGUF Q4_1's d * u + m loads as offsets = m.
 
-Why per-group halves: Triton cannot interleave nibbles into rows (no value slicing or
-concatenation). The kernel instead views x [M, K] as [M, K/g, 2, g/2] (a free reshape) and
-multiplies low nibbles by the first half of each group's activations, high nibbles by the second.
+Why per-group halves: interleaving nibbles into rows takes Triton a join and a transpose per
+tile (no value slicing or general concatenation), which cost more than a second dot (PTX counts,
+docs/perf_kernels.md). The kernel instead views x [M, K] as [M, K/g, 2, g/2] (a free reshape)
+and multiplies low nibbles by the first half of each group's activations, high nibbles by the
+second.
 
 The kernel reads the bytes as uint32 words (4 columns each) and unpacks two codes per 32-bit
 operation, as c = 2^p + u in the activation dtype (`_unpack_words`). Kernel math, per tile of T
