@@ -167,11 +167,12 @@ def int4_error_bound(ref: np.ndarray, dtype) -> np.ndarray:
 
 
 def int4_weights(k: int, n: int, g: int, symmetric: bool, seed: int = 0,
-                 scale_dtype=np.float32):
+                 scale_dtype=np.float32, offset_dtype=None):
     """Random codes over the full range [0, 15] with random per-group scales and offsets.
 
     Returns packed `[K / 2, N]` uint8, scales `[K / g, N]` and offsets `[K / g, N]` (None when
-    symmetric).
+    symmetric). offset_dtype None: scale_dtype. The engine's GPU format is bfloat16 scales with
+    float32 offsets (jaxserve/quantization/gpu_format.py).
     """
     import jax.numpy as jnp
     from pallas_kernels.int4_matmul import pack_int4
@@ -180,7 +181,7 @@ def int4_weights(k: int, n: int, g: int, symmetric: bool, seed: int = 0,
     packed = pack_int4(jnp.asarray(u), group_size=g)
     scales = jnp.asarray(rng.uniform(0.005, 0.05, size=(k // g, n)).astype(scale_dtype))
     offsets = None if symmetric else jnp.asarray(
-        rng.uniform(-0.4, 0.0, size=(k // g, n)).astype(scale_dtype))
+        rng.uniform(-0.4, 0.0, size=(k // g, n)).astype(offset_dtype or scale_dtype))
     return packed, scales, offsets
 
 

@@ -5,20 +5,26 @@ Weight format for one [K, N] matrix with group size g along K (g in {32, 64, 128
           in group G (rows G*g .. G*g + g - 1), byte row G*g/2 + i (0 <= i < g/2) holds row
           G*g + i in its low nibble and row G*g + g/2 + i in its high nibble. For g = 32 this is
           GGUF's Q4_0/Q4_1 block layout (qs[i] = q[i] | q[i + 16] << 4), stored [K, N]-major.
-  scales  [K // g, N] f32 (or the activation dtype)
-  offsets [K // g, N] like scales, or None for the symmetric variant
+  scales  [K // g, N] any float dtype (stored f32; the engine's GPU program passes bf16,
+          jaxserve/quantization/gpu_format.py)
+  offsets [K // g, N] any float dtype (f32 in the engine), or None for the symmetric variant
   w[k, n] = scales[k // g, n] * u[k, n] + offsets[k // g, n]
   offsets None means offsets = -8 * scales, i.e. w = s * (u - 8) (GGUF Q4_0). An asymmetric
   s * (u - z) loads as offsets = -s * z; GGUF Q4_1's d * u + m loads as offsets = m.
 
-Why per-group halves: Triton cannot interleave nibbles into rows (no value slicing or
-concatenation). The kernel instead views x [M, K] as [M, K/g, 2, g/2] (a free reshape) and
-multiplies low nibbles by the first half of each group's activations, high nibbles by the second.
+Why per-group halves: interleaving nibbles into rows takes Triton a join and a transpose per
+tile (no value slicing or general concatenation), which cost more than a second dot (PTX counts,
+docs/perf_kernels.md). The kernel instead views x [M, K] as [M, K/g, 2, g/2] (a free reshape)
+and multiplies low nibbles by the first half of each group's activations, high nibbles by the
+second.
 
-Kernel math, per tile of T packed rows inside group G (u_lo, u_hi are the raw codes, exact in bf16):
-  acc += s_G * (x_lo @ u_lo + x_hi @ u_hi) + b_G * (sum(x_lo) + sum(x_hi))
+The kernel reads the bytes as uint32 words (4 columns each) and unpacks two codes per 32-bit
+operation, as c = 2^p + u in the activation dtype (`_unpack_words`). Kernel math, per tile of T
+packed rows inside group G (c_lo, c_hi exact; xs = sum(x_lo) + sum(x_hi)):
+  acc += s_G * (x_lo @ c_lo + x_hi @ c_hi) + xs * (b_G - 2^p s_G)
 Scales and offsets are applied in f32 after the dot, so bf16 activations lose nothing to a rounded
-bf16 dequantized weight; the only bf16 rounding is the final cast of the output.
+bf16 dequantized weight; the only bf16 rounding is the final cast of the output. Tiles, and so
+acc, hold their columns in `word_order`; the store puts them back.
 """
 
 from __future__ import annotations
@@ -32,34 +38,89 @@ from jax.experimental.pallas import triton as pltriton
 
 _MIN_DOT = 16   # Triton dot needs every dimension >= 16
 _NUM_SMS = 132  # H200; split-K aims for at least one program per SM
+# From this many tile rows the kernel sums each row's activations per group with a dot
+# against ones ([bm, T] x [T, 16], 1/8 of the main dot's tensor work) instead of converting
+# and adding the [bm, 2T] tile (~2 instructions per packed byte at 64 rows). Below it the
+# 16-wide row max of the dot's layout costs more than it saves (PTX counts,
+# docs/perf_kernels.md "16-64 rows").
+_ONES_DOT_ROWS = 64
 
 
-# Bits of 2^p for a float with p mantissa bits: OR-ing a code u < 2^p into them gives 2^p + u.
-_MANTISSA_BIAS = {jnp.dtype(jnp.bfloat16): (jnp.int16, 0x4300, 128.0),
-                  jnp.dtype(jnp.float32): (jnp.int32, 0x4B000000, 2.0 ** 23)}
+# Per activation dtype: (bits of 2^p, 2^p) for a float with p mantissa bits, whose OR with a code
+# u < 2^p is the float 2^p + u. The 16-bit dtypes take the bits twice, once per half-word.
+_MAGIC = {jnp.dtype(jnp.bfloat16): (0x43004300, 128.0),
+          jnp.dtype(jnp.float16): (0x64006400, 1024.0),
+          jnp.dtype(jnp.float32): (0x4B000000, 2.0 ** 23)}
+_PAIR_MASK = 0x000F000F  # one nibble in each 16-bit half of a word
 
 
-def _unpack_nibbles(q8, dtype):
-    """uint8 codes [T, bn] -> (low, high) nibbles as `dtype` [T, bn], exactly.
+def _interleave(p, q):
+    """Two (low half, high half) pairs of [T, W] arrays -> [T, 4W], position 4c + 2b + a
+    taking pair b's half a: each word's two halves stay adjacent (no byte permutes), so the
+    tile's columns come in `word order`."""
+    t, w = p[0].shape
+    both = jnp.stack([jnp.stack([p[0], q[0]], axis=-1), jnp.stack([p[1], q[1]], axis=-1)],
+                     axis=-1)  # [T, W, 2 (b), 2 (a)]
+    return both.reshape(t, 4 * w)
 
-    No integer-to-float conversion (a quarter-rate instruction on the GPU): each nibble is OR-ed
-    into the mantissa of 2^p, the bits reinterpreted as a float (2^p + u, exact) and 2^p
-    subtracted (exact). Other dtypes convert directly.
+
+def word_order(v):
+    """[R, N] -> [R, N] with columns 4c + 1 and 4c + 2 swapped: the order `_unpack_words`
+    gives a word's columns 4c..4c+3 in (bytes 0 and 2 share a word, as do 1 and 3). Its own
+    inverse."""
+    r, n = v.shape
+    return jnp.swapaxes(v.reshape(r, n // 4, 2, 2), 2, 3).reshape(r, n)
+
+
+def _unpack_words(words, dtype):
+    """uint32 words [T, W] (4 packed bytes each: columns 4c..4c+3, byte 0 least significant)
+    -> (low, high) nibbles [T, 4W] in `dtype`, each plus `_bias(dtype)`.
+
+    Shifting a word by 0/4/8/12 and masking one nibble per 16-bit half puts two codes (bytes 0
+    and 2, or 1 and 3) in a word at once; for 16-bit floats OR-ing 2^p's bits into both halves
+    makes each half the float 2^p + u, exact, with no integer-to-float conversion (a
+    quarter-rate instruction) and no subtraction: the kernel removes 2^p once per output from
+    the activation sums it already has. So a word's eight codes cost three shifts and four
+    and/or pairs (one LOP3 each in SASS). f32 takes one code per word and subtracts 2^23.
     """
-    if jnp.dtype(dtype) not in _MANTISSA_BIAS:
-        q = q8.astype(jnp.int32)
-        return (q & 0xF).astype(dtype), (q >> 4).astype(dtype)
-    itype, bits, bias = _MANTISSA_BIAS[jnp.dtype(dtype)]
-    q = q8.astype(itype)  # zero-extends: codes stay in [0, 255]
-    lo = jax.lax.bitcast_convert_type((q & 0xF) | itype(bits), dtype) - bias
-    hi = jax.lax.bitcast_convert_type((q >> 4) | itype(bits), dtype) - bias
-    return lo, hi
+    dtype = jnp.dtype(dtype)
+    u16, u32 = jnp.uint16, jnp.uint32
+    if dtype.itemsize == 2 and dtype in _MAGIC:
+        bits = u32(_MAGIC[dtype][0])
+
+        def pair(shift):
+            a = ((words >> shift) & u32(_PAIR_MASK)) | bits  # [T, W], two floats
+            return (jax.lax.bitcast_convert_type(a.astype(u16), dtype),
+                    jax.lax.bitcast_convert_type((a >> 16).astype(u16), dtype))
+    else:
+        def pair(shift):
+            a = (words >> shift) & u32(_PAIR_MASK)
+            halves = (a & u32(0xFFFF), a >> 16)
+            if dtype not in _MAGIC:
+                return tuple(h.astype(dtype) for h in halves)
+            bits, bias = _MAGIC[dtype]
+            return tuple(jax.lax.bitcast_convert_type(h | u32(bits), dtype) - dtype.type(bias)
+                         for h in halves)
+    return _interleave(pair(0), pair(8)), _interleave(pair(4), pair(12))
+
+
+def _bias(dtype) -> float:
+    """What `_unpack_words` leaves added to every code in `dtype` (2^p for 16-bit floats)."""
+    dtype = jnp.dtype(dtype)
+    return _MAGIC[dtype][1] if dtype.itemsize == 2 and dtype in _MAGIC else 0.0
+
+
+def words_of(packed) -> jax.Array:
+    """[..., N] uint8 -> [..., N/4] uint32 (a bitcast: byte j of a word is column 4c + j)."""
+    *lead, n = packed.shape
+    return jax.lax.bitcast_convert_type(packed.reshape(*lead, n // 4, 4), jnp.uint32)
 
 
 def _int4_matmul_kernel(x_ref, packed_ref, scales_ref, *rest, group_size, block_k, symmetric):
     """One [bm, bn] output tile, summed over this program's K split.
 
-    x_ref [bm, Gs, 2, g/2]; packed_ref [Gs, g/2, bn] uint8; scales_ref/offsets_ref [Gs, bn];
+    x_ref [bm, Gs, 2, g/2]; packed_ref [Gs, g/2, bn/4] uint32 (`words_of`); scales_ref and
+    offsets_ref [Gs, bn];
     out_ref [bm, bn] (or [1, bm, bn] partial sums when split-K). Gs = groups in this split; a
     split inside a group sees a sub-group (g = the split's rows) with the group's scale.
     out_ref with one row ([1, bn] or [1, 1, bn]) takes the sum of the tile's rows: M = 1 padded to
@@ -74,19 +135,30 @@ def _int4_matmul_kernel(x_ref, packed_ref, scales_ref, *rest, group_size, block_
     num_steps = num_groups * tiles_per_group // groups_per_step
     dtype = x_ref.dtype
     f32 = jnp.float32
+    bias = _bias(dtype)
 
     def tile_update(acc, grp, off):
         x_lo = x_ref[:, grp, 0, pl.ds(off, tile)]                   # [bm, T]
         x_hi = x_ref[:, grp, 1, pl.ds(off, tile)]                   # [bm, T]
-        u_lo, u_hi = _unpack_nibbles(packed_ref[grp, pl.ds(off, tile), :], dtype)  # [T, bn]
+        u_lo, u_hi = _unpack_words(packed_ref[grp, pl.ds(off, tile), :], dtype)  # [T, bn]
         dot = functools.partial(jnp.dot, preferred_element_type=f32,
                                 precision=jax.lax.Precision.HIGHEST)
         d = dot(x_lo, u_lo) + dot(x_hi, u_hi)                       # [bm, bn]
-        xs = jnp.sum(x_lo.astype(f32) + x_hi.astype(f32), axis=1, keepdims=True)  # [bm, 1]
-        s = scales_ref[pl.ds(grp, 1), :].astype(f32)                # [1, bn]
+        if x_lo.shape[0] >= _ONES_DOT_ROWS:  # row sums on the tensor cores: 16 equal columns
+            ones = jnp.ones((tile, _MIN_DOT), dtype)                # [T, 16]
+            xs = jnp.max(dot(x_lo, ones) + dot(x_hi, ones), axis=1, keepdims=True)
+        else:
+            xs = jnp.sum(x_lo.astype(f32) + x_hi.astype(f32), axis=1, keepdims=True)  # [bm, 1]
+        # The tile's columns (so d's and acc's) are in word order: so are the scales'.
+        s = word_order(scales_ref[pl.ds(grp, 1), :].astype(f32))    # [1, bn]
+        # Codes come biased by 2^p (exact in the dot: x times integers < 2^(p+1) is exact in
+        # f32); the bias (and the symmetric -8) join the offsets on the [1, bn] row, so each
+        # output element costs two multiply-adds per group.
         if symmetric:
-            return acc + s * (d - 8.0 * xs)
-        return acc + s * d + xs * offsets_ref[pl.ds(grp, 1), :].astype(f32)
+            b = -(bias + 8.0) * s
+        else:
+            b = word_order(offsets_ref[pl.ds(grp, 1), :].astype(f32)) - bias * s  # [1, bn]
+        return acc + s * d + xs * b
 
     def step(i, acc):
         if tiles_per_group > 1:  # block_k < g: several steps per group
@@ -99,12 +171,13 @@ def _int4_matmul_kernel(x_ref, packed_ref, scales_ref, *rest, group_size, block_
     acc = jax.lax.fori_loop(0, num_steps, step, jnp.zeros((bm, bn), f32))
     if out_ref.shape[-2] == 1 and bm > 1:
         acc = jnp.sum(acc, axis=0, keepdims=True)  # [1, bn]
+    acc = word_order(acc)  # back to column order
     out_ref[...] = acc.reshape(out_ref.shape).astype(out_ref.dtype)
 
 
 def _int4_matmul_call(x4, packed3, scales, offsets, *, block_m, block_n, block_k, split_k,
                       out_rows, out_dtype, compiler_params, interpret):
-    """x4 [Mp, K/g, 2, g/2]; packed3 [K/g, g/2, N]; scales, offsets [K/g, N].
+    """x4 [Mp, K/g, 2, g/2]; packed3 [K/g, g/2, N/4] uint32 words; scales, offsets [K/g, N].
 
     split_k <= K/g splits whole groups (it divides K/g); split_k = K/g * d cuts each group into
     d sub-groups, program s taking part s % d of group s // d. out_rows is Mp, or 1 when M = 1.
@@ -112,7 +185,7 @@ def _int4_matmul_call(x4, packed3, scales, offsets, *, block_m, block_n, block_k
     split_k > 1.
     """
     mp, num_groups, _, half = x4.shape
-    n = packed3.shape[-1]
+    n = 4 * packed3.shape[-1]
     if split_k <= num_groups:  # whole groups per split
         gs, sub, rows = num_groups // split_k, 1, half
         grp = lambda s: s  # noqa: E731 - block index along the group axis
@@ -125,7 +198,7 @@ def _int4_matmul_call(x4, packed3, scales, offsets, *, block_m, block_n, block_k
     symmetric = offsets is None
     in_specs = [
         pl.BlockSpec((block_m, gs, 2, rows), lambda i, j, s: (i, grp(s), 0, part(s))),
-        pl.BlockSpec((gs, rows, block_n), lambda i, j, s: (grp(s), part(s), j)),
+        pl.BlockSpec((gs, rows, block_n // 4), lambda i, j, s: (grp(s), part(s), j)),
         pl.BlockSpec((gs, block_n), lambda i, j, s: (grp(s), j)),
     ]
     args = [x4, packed3, scales]
@@ -174,13 +247,13 @@ def _modelled_cost(m: int, k: int, n: int, block_m: int, block_n: int, split_k: 
                    group_size: int) -> float:
     """Relative time of one launch in a bandwidth model: bytes moved over the share of SMs busy.
 
-    Weights and scales are read once; split-K partials are written and read back once (one
-    row when M = 1, else the padded M) and weighted by a quarter, since at these sizes they stay
-    in the 50 MB L2. Fewer programs than SMs leave SMs idle.
+    Weights, scales and offsets are read once; split-K partials are written and read back once
+    (one row when M = 1, else the padded M) and weighted by a quarter, since at these sizes they
+    stay in the 50 MB L2. Fewer programs than SMs leave SMs idle.
     """
     mp = -(-m // block_m) * block_m
     programs = (mp // block_m) * (n // block_n) * split_k
-    weights = k * n // 2 + 2 * 4 * (k // group_size) * n
+    weights = k * n // 2 + 6 * (k // group_size) * n  # GPU format: bf16 scales, f32 offsets
     partials = 0 if split_k == 1 else 2 * split_k * (1 if m == 1 else mp) * n * 4
     return (weights + partials / 4) / min(1.0, programs / _NUM_SMS)
 
@@ -263,7 +336,7 @@ def int4_matmul(x, packed, scales, offsets, *, group_size: int, block_m=None, bl
     mp = -(-m // block_m) * block_m
     g = group_size
     x4 = jnp.pad(x, ((0, mp - m), (0, 0))).reshape(mp, k // g, 2, g // 2)  # [Mp, K/g, 2, g/2]
-    packed3 = packed.reshape(k // g, g // 2, n)  # [K/g, g/2, N]
+    packed3 = words_of(packed.reshape(k // g, g // 2, n))  # [K/g, g/2, N/4] uint32
     # Interpreters ignore Triton params, and the strict (TPU) interpreter rejects them.
     params = None
     if not interpret and (num_warps or num_stages):

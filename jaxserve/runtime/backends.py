@@ -22,6 +22,7 @@ from jaxserve.config import BACKENDS
 from jaxserve.native import float_matmul
 from jaxserve.native.quant_matmul import vnni
 from jaxserve.quantization.cpu_packed import pack_params, repacks
+from jaxserve.quantization.gpu_format import gpu_params
 from jaxserve.quantization.linear import ACTIVATION_BITS, quantized_linear
 from models.config import ModelConfig
 from models.llama import Parallel, dense_linear, tied_head
@@ -63,11 +64,14 @@ def resolve(kind: str, attention: bool = False) -> str:
 
 def prepare_params(kind: str, model):
     """The model with its quantized linear weights in the layout the `kind` linear backend
-    reads: repacked once, at load, for the native CPU kernel (never per step); as is
+    reads: repacked once, at load, for the native CPU kernel (never per step); int4 scales
+    and offsets in bfloat16 for the Pallas kernel (quantization/gpu_format.py); as is
     otherwise. (Tensor parallelism shards the stored types: the engine gives it kind xla.)"""
-    if kind != "cpu":
-        return model
-    return dataclasses.replace(model, params=pack_params(model.params))
+    if kind == "cpu":
+        return dataclasses.replace(model, params=pack_params(model.params))
+    if kind in ("pallas", "pallas-interpret"):
+        return dataclasses.replace(model, params=gpu_params(model.params))
+    return model
 
 
 def default_dtype(requested: str | None) -> str:

@@ -61,7 +61,13 @@ CUDA_ROOTS = ("CUDA_HOME", "CUDA_PATH")
 CUDA_DIRS = ("/usr/local/cuda", "/usr/local/cuda-13.0", "/usr/local/cuda-13")
 
 _WRAPPER = """#!/bin/sh
-# ptxas with -v, its report appended to a log XLA never reads (XLA still sees its stderr).
+# ptxas with -v, its report appended to a log XLA never reads (XLA still sees its stderr);
+# with a PTX directory, its input (XLA passes the PTX file first, without an extension) is
+# copied there first as N.ptx, N counting calls.
+keep="{keep}"
+if [ -n "$keep" ] && [ -f "$1" ]; then
+  cp "$1" "$keep/$(ls "$keep" | wc -l).ptx"
+fi
 err=$(mktemp)
 "{real}" -v "$@" 2>"$err"
 rc=$?
@@ -105,8 +111,10 @@ def cuda_root() -> pathlib.Path | None:
     return None
 
 
-def _ptxas_wrapper_dir(root: pathlib.Path, work: pathlib.Path, log: pathlib.Path) -> str:
-    """A CUDA directory mirroring `root` whose bin/ptxas logs its -v report to `log`."""
+def _ptxas_wrapper_dir(root: pathlib.Path, work: pathlib.Path, log: pathlib.Path,
+                      keep: pathlib.Path | None = None) -> str:
+    """A CUDA directory mirroring `root` whose bin/ptxas logs its -v report to `log` (and copies
+    each PTX file it compiles into `keep`, when given)."""
     cuda = work / "cuda"
     (cuda / "bin").mkdir(parents=True)
     for entry in root.iterdir():
@@ -116,7 +124,7 @@ def _ptxas_wrapper_dir(root: pathlib.Path, work: pathlib.Path, log: pathlib.Path
         if tool.name != "ptxas":
             (cuda / "bin" / tool.name).symlink_to(tool)
     wrapper = cuda / "bin" / "ptxas"
-    wrapper.write_text(_WRAPPER.format(real=root / "bin" / "ptxas", log=log))
+    wrapper.write_text(_WRAPPER.format(real=root / "bin" / "ptxas", log=log, keep=keep or ""))
     wrapper.chmod(0o755)
     return str(cuda)
 
@@ -132,10 +140,11 @@ class DevicelessCompile:
 
 def compile_for_h200(fn, args, *, dump_dir: str | pathlib.Path, donate_argnums=(),
                      compiler_options: dict | None = None, ptxas: bool = True,
-                     jit_kwargs: dict | None = None) -> DevicelessCompile:
+                     jit_kwargs: dict | None = None, keep_ptx: bool = False) -> DevicelessCompile:
     """Compiles `jax.jit(fn)` for one compile-only H200 on `args` (ShapeDtypeStructs or arrays;
     their shapes only), dumping XLA's files into `dump_dir`. Raises on compile errors (Triton,
-    ptxas, shared memory)."""
+    ptxas, shared memory). `keep_ptx` copies every PTX file ptxas compiles into
+    `dump_dir`/ptx (XLA's own dump has none when it runs ptxas as a subprocess)."""
     topo = h200_topology()
     mesh = jax.sharding.Mesh(topo.devices, ("x",))
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
@@ -148,7 +157,11 @@ def compile_for_h200(fn, args, *, dump_dir: str | pathlib.Path, donate_argnums=(
     log, note = work / "ptxas.log", None
     root = cuda_root() if ptxas else None
     if root is not None:
-        options["xla_gpu_cuda_data_dir"] = _ptxas_wrapper_dir(root, work, log)
+        keep = None
+        if keep_ptx:
+            keep = dump / "ptx"
+            keep.mkdir(parents=True, exist_ok=True)
+        options["xla_gpu_cuda_data_dir"] = _ptxas_wrapper_dir(root, work, log, keep)
     elif ptxas:
         note = (f"no CUDA toolkit with bin/ptxas and nvvm/libdevice in ${'/$'.join(CUDA_ROOTS)} "
                 f"or {', '.join(CUDA_DIRS)}")
