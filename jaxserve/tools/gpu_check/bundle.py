@@ -159,20 +159,8 @@ def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
     tar.addfile(info, io.BytesIO(data))
 
 
-def extract_ptxas(scratch: pathlib.Path) -> None:
-    """scratch/ptxas.log: the lines of the stderr log that are ptxas' (its -v report of
-    registers and spills), so the tar keeps them even when the whole log is cut."""
-    log = pathlib.Path(scratch) / "stderr.log"
-    if not log.is_file():
-        return
-    keep = [line for line in log.read_text(errors="replace").splitlines()
-            if "ptxas" in line.lower() or "registers" in line or "spill" in line]
-    (pathlib.Path(scratch) / "ptxas.log").write_text("\n".join(keep) + "\n")
-
-
 def build_bundle(out: pathlib.Path, scratch: pathlib.Path, traced: list[str],
                  variants: list[str], limits: Limits = LIMITS) -> dict:
     """Writes the tar under `out` from the scratch folder; returns its manifest."""
-    extract_ptxas(scratch)
     others = [m for m in variants if m not in traced]
     return write_tar(out, candidates(scratch, traced, others), limits)

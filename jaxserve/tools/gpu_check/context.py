@@ -32,6 +32,7 @@ class Ctx:
         self.step_modules: dict = {}  # engine variant -> XLA dump module ids it compiled
         self.decode_trace: dict = {}  # decode_trace's per-kernel summary, for prediction
         self.report: dict = {}      # the report so far (the driver's), read by `prediction`
+        self.ptxas_note: str | None = None  # why no ptxas -v report is captured, if none is
 
     def enter_section(self, name: str, cap_s: float | None) -> None:
         now = time.monotonic()

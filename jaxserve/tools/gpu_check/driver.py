@@ -41,14 +41,15 @@ DESCRIPTION = "GPU check: the one prepared script to run when an H200 is lent (s
 
 
 # Preflight first (no GPU: stop); the kernels' correctness and their compiled tests before any
-# timing; SmolLM2 (the served model) and its trace before the costlier 8B model; the dump
+# timing; SmolLM2 (the served model) and its trace before the costlier 8B model, both before
+# the plain-defaults run and the HF peer (the first to give way to the budget); the dump
 # summary and the prediction hook last, since they read what the others left.
 SECTIONS = [("preflight", section_preflight), ("bandwidth", section_bandwidth),
             ("kernel_correctness", section_kernel_correctness),
             ("kernel_tests", section_kernel_tests), ("kernel_timings", section_kernel_timings),
             ("launch_floor", section_launch_floor), ("e2e_smollm2", section_e2e_smollm2),
-            ("decode_trace", section_decode_trace), ("llm_defaults", section_llm_defaults),
-            ("e2e_llama3_8b", section_e2e_llama3_8b), ("hf_peer", section_hf_peer),
+            ("decode_trace", section_decode_trace), ("e2e_llama3_8b", section_e2e_llama3_8b),
+            ("llm_defaults", section_llm_defaults), ("hf_peer", section_hf_peer),
             ("step_dump", section_step_dump), ("prediction", section_prediction)]
 # Cheap and needed to read the rest: these run even past the budget (under their own cap).
 ALWAYS = {"preflight": 30.0, "step_dump": 30.0, "prediction": 10.0}
@@ -183,9 +184,11 @@ def main(argv=None) -> int:
     tee = guards.StderrTee(stderr_log(scratch)).start()
     print(f"gpu_check: dumps, trace and this stderr go to {scratch} first; results to {out}",
           file=sys.stderr, flush=True)
-    enable_step_dump(args, scratch)  # XLA reads its flags once, when jax starts the backend
+    # XLA reads its flags once, when jax starts the backend.
+    ptxas_note = enable_step_dump(args, scratch)
     guards.install_handlers()
     ctx = Ctx(args, DRY_PROFILE if args.dry_run else GPU_PROFILE, scratch)
+    ctx.ptxas_note = ptxas_note
     wanted = set(args.sections.split(","))
     report = {"command": " ".join([sys.executable] + sys.argv), "dry_run": args.dry_run,
               "time_budget_s": args.time_budget, "profile": dataclasses.asdict(ctx.prof),

@@ -7,6 +7,7 @@ run's budget (inside a compile, where no Python-level check runs)."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import signal
@@ -35,6 +36,10 @@ class StderrTee:
         sys.stderr.flush()
         self.saved = os.dup(2)
         r, w = os.pipe()
+        try:  # C++ code may write stderr holding the GIL the pump needs: a deep buffer
+            fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, 1 << 20)
+        except (AttributeError, OSError):
+            pass
         os.dup2(w, 2)
         os.close(w)
         self.file = open(self.path, "ab")

@@ -14,6 +14,8 @@ from jaxserve.tools.gpu_check.context import Ctx
 from jaxserve.tools.gpu_check.step_dump import dump_dir
 
 PREDICTOR = None  # not wired: see the module docstring
+# Where gpu_check.json holds the measured kernel -> device seconds per step of the traced step.
+PER_KERNEL_AT = "sections.decode_trace.result.trace.per_kernel_s"
 
 
 def measured_side(ctx: Ctx) -> dict:
@@ -38,8 +40,8 @@ def section_prediction(ctx: Ctx) -> dict:
     ready = {k: bool(v) for k, v in measured.items()}
     if PREDICTOR is None:
         return {"_status": "skipped", "_reason": "not wired: no performance model connected",
-                "wired": False, "measured_ready": ready,
-                "measured_keys": sorted(measured)}
+                "wired": False, "measured_ready": ready, "measured_keys": sorted(measured),
+                "per_kernel_s_at": PER_KERNEL_AT}
     return {"wired": True, "measured_ready": ready, "prediction": PREDICTOR(measured)}
 
 

@@ -46,7 +46,8 @@ def section_preflight(ctx: Ctx) -> dict:
                                                                              "TF_CPP"))},
            "importable": {m: importable(m) or "ok" for m in
                           ("gguf", "jinja2", "tqdm", "torch", "transformers", "pytest")},
-           "nvidia_smi": nvidia_smi(), "scratch_dir": str(ctx.scratch)}
+           "nvidia_smi": nvidia_smi(), "scratch_dir": str(ctx.scratch),
+           "ptxas_log": ctx.ptxas_note or "ptxas -v reports go to the scratch ptxas.log"}
     stats = devices[0].memory_stats() or {}
     res["device_memory"] = {k: stats[k] for k in ("bytes_limit", "bytes_in_use",
                                                   "peak_bytes_in_use") if k in stats}

@@ -119,7 +119,8 @@ def md_e2e(r: dict) -> list[str]:
     out = [f"- model: {r['model']} ({r['num_params'] / 1e6:.0f}M params), source: "
            f"{r['source']}, block {r['block_size']}", "",
            "| weights / backend | batch | decode tok/s | steps/s | overall tok/s | "
-           "MBU (weights) vs 4.3 | vs measured copy | step ms: host / wait / total | compiles in run | lengths ok |",
+           "MBU (weights) vs 4.3 | vs measured copy | step ms: host / wait / total | "
+           "compiles in run | lengths ok |",
            "|---|---|---|---|---|---|---|---|---|---|"]
     for v in r["variants"]:
         label = f"{v.get('quantization') or 'bf16'} / {v.get('backend')}"

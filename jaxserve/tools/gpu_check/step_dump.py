@@ -1,13 +1,14 @@
 """Section `step_dump`: XLA's dump of every engine step the run compiled (--xla_dump_to, limited
 to the step module), written to the scratch folder (never under --out-dir: only the bundle goes
 there), summarised by the compiled-program reader, with each engine variant's modules and the
-ptxas register / spill counts read from the run's stderr log."""
+ptxas register / spill counts the ptxas wrapper logged."""
 
 from __future__ import annotations
 
 import importlib
 import os
 import pathlib
+import shutil
 
 from jaxserve.tools.gpu_check.context import Ctx
 
@@ -16,8 +17,6 @@ STEP_MODULE_RE = ".*_step_impl.*"  # the runner's jitted step (jaxserve/runtime/
 # The compiled-program reader of scripts/gpu_step_report.py plugs in here: ("module", "function")
 # pairs tried in order, the function taking the dump directory and returning a JSON-able dict.
 STEP_DUMP_READERS: tuple = (("jaxserve.tools.compiled_report", "summarise_dump"),)
-# On a GPU, XLA logs each ptxas run with its `-v` output (registers, spills) at this verbosity.
-PTXAS_VMODULE = "subprocess_compilation=2"
 
 
 def dump_dir(scratch: pathlib.Path) -> pathlib.Path:
@@ -28,18 +27,37 @@ def stderr_log(scratch: pathlib.Path) -> pathlib.Path:
     return pathlib.Path(scratch) / "stderr.log"
 
 
-def enable_step_dump(args, scratch: pathlib.Path) -> None:
-    """Before jax starts: XLA dumps each compile of the engine's step (HLO before and after
-    optimisation, and on a GPU the thunk sequence with every launch, and the PTX) under the
-    scratch folder; no other module is dumped. On a GPU, ptxas' -v output is logged too."""
-    if args.no_step_dump:
-        return
+def ptxas_log(scratch: pathlib.Path) -> pathlib.Path:
+    return pathlib.Path(scratch) / "ptxas.log"
+
+
+def enable_step_dump(args, scratch: pathlib.Path) -> str | None:
+    """Before jax starts the backend: XLA dumps each compile of the engine's step (HLO before
+    and after optimisation, and on a GPU the thunk sequence with every launch, and the PTX)
+    under the scratch folder; no other module is dumped. On a GPU with a CUDA toolkit, XLA is
+    handed the toolkit through the ptxas wrapper of jaxserve/tools/deviceless.py, which appends
+    every kernel's `ptxas -v` report (registers, spills) to scratch/ptxas.log. Returns why no
+    ptxas report will be captured, if none will (recorded by preflight)."""
     flags = os.environ.get("XLA_FLAGS", "")
-    os.environ["XLA_FLAGS"] = (f"{flags} --xla_dump_to={dump_dir(scratch)} "
-                               f"--xla_dump_hlo_module_re={STEP_MODULE_RE}").strip()
-    if not args.dry_run:
-        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "0")
-        os.environ.setdefault("TF_CPP_VMODULE", PTXAS_VMODULE)
+    if not args.no_step_dump:
+        flags += (f" --xla_dump_to={dump_dir(scratch)} "
+                  f"--xla_dump_hlo_module_re={STEP_MODULE_RE}")
+    note = None
+    if args.dry_run:
+        note = "dry run: no ptxas on CPU"
+    else:
+        from jaxserve.tools import deviceless  # imports jax: JAX_PLATFORMS is set by now
+        root = deviceless.cuda_root()
+        if root is None:
+            note = "no CUDA toolkit with bin/ptxas found ($CUDA_HOME, /usr/local/cuda...)"
+        else:
+            work = pathlib.Path(scratch) / "ptxas_wrapper"
+            shutil.rmtree(work, ignore_errors=True)  # a reused --scratch-dir
+            work.mkdir(parents=True)
+            cuda = deviceless._ptxas_wrapper_dir(root, work, ptxas_log(scratch))
+            flags += f" --xla_gpu_cuda_data_dir={cuda}"
+    os.environ["XLA_FLAGS"] = flags.strip()
+    return note
 
 
 def module_name(file_name: str) -> str | None:
@@ -86,9 +104,9 @@ def ptxas_summary(scratch: pathlib.Path) -> dict:
     """Registers and spills per kernel from the ptxas output in the stderr log: the kernels
     with the most registers and every one that spills."""
     from jaxserve.tools.compiled_report import ptxas_kernels
-    log = stderr_log(scratch)
+    log = ptxas_log(scratch)
     if not log.is_file():
-        return {"kernels": 0}
+        return {"kernels": 0, "note": "no ptxas log (see preflight's ptxas_note)"}
     kernels = ptxas_kernels(log.read_text(errors="replace"))
     spilling = {k: v for k, v in kernels.items() if v["spill_bytes"]}
     by_regs = sorted(kernels.items(), key=lambda kv: -(kv[1]["registers"] or 0))[:10]
@@ -98,7 +116,7 @@ def ptxas_summary(scratch: pathlib.Path) -> dict:
 
 def section_step_dump(ctx: Ctx) -> dict:
     """What XLA dumped of the steps the engine sections compiled: the modules (and which engine
-    variant compiled each), the reader's summary and the ptxas counts. The files stay in the
+    variant compiled each), the reader's summary and the ptxas register / spill counts. The files stay in the
     scratch folder; the bundle takes a filtered copy."""
     d = dump_dir(ctx.scratch) if ctx.scratch else None
     if ctx.args.no_step_dump or d is None or not d.is_dir():
