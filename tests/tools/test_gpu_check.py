@@ -490,3 +490,21 @@ def test_kernel_checks_registered_in_cases_are_run(monkeypatch):
     monkeypatch.setattr(cases, "GPU_CHECK_CASES",
                         {"sampler": lambda **_: {"within_tol": False, "max_abs_err": 1.0}})
     assert kernel_correctness.section_kernel_correctness(ctx)["_status"] == "failed"
+
+
+def test_watchdog_writes_and_exits_while_the_main_thread_is_stuck():
+    """The watchdog runs its writer and ends the process (status 3) though the main thread
+    never returns; cancelled first, it lets the main thread write instead."""
+    code = ("import time\n"
+            "from jaxserve.tools.gpu_check.guards import Watchdog\n"
+            "Watchdog(0.2, lambda: print('wrote the bundle', flush=True)).start()\n"
+            "time.sleep(30)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=20, cwd=REPO)
+    assert proc.returncode == 3 and "wrote the bundle" in proc.stdout, proc
+    fired = []
+    dog = guards.Watchdog(0.05, lambda: fired.append(1))
+    dog.start()
+    assert dog.cancel() and not dog.finishing.acquire(blocking=False)
+    time.sleep(0.1)
+    assert fired == []
