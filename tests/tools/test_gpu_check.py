@@ -508,3 +508,33 @@ def test_watchdog_writes_and_exits_while_the_main_thread_is_stuck():
     assert dog.cancel() and not dog.finishing.acquire(blocking=False)
     time.sleep(0.1)
     assert fired == []
+
+
+@pytest.mark.subprocess
+def test_sigterm_mid_section_still_returns_the_bundle(tmp_path):
+    """A `timeout` around the run (SIGTERM) while a section runs: the running section is
+    recorded as interrupted, the rest as not reached, and the three files come back."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    env.pop("XLA_FLAGS", None)
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--dry-run", "--out-dir", str(out),
+                             "--scratch-dir", str(tmp_path / "scratch"),
+                             "--sections", "preflight,e2e_smollm2,decode_trace"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            cwd=REPO, env=env)
+    try:
+        for line in proc.stdout:
+            if "section e2e_smollm2 (" in line:
+                proc.send_signal(signal.SIGTERM)
+                break
+        proc.stdout.read()
+        assert proc.wait(timeout=240) == 1
+    finally:
+        proc.kill()
+    report = json.loads((out / bundle.JSON_NAME).read_text())
+    assert report["terminated"].startswith("SIGTERM") and report["finished_by"] == "SIGTERM"
+    assert list(report["sections"]) == SECTIONS
+    assert report["sections"]["e2e_smollm2"] == {"status": "error", "seconds": 0.0,
+                                                 "error": "interrupted by SIGTERM"}
+    assert report["sections"]["decode_trace"]["reason"].startswith("not reached")
+    assert_bundle_within_limits(out, report)

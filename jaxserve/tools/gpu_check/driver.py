@@ -152,6 +152,8 @@ def finish(ctx: Ctx, report: dict, out: pathlib.Path, how: str) -> list[str]:
     """The final report, its markdown and the bundle; returns the out dir's limit problems."""
     report["finished_by"] = how
     report["elapsed_s"] = time.monotonic() - ctx.start
+    for name, _ in SECTIONS:  # every section has a status, also when the run was cut short
+        report["sections"].setdefault(name, skipped(f"not reached (run ended: {how})"))
     write_report(out, report)
     (out / bundle.MD_NAME).write_text(markdown(report))
     variants = [m for mods in ctx.step_modules.values() for m in mods]
@@ -217,10 +219,15 @@ def main(argv=None) -> int:
                 report.pop("running")
             report["elapsed_s"] = time.monotonic() - ctx.start
             write_report(out, report)
-            if name == "preflight" and report["sections"][name]["status"] == "failed":
-                stop = "preflight: " + report["sections"][name].get("reason", "failed")
+            pre = report["sections"][name]
+            if name == "preflight" and pre["status"] in ("failed", "error"):
+                stop = "preflight: " + (pre.get("reason") or pre.get("error") or "failed")
     except guards.Terminated:
         report["terminated"] = "SIGTERM: the sections after the running one did not run"
+        running = report.pop("running", None)
+        if running:
+            report["sections"][running] = {"status": "error", "seconds": 0.0,
+                                           "error": "interrupted by SIGTERM"}
     problems = []
     if watchdog.cancel():
         problems = finish(ctx, report, out, "sections done" if "terminated" not in report
