@@ -116,8 +116,8 @@ def ptxas_summary(scratch: pathlib.Path) -> dict:
 
 def section_step_dump(ctx: Ctx) -> dict:
     """What XLA dumped of the steps the engine sections compiled: the modules (and which engine
-    variant compiled each), the reader's summary and the ptxas register / spill counts. The files stay in the
-    scratch folder; the bundle takes a filtered copy."""
+    variant compiled each), the reader's summary and the ptxas register / spill counts. The
+    files stay in the scratch folder; the bundle takes a filtered copy."""
     d = dump_dir(ctx.scratch) if ctx.scratch else None
     if ctx.args.no_step_dump or d is None or not d.is_dir():
         return {"_status": "skipped", "_reason": "no dump (--no-step-dump, or no step compiled)"}
