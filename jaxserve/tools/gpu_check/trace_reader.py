@@ -25,8 +25,10 @@ def find_xspace(trace_dir: pathlib.Path) -> pathlib.Path | None:
     return found[-1] if found else None
 
 
-def kernel_events(profile) -> tuple[list[dict], str]:
-    """[{name, op, module, program_id, start_ns, dur_ns}] and where they came from."""
+def kernel_events(profile, host_fallback: bool) -> tuple[list[dict], str]:
+    """[{name, op, module, program_id, start_ns, dur_ns}] and where they came from. Without a
+    GPU plane, the host's thunk events stand in only where host_fallback (a CPU run): on a GPU
+    they would be launch times passed off as kernel times."""
     gpu = [p for p in profile.planes if p.name.startswith("/device:GPU")]
     out = []
     if gpu:
@@ -36,6 +38,8 @@ def kernel_events(profile) -> tuple[list[dict], str]:
                     continue
                 out += [_event(e, plane.name) for e in line.events]
         return out, "gpu device planes (CUPTI kernels)"
+    if not host_fallback:
+        return [], "no /device:GPU plane in the trace (CUPTI unavailable?)"
     for plane in profile.planes:
         if not plane.name.startswith("/host:CPU"):
             continue
@@ -119,12 +123,16 @@ def _gap_stats(gaps: list[float], steps: int) -> dict:
 
 
 def read_trace(trace_dir: pathlib.Path, steps: int) -> dict:
-    """The summary of the newest trace under trace_dir (see `summarise`)."""
+    """The summary of the newest trace under trace_dir (see `summarise`); an error when it
+    holds no kernel events."""
     import jax
     path = find_xspace(trace_dir)
     if path is None:
         return {"error": f"no *.xplane.pb under {trace_dir}"}
     profile = jax.profiler.ProfileData.from_file(str(path))
-    events, source = kernel_events(profile)
-    return {"xspace": path.name, "xspace_bytes": path.stat().st_size, "source": source,
-            "planes": [p.name for p in profile.planes], **summarise(events, steps)}
+    events, source = kernel_events(profile, host_fallback=jax.default_backend() == "cpu")
+    res = {"xspace": path.name, "xspace_bytes": path.stat().st_size, "source": source,
+           "planes": [p.name for p in profile.planes], **summarise(events, steps)}
+    if not events:
+        res["error"] = f"no kernel events in {path.name}: {source}"
+    return res
