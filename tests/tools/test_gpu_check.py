@@ -373,13 +373,15 @@ def test_out_dir_problems_names_each_broken_limit(tmp_path):
 
 
 def test_tar_stays_under_its_limit_with_incompressible_dumps(tmp_path):
-    """Random (incompressible) dumps far over the limit: the tar keeps the trace first, cuts
-    what is over the member cap, leaves out what does not fit, and stays under its limit."""
+    """Random (incompressible) dumps far over the limit: the tar keeps the trace first (whole:
+    a cut protobuf is unreadable; one too big for the room is left out), cuts text over the
+    member cap, leaves out what does not fit, and stays under its limit."""
     rng = np.random.default_rng(0)
     scratch, out = tmp_path / "scratch", tmp_path / "out"
     (scratch / "trace" / "plugins").mkdir(parents=True)
     (scratch / "xla_dump").mkdir()
     out.mkdir()
+    (scratch / "trace" / "plugins" / "vm.trace.json.gz").write_bytes(rng.bytes(2 << 20))
     (scratch / "trace" / "plugins" / "vm.xplane.pb").write_bytes(rng.bytes(300_000))
     (scratch / "ptxas.log").write_text("ptxas info    : Used 40 registers\n")
     (scratch / "stderr.log").write_bytes(rng.bytes(100_000))
@@ -388,17 +390,20 @@ def test_tar_stays_under_its_limit_with_incompressible_dumps(tmp_path):
                        "ptx"):
             (scratch / "xla_dump" / f"module_000{i}.jit__step_impl.{suffix}").write_bytes(
                 rng.bytes(200_000))
-    limits = bundle.Limits(tar_bytes=1 << 20, member_bytes=256 << 10)
+    limits = bundle.Limits(tar_bytes=3 << 19, member_bytes=150_000)
     man = bundle.build_bundle(out, scratch, ["module_0003.jit__step_impl"],
                               [f"module_000{i}.jit__step_impl" for i in range(6)], limits)
     size = (out / bundle.TAR_NAME).stat().st_size
     assert size == man["tar_bytes"] <= limits.tar_bytes
     names = tar_names(out)
-    assert names[0] == "trace/vm.xplane.pb" and names[-1] == "MANIFEST.json"
-    assert names[1] == "logs/ptxas.log"
+    assert names[:2] == ["trace/vm.xplane.pb", "logs/ptxas.log"] and names[-1] == "MANIFEST.json"
     assert names[2].startswith("step_dump/module_0003.")  # the traced step before the rest
-    assert man["truncated"][0]["name"] == "trace/vm.xplane.pb"
-    assert man["left_out"] and all(m["why"] == "tar limit reached" for m in man["left_out"])
+    assert man["included"][0] == {"name": "trace/vm.xplane.pb", "bytes": 300_000}
+    assert man["left_out"][0]["name"] == "trace/vm.trace.json.gz"
+    assert "binary" in man["left_out"][0]["why"]
+    kept = [m["kept"] for m in man["truncated"]]
+    assert kept[0] == 150_000 and max(kept) == 150_000  # the last may be cut to the room left
+    assert man["left_out"][-1]["why"] == "tar limit reached"
     with tarfile.open(out / bundle.TAR_NAME) as tar:
         manifest = json.loads(tar.extractfile("MANIFEST.json").read())
         assert b"Used 40 registers" in tar.extractfile("logs/ptxas.log").read()

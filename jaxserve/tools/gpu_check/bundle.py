@@ -3,8 +3,9 @@ gpu_check.md and one gzipped tar of filtered dumps), within what the machine ret
 files of 16 MiB, 64 MiB together, no deeper than `$OUT/a/b/file`, names of letters, digits,
 `.`, `_`, `-`). Dumps are written to the scratch folder first; the tar takes them in order of
 use (the trace, the ptxas log, the traced step's modules, the other variants' modules, PTX),
-truncating any file over a member cap and stopping before the tar could pass its limit. Its
-MANIFEST.json lists what went in, what was cut and what was left out, and why."""
+cutting any text file over a member cap (a binary trace goes whole or not at all) and
+stopping before the tar could pass its limit. Its MANIFEST.json lists what went in, what was
+cut and what was left out, and why."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import time
 
 JSON_NAME, MD_NAME, TAR_NAME = "gpu_check.json", "gpu_check.md", "gpu_check_dumps.tar.gz"
 NAME_RE = re.compile(r"^[A-Za-z0-9._-]+$")
+BINARY = (".pb", ".gz")  # kept whole or left out; text dumps are cut to the member cap
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,9 +115,10 @@ def candidates(scratch: pathlib.Path, traced: list[str], variants: list[str]) ->
 
 
 def write_tar(out: pathlib.Path, members: list[tuple], limits: Limits = LIMITS) -> dict:
-    """The tar of `members` (path, name) in order: each cut to limits.member_bytes (its tail
-    kept for logs, its head otherwise), and no member started that could take the compressed
-    tar past limits.tar_bytes even if it did not compress at all."""
+    """The tar of `members` (path, name) in order: text cut to limits.member_bytes (its tail
+    kept for logs, its head otherwise), binary (the trace) whole or not at all, and no member
+    started that could take the compressed tar past limits.tar_bytes even if it did not
+    compress at all."""
     path = pathlib.Path(out) / TAR_NAME
     manifest = {"included": [], "truncated": [], "left_out": [], "limits": dataclasses.asdict(
         limits)}
@@ -132,7 +135,15 @@ def write_tar(out: pathlib.Path, members: list[tuple], limits: Limits = LIMITS) 
                         manifest["left_out"].append({"name": name, "bytes": size,
                                                      "why": "tar limit reached"})
                         continue
-                    keep = min(size, limits.member_bytes, room)
+                    if name.endswith(BINARY):  # a cut protobuf or gzip reads as nothing
+                        if size > room:
+                            manifest["left_out"].append({"name": name, "bytes": size,
+                                                         "why": f"binary over the {room} bytes "
+                                                                "left (not cut)"})
+                            continue
+                        keep = size
+                    else:
+                        keep = min(size, limits.member_bytes, room)
                     data = _read(src, keep, tail=name.startswith("logs/"))
                     if keep < size:
                         manifest["truncated"].append({"name": name, "bytes": size,
