@@ -58,7 +58,6 @@ def native_int4_matmul(group_size: int):
 
 
 def time_int4(ctx: Ctx, model: str, k: int, n: int, m: int) -> dict:
-    import jax.numpy as jnp
     from pallas_kernels.int4_matmul import int4_matmul, pick_blocks
     c = int4_case(ctx, model, k, n, m)
     p, g, x = ctx.prof, c["group_size"], c["x"]
@@ -87,7 +86,6 @@ def time_int4(ctx: Ctx, model: str, k: int, n: int, m: int) -> dict:
     for name in ("xla_bf16_dequant", "xla_native_int4", "dense_bf16_xla"):
         if name in row:
             row[f"kernel_over_{name}"] = row["kernel"]["median_s"] / row[name]["median_s"]
-    del jnp
     return row
 
 
