@@ -1,39 +1,62 @@
 """GPU check: the one prepared script to run when an H200 is lent (see docs/gpu.md).
 
-One call fits 8 minutes on a fresh H200 with start-up: a default budget of 330 s, checked
-between sections, cases, engine variants and batches (what would start after it is skipped,
-with a reason); every section on its own (a failure is recorded and the rest still runs):
+One command of at most 10 minutes, inside about 15 minutes of device time with the machine's
+start. Run it as
 
-  environment        python / jax / jaxlib / plugin versions, devices, device memory
-  bandwidth          measured device copy and read bandwidth, dispatch floor, bf16 matmul rate
-  kernel_correctness paged attention (decode and ragged) and int4 matmul on the device vs
-                     their jnp references, plus an f32 ragged step and one over a > 4 GiB cache
-                     (Pallas indexes it with 64-bit offsets)
-  kernel_timings     the same cases timed (warm, median) against the nominal 4.3 TB/s and the
-                     measured bandwidth, side by side with the XLA paths the engine runs
-                     (its XLA ragged attention on the same rows and pages, laid out by
-                     step_layout.build; XLA int4 dequantize-matmul)
-  e2e_smollm2        engine decode tok/s on SmolLM2-135M (from --gguf if loadable, else random
-                     weights), bf16 vs int4, batch 1/64, with the engine's per-step host /
-                     device-wait breakdown
-  llm_defaults       a short run of plain `LLM(model)`: every engine setting at its default
-  e2e_llama3_8b      the same as e2e_smollm2 on a random Llama-3-8B-shaped model
-  step_dump          the XLA dump of every engine step compiled above (--xla_dump_to, limited
-                     to the step module), saved under --out-dir/xla_dump_step
-  hf_peer            HF transformers `generate` on the same GPU, SmolLM2 shapes, bf16
-  kernel_tests       the kernel test suite compiled on the GPU (`pytest -m gpu`), where pytest
-                     is installed
-
-Kernel inputs and tolerances are the kernel tests' own (pallas_kernels/cases.py), at GPU sizes.
-The sections, the report and the run live in jaxserve/tools/gpu_check/; this is their CLI.
-
-    python scripts/gpu_check.py --out-dir $OUT [--gguf SmolLM2.gguf] [--time-budget 330]
+    python scripts/gpu_check.py --out-dir $OUT [--gguf SmolLM2.gguf]     # timeout_s=540
     python scripts/gpu_check.py --dry-run --out-dir /tmp/gc    # CPU, interpret-mode kernels
 
-Writes gpu_check.json after every section (a killed run keeps what it finished) and
-gpu_check.md at the end, and prints the markdown. Exit status 1 when a section errored or a
-kernel was out of tolerance, else 0. Imports only jax, numpy, flax (and torch/transformers for
-the peer, pytest for kernel_tests) besides this repository.
+What comes back is three files under --out-dir, within what the lent machine returns (at most 8
+files of 16 MiB, 64 MiB together, no deeper than $OUT/a/b/file, names of [A-Za-z0-9._-]):
+
+  gpu_check.json          every section's status and result, rewritten after each section
+  gpu_check.md            the summary (also printed at the end)
+  gpu_check_dumps.tar.gz  filtered dumps, under 15 MiB: the profiler trace, the ptxas -v log,
+                          the traced decode step's optimized HLO, thunk sequence and PTX, the
+                          other engine variants' modules, the stderr log; MANIFEST.json inside
+                          says what was truncated or left out
+
+Dumps and traces are written to a scratch folder first (--scratch-dir, default a new temporary
+folder; never inside --out-dir). Sections, in order; each records ok / partial / skipped /
+failed / error with a reason, and one failing does not stop the others:
+
+  preflight          nvidia-smi, jax.devices(), versions, device memory. No GPU visible (and
+                     not --dry-run): the run stops here, exit status 2, and the record of why
+                     still comes back
+  bandwidth          measured copy and read bandwidth, dispatch floor, bf16 matmul rate
+  kernel_correctness every Pallas kernel case (paged and ragged attention, int4 matmul, LoRA,
+                     an f32 ragged step, a > 4 GiB cache, and each check registered in
+                     pallas_kernels.cases.GPU_CHECK_CASES) against its jnp reference
+  kernel_tests       the kernel test suite compiled on the GPU (`pytest -m gpu`), capped
+  kernel_timings     the kernels timed against the measured bandwidth, beside XLA: the
+                     engine's XLA attention; for int4 a bf16 dequantize-then-matmul and XLA's
+                     native jnp.int4 dot (and dense bf16)
+  launch_floor       a jitted chain of N tiny dependent kernels (one CUDA graph) for two N:
+                     microseconds per kernel
+  e2e_smollm2        engine decode tok/s, bf16 and int4 weights, the Pallas backends and the
+                     XLA ones (attention_backend = linear_backend = "xla"), batch 1 and 64
+  decode_trace       a jax.profiler trace of a few warm decode steps of the Pallas bf16
+                     engine, read back (jax.profiler.ProfileData) into per-kernel device
+                     seconds per step (`per_kernel_s`: kernel -> seconds), busy vs wall time
+                     and the gaps between kernels
+  llm_defaults       a short run of plain `LLM(model)`: every engine setting at its default
+  e2e_llama3_8b      as e2e_smollm2 on a random Llama-3-8B-shaped model
+  hf_peer            HF transformers `generate` on the same GPU, SmolLM2 shapes, bf16
+  step_dump          the compiled steps' dump: modules per engine variant, the traced step's
+                     modules, the compiled-program reader's counts, ptxas registers / spills
+  prediction         the hook for a performance model's predicted times beside the measured
+                     ones: records "not wired" until one is connected (prediction.py)
+
+Time: --time-budget (default 380 s on a GPU) is checked between sections and inside every loop
+over cases, baselines, variants, batches and steps; each section also has its own cap
+(profiles.py), past which its loops start nothing new, and past cap + 15 s the section is
+interrupted (SIGALRM). A watchdog thread writes the report and the bundle and exits (status 3)
+at budget + 60 s even if the main thread is stuck in a compile; SIGTERM (e.g. from `timeout`)
+also ends in the bundle. With jax's start and the bundle, a default run ends within 8 minutes.
+
+Exit status: 0 all well; 1 a section errored or failed, or the out dir breaks the return
+limits; 2 no GPU; 3 the watchdog ended the run. Imports only jax, numpy, flax (and
+torch/transformers for the peer, pytest for kernel_tests) besides this repository.
 """
 
 from __future__ import annotations

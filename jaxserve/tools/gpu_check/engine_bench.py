@@ -1,5 +1,8 @@
-"""Sections `e2e_smollm2` and `e2e_llama3_8b`: engine decode tok/s (bf16 and int4 weights, each
-batch size) with the engine's per-step host / device-wait breakdown and memory-bandwidth use."""
+"""Sections `e2e_smollm2` and `e2e_llama3_8b`: engine decode tok/s per variant (bf16 or int4
+weights; the Pallas kernels or the XLA backends, the end-to-end baseline) and batch size, with
+the engine's per-step host / device-wait breakdown and memory-bandwidth use. Each variant
+records the XLA dump modules its compiles added (ctx.step_modules), and SmolLM2's first Pallas
+bf16 engine is kept for the decode_trace section, which then needs no compile of its own."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import traceback
 
 from jaxserve.tools.gpu_check.context import Ctx, importable, next_pow2
 from jaxserve.tools.gpu_check.profiles import NOMINAL_BW, TOKEN_LOW, model_configs
+from jaxserve.tools.gpu_check.step_dump import dump_modules
 
 
 def decode_run(engine, batch: int, prompt_len: int, new_tokens: int, seed: int) -> dict:
@@ -93,18 +97,20 @@ def ensure_params_on_device(engine) -> str | None:
             "device every step); moved to the device by gpu_check")
 
 
-def build_llm(ctx: Ctx, model, quantization):
+def build_llm(ctx: Ctx, model, quantization, backend: str | None = None):
     """An engine sized for the benchmark: a token budget that admits every prompt in the first
     step (so decode runs at one batch bucket and only a few programs compile), a KV cache for
-    max_num_seqs full-length sequences, and no warm-up (the first run compiles what it uses)."""
+    max_num_seqs full-length sequences, and no warm-up (the first run compiles what it uses).
+    backend: attention and linear backend both (default: the profile's Pallas one)."""
     from jaxserve import LLM
     p = ctx.prof
+    backend = backend or p.backend
     seqs = max(p.e2e_batches)
     pages = seqs * -(-p.max_model_len // p.block_size) + 2
     kv = pages * p.block_size * model.config.kv_bytes_per_token(2 if model.dtype == "bfloat16"
                                                                   else 4)
     t0 = time.perf_counter()
-    llm = LLM(model, attention_backend=p.backend, linear_backend=p.backend,
+    llm = LLM(model, attention_backend=backend, linear_backend=backend,
               quantization=quantization, max_num_seqs=seqs, max_model_len=p.max_model_len,
               max_num_batched_tokens=next_pow2(max(512, seqs * (p.prompt_len + 1))),
               kv_cache_memory=int(kv), block_size=p.block_size, warmup=False)
@@ -112,19 +118,26 @@ def build_llm(ctx: Ctx, model, quantization):
     return llm, time.perf_counter() - t0, note
 
 
-def bench_variant(ctx: Ctx, model, quantization) -> dict:
-    """One engine (bf16 or int4) at every batch size: a warm-up run compiles, a second is timed."""
+def variant_label(name: str, quantization, backend: str) -> str:
+    return f"{name}/{quantization or 'bf16'}/{backend}"
+
+
+def bench_variant(ctx: Ctx, name: str, model, quantization, backend: str,
+                  keep: bool = False) -> dict:
+    """One engine (bf16 or int4 weights, a backend) at every batch size: a warm-up run
+    compiles, a second is timed. keep: the engine stays in ctx.trace_engine."""
     p = ctx.prof
-    llm, build_s, note = build_llm(ctx, model, quantization)
+    modules_before = dump_modules(ctx)
+    llm, build_s, note = build_llm(ctx, model, quantization, backend)
     wbytes = weight_bytes_per_step(llm.engine.model)
-    res = {"quantization": quantization or "none (bf16)", "construct_s": build_s,
-           "weight_bytes_per_step": wbytes, "runs": []}
+    res = {"quantization": quantization or "none (bf16)", "backend": backend,
+           "construct_s": build_s, "weight_bytes_per_step": wbytes, "runs": []}
     if note:
         res["note"] = note
     kv_tok = model.config.kv_bytes_per_token(2)
     for batch in p.e2e_batches:
         if ctx.over_budget():
-            res["runs"].append({"batch": batch, "skipped": "time budget exceeded"})
+            res["runs"].append({"batch": batch, "skipped": ctx.budget_reason()})
             continue
         warm = decode_run(llm.engine, batch, p.prompt_len, p.new_tokens, seed=batch)
         run = decode_run(llm.engine, batch, p.prompt_len, p.new_tokens, seed=batch + 1)
@@ -141,29 +154,44 @@ def bench_variant(ctx: Ctx, model, quantization) -> dict:
                 run[f"mbu_weights_vs_{kind}"] = wbytes * sps / bw
                 run[f"mbu_weights_kv_vs_{kind}"] = (wbytes + kv_step) * sps / bw
         res["runs"].append(run)
-        ctx.log(f"  {quantization or 'bf16'} batch {batch}: {run['decode_tok_s']:.1f} decode "
-                f"tok/s, {sps:.1f} steps/s")
+        ctx.log(f"  {variant_label(name, quantization, backend)} batch {batch}: "
+                f"{run['decode_tok_s']:.1f} decode tok/s, {sps:.1f} steps/s")
+    label = variant_label(name, quantization, backend)
+    ctx.step_modules[label] = sorted(dump_modules(ctx) - modules_before)
+    res["dump_modules"] = ctx.step_modules[label]
+    if keep:
+        ctx.trace_engine = (label, llm)
     del llm
     gc.collect()
     return res
 
 
-def bench_model(ctx: Ctx, name: str, model, source: str) -> dict:
+def bench_model(ctx: Ctx, name: str, model, source: str, variants: tuple,
+                keep_first: bool = False) -> dict:
+    """Every (quantization, backend) variant in order, each only with variant_min_s left.
+    keep_first: the first variant's engine stays in ctx.trace_engine (for decode_trace)."""
     res = {"model": name, "source": source, "config": model.config.to_dict(),
-           "num_params": model.config.num_params(), "backend": ctx.prof.backend,
-           "block_size": ctx.prof.block_size, "max_model_len": ctx.prof.max_model_len,
-           "variants": []}
-    for quant in ctx.prof.e2e_variants:
+           "num_params": model.config.num_params(), "block_size": ctx.prof.block_size,
+           "max_model_len": ctx.prof.max_model_len, "variants": []}
+    skipped = []
+    for i, (quant, backend) in enumerate(variants):
         if ctx.remaining() < ctx.prof.variant_min_s:
-            res["variants"].append({"quantization": quant, "skipped": "time budget exceeded"})
+            why = (ctx.budget_reason() if ctx.over_budget() else
+                   f"{ctx.remaining():.0f}s left, a variant needs {ctx.prof.variant_min_s:.0f}s")
+            res["variants"].append({"quantization": quant, "backend": backend, "skipped": why})
+            skipped.append(variant_label(name, quant, backend))
             continue
         try:
-            res["variants"].append(bench_variant(ctx, model, quant))
-        except Exception as e:  # noqa: BLE001 - the other variant still runs
-            res["variants"].append({"quantization": quant, "error": f"{type(e).__name__}: {e}",
+            res["variants"].append(bench_variant(ctx, name, model, quant, backend,
+                                                 keep=keep_first and i == 0))
+        except Exception as e:  # noqa: BLE001 - the other variants still run
+            res["variants"].append({"quantization": quant, "backend": backend,
+                                    "error": f"{type(e).__name__}: {e}",
                                     "traceback": traceback.format_exc()[-2000:]})
             res["_status"] = "error"
         gc.collect()
+    if skipped and "_status" not in res:
+        res["_status"], res["_reason"] = "partial", f"skipped variants {skipped}"
     ctx.engine_results[name] = res
     return res
 
@@ -173,7 +201,8 @@ def section_e2e_llama3_8b(ctx: Ctx) -> dict:
     t0 = time.perf_counter()
     model = random_model(model_configs(ctx.args.dry_run)["llama3_8b"], "bfloat16")
     init_s = time.perf_counter() - t0
-    res = bench_model(ctx, "llama3_8b", model, "random weights (models.random_init)")
+    res = bench_model(ctx, "llama3_8b", model, "random weights (models.random_init)",
+                      ctx.prof.e2e_variants_8b)
     res["init_s"] = init_s
     return res
 
@@ -203,4 +232,5 @@ def load_smollm2(ctx: Ctx):
 
 def section_e2e_smollm2(ctx: Ctx) -> dict:
     model, source = load_smollm2(ctx)
-    return bench_model(ctx, "smollm2", model, source)
+    keep = "decode_trace" in ctx.args.sections.split(",")
+    return bench_model(ctx, "smollm2", model, source, ctx.prof.e2e_variants, keep_first=keep)

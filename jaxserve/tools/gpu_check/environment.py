@@ -1,14 +1,11 @@
-"""Sections `environment` (versions, devices, device memory) and `bandwidth` (measured copy and
-read bandwidth, dispatch floor, bf16 matmul rate)."""
+"""Section `bandwidth` (measured copy and read bandwidth, dispatch floor, bf16 matmul rate) and
+the package versions preflight records."""
 
 from __future__ import annotations
 
 import importlib.metadata
-import os
-import platform
-import subprocess
 
-from jaxserve.tools.gpu_check.context import Ctx, importable, time_calls
+from jaxserve.tools.gpu_check.context import Ctx, time_calls
 from jaxserve.tools.gpu_check.profiles import NOMINAL_BF16_FLOPS, NOMINAL_BW
 
 
@@ -21,30 +18,6 @@ def package_versions() -> dict:
         if name in wanted or name.startswith(("jax-cuda", "jax_cuda", "nvidia-cuda-runtime")):
             out[name] = dist.version
     return dict(sorted(out.items()))
-
-
-def section_environment(ctx: Ctx) -> dict:
-    import jax
-    dev = jax.devices()
-    res = {"python": platform.python_version(), "platform": platform.platform(),
-           "jax": jax.__version__, "jaxlib": importlib.metadata.version("jaxlib"),
-           "packages": package_versions(), "default_backend": jax.default_backend(),
-           "devices": [f"{d.platform}:{d.id} {d.device_kind}" for d in dev],
-           "cpu_count": os.cpu_count(), "dry_run": ctx.args.dry_run,
-           "xla_env": {k: v for k, v in os.environ.items() if k.startswith(("XLA_", "JAX_"))},
-           "importable": {m: importable(m) or "ok" for m in
-                          ("gguf", "jinja2", "tqdm", "torch", "transformers")}}
-    stats = dev[0].memory_stats() or {}
-    res["device_memory"] = {k: stats[k] for k in ("bytes_limit", "bytes_in_use",
-                                                  "peak_bytes_in_use") if k in stats}
-    try:
-        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,"
-                              "clocks.max.sm,clocks.max.mem,power.limit", "--format=csv"],
-                             capture_output=True, text=True, timeout=20)
-        res["nvidia_smi"] = smi.stdout.strip() or smi.stderr.strip()
-    except Exception as e:  # noqa: BLE001 - CPU machines have no nvidia-smi
-        res["nvidia_smi"] = f"unavailable ({type(e).__name__})"
-    return res
 
 
 def section_bandwidth(ctx: Ctx) -> dict:

@@ -83,7 +83,7 @@ def section_hf_peer(ctx: Ctx) -> dict:
            "runs": []}
     for batch in p.e2e_batches:
         if ctx.over_budget():
-            res["runs"].append({"batch": batch, "skipped": "time budget exceeded"})
+            res["runs"].append({"batch": batch, "skipped": ctx.budget_reason()})
             continue
         hf_decode(torch, model, device, batch, p.prompt_len, 4)  # warm-up
         res["runs"].append(hf_decode(torch, model, device, batch, p.prompt_len, p.new_tokens))

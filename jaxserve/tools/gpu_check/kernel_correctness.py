@@ -1,7 +1,12 @@
 """Section `kernel_correctness`: paged attention (decode and ragged), the int4 matmul and the
 multi-LoRA kernel on the device against their jax.numpy references, within the kernel tests'
 tolerances; plus an f32 ragged step and one over a > 4 GiB cache (Pallas indexes it with 64-bit
-offsets)."""
+offsets); plus every check a kernel registers in `pallas_kernels.cases.GPU_CHECK_CASES`.
+
+The registry is how a new kernel joins without editing this file: a dict in
+pallas_kernels/cases.py, name -> `check(interpret: bool, small: bool) -> dict`, where the dict
+holds at least `within_tol` (bool) and `max_abs_err` (float), built from the kernel tests' own
+inputs and tolerances; `small` asks for dry-run sizes. Each check runs once, under the budget."""
 
 from __future__ import annotations
 
@@ -79,24 +84,48 @@ def check_int4(ctx: Ctx, model: str, k: int, n: int, m: int) -> dict:
             "rel_err_note": "normalised by max|reference|", "tolerance": tol, "within_tol": ok}
 
 
+REGISTRY = "GPU_CHECK_CASES"  # in pallas_kernels.cases, see the module docstring
+
+
+def registered_checks() -> dict:
+    import pallas_kernels.cases as cases
+    return dict(getattr(cases, REGISTRY, {}))
+
+
+def check_registered(ctx: Ctx, name: str) -> dict:
+    row = registered_checks()[name](interpret=ctx.prof.interpret, small=ctx.args.dry_run)
+    missing = {"within_tol", "max_abs_err"} - set(row)
+    if missing:
+        raise ValueError(f"{REGISTRY}[{name!r}] returned no {sorted(missing)}: a check returns "
+                         "at least within_tol and max_abs_err")
+    return {"case": name, **row}
+
+
+# (result key, Profile field with the cases, check): the kernels gpu_check knows itself. The f32
+# ragged step (the kernel's other dtype) and the > 4 GiB cache (64-bit offsets) are ragged_extra.
+BUILTIN = (("paged_attention", "attn_cases", check_attention),
+           ("int4_matmul", "int4_cases", check_int4),
+           ("ragged_attention", "ragged_cases", check_ragged),
+           ("ragged_extra", "ragged_extra_cases", check_ragged),
+           ("lora_sgmv", "lora_cases", check_lora))
+
+
 def section_kernel_correctness(ctx: Ctx) -> dict:
-    attn, s1 = run_cases(ctx, ctx.prof.attn_cases, check_attention, "attention")
-    int4, s2 = run_cases(ctx, ctx.prof.int4_cases, check_int4, "int4")
-    ragged, s3 = run_cases(ctx, ctx.prof.ragged_cases, check_ragged, "ragged attention")
-    # An f32 step (the kernel's other dtype) and a cache over 4 GiB (64-bit offsets).
-    extra, s4 = run_cases(ctx, ctx.prof.ragged_extra_cases, check_ragged, "ragged extra")
-    lora, s5 = run_cases(ctx, ctx.prof.lora_cases, check_lora, "lora")
+    res, rows, skipped = {}, [], []
+    for key, field, check in BUILTIN:
+        res[key], s = run_cases(ctx, getattr(ctx.prof, field), check, key)
+        rows, skipped = rows + res[key], skipped + s
+    reg = [(name,) for name in sorted(registered_checks())]
+    res["registered"], s = run_cases(ctx, reg, check_registered, REGISTRY)
+    rows, skipped = rows + res["registered"], skipped + s
     gc.collect()
-    rows = attn + int4 + ragged + extra + lora
     bad = [r for r in rows if "error" in r or not r.get("within_tol")]
-    res = {"paged_attention": attn, "int4_matmul": int4, "ragged_attention": ragged,
-           "ragged_extra": extra, "lora_sgmv": lora, "num_cases": len(rows),
-           "num_bad": len(bad)}
-    s3 = s3 + s4 + s5
-    if s1 or s2 or s3:
-        res["skipped_cases"] = s1 + s2 + s3
+    res.update(num_cases=len(rows), num_bad=len(bad), registry=REGISTRY,
+               registered_names=[k[0] for k in reg])
+    if skipped:
+        res["skipped_cases"] = skipped
     if bad:
         res["_status"] = "failed"
-    elif s1 or s2 or s3:
-        res["_status"], res["_reason"] = "partial", "time budget exceeded"
+    elif skipped:
+        res["_status"], res["_reason"] = "partial", skipped[0]["reason"]
     return res

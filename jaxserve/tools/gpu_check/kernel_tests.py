@@ -31,7 +31,7 @@ def section_kernel_tests(ctx: Ctx) -> dict:
     why = importable("pytest")
     if why:
         return {"_status": "skipped", "_reason": f"pytest not importable here ({why})"}
-    budget = max(30.0, min(300.0, ctx.deadline - time.monotonic()))
+    budget = max(5.0, ctx.remaining())  # the section's cap: kernel work stays bounded
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
            *KERNEL_TESTS]
     env = dict(os.environ, JAX_PLATFORMS="cuda")
@@ -41,8 +41,9 @@ def section_kernel_tests(ctx: Ctx) -> dict:
                               timeout=budget)
     except subprocess.TimeoutExpired as e:
         out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        return {"_status": "failed", "command": " ".join(cmd), "timeout_s": budget,
-                "output_tail": out[-3000:]}
+        return {"_status": "partial", "_reason": f"pytest stopped at the section's cap "
+                f"({budget:.0f}s; {ctx.budget_reason()})", "command": " ".join(cmd),
+                "timeout_s": budget, "output_tail": out[-3000:]}
     lines = proc.stdout.strip().splitlines()
     res = {"command": " ".join(cmd), "returncode": proc.returncode,
            "summary": lines[-1] if lines else "", "seconds": time.monotonic() - t0,

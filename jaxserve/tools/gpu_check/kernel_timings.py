@@ -1,14 +1,16 @@
 """Section `kernel_timings`: the kernel cases timed (warm, median) against the nominal and the
 measured bandwidth, side by side with the XLA paths the engine runs on the same inputs (its XLA
-ragged attention over the same rows and pages, laid out by step_layout.build; the XLA int4
-dequantize-matmul; the LoRA kernel's tiling in XLA) and the jitted f32 references."""
+ragged attention over the same rows and pages, laid out by step_layout.build; for int4 a bf16
+dequantize-then-matmul and XLA's native `jnp.int4` dot, int4_timing.py; the LoRA kernel's
+tiling in XLA) and the jitted f32 references."""
 
 from __future__ import annotations
 
 import gc
 
 from jaxserve.tools.gpu_check.context import Ctx, next_pow2, rates, run_cases, time_calls
-from jaxserve.tools.gpu_check.kernel_inputs import attention_case, int4_case, ragged_step_case
+from jaxserve.tools.gpu_check.int4_timing import time_int4
+from jaxserve.tools.gpu_check.kernel_inputs import attention_case, ragged_step_case
 from jaxserve.tools.gpu_check.lora_kernel import time_lora
 
 
@@ -141,35 +143,6 @@ def time_ragged(ctx: Ctx, model: str, block: int, max_ctx: int, decode: int) -> 
     return row
 
 
-def time_int4(ctx: Ctx, model: str, k: int, n: int, m: int) -> dict:
-    import jax
-    import jax.numpy as jnp
-    from pallas_kernels.int4_matmul import int4_matmul, int4_matmul_reference, pick_blocks
-    c = int4_case(ctx, model, k, n, m)
-    p, g, x = ctx.prof, c["group_size"], c["x"]
-    sets = [(x, *w) for w in c["weights"]]
-    flops = 2 * m * k * n
-
-    def kernel(*a):
-        return int4_matmul(*a, group_size=g, interpret=p.interpret)
-
-    row = {**c["desc"], "bytes_per_call": c["bytes_per_call"],
-           "blocks_mnk_split": list(pick_blocks(m, k, n, g))}
-    xla = jax.jit(lambda *a: int4_matmul_reference(*a, group_size=g))
-    for name, fn, args in (("kernel", kernel, sets), ("xla_engine_path", xla, sets)):
-        t = time_calls(fn, args, p.iters, p.reps)
-        row[name] = {**rates(ctx, t["median_s"], c["bytes_per_call"], flops),
-                     "first_call_s": t["first_call_s"]}
-    dense = jax.jit(lambda a, w: jnp.dot(a, w, preferred_element_type=jnp.float32)
-                    .astype(a.dtype))
-    t = time_calls(dense, [(x, w) for w in c["dense"]], p.iters, p.reps)
-    row["dense_bf16_xla"] = rates(ctx, t["median_s"], 2 * k * n, flops)
-    row["kernel_over_xla_engine_path"] = row["kernel"]["median_s"] / \
-        row["xla_engine_path"]["median_s"]
-    row["kernel_over_dense_bf16"] = row["kernel"]["median_s"] / row["dense_bf16_xla"]["median_s"]
-    return row
-
-
 def section_kernel_timings(ctx: Ctx) -> dict:
     try:
         attn, s1 = run_cases(ctx, ctx.prof.attn_cases, time_attention, "attention timing")
@@ -179,15 +152,19 @@ def section_kernel_timings(ctx: Ctx) -> dict:
     finally:
         ctx.cases.clear()
         gc.collect()
-    s2 += s3 + s4
+    skipped = s1 + s2 + s3 + s4
     res = {"paged_attention": attn, "int4_matmul": int4, "ragged_attention": ragged,
            "lora_sgmv": lora,
            "method": f"median of {ctx.prof.reps} samples of {ctx.prof.iters} back-to-back "
                      "calls (inputs cycled to exceed L2), one block_until_ready per sample; "
-                     "bytes = K+V pages read (attention), packed + scales + offsets (int4), "
-                     "x + used adapters' a and b + f32 result (lora)"}
+                     "bytes = K+V pages read (attention), packed + scales + offsets (int4; "
+                     "its jnp.int4 baseline: codes + bf16 scales + offsets), x + used "
+                     "adapters' a and b + f32 result (lora)"}
+    if skipped:
+        res["skipped_cases"] = skipped
     if any("error" in r for r in attn + int4 + ragged + lora):
         res["_status"] = "failed"
-    elif s1 or s2:
-        res.update(_status="partial", _reason="time budget exceeded", skipped_cases=s1 + s2)
+    elif skipped or any("skipped_baselines" in r for r in int4):
+        res.update(_status="partial", _reason=skipped[0]["reason"] if skipped else
+                   "int4 baselines skipped: time budget")
     return res

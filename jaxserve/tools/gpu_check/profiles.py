@@ -13,8 +13,14 @@ NOMINAL_BW = 4.3e12
 NOMINAL_BF16_FLOPS = 790e12  # FLOP/s, H200 dense bf16 (docs/peers.md)
 L2_BYTES = 50 * 2**20        # H200 L2; timed inputs cycle through > 2x this so reads hit HBM
 TOKEN_LOW = 100              # random prompt ids start here (skips special tokens)
-GPU_BUDGET_S = 330.0         # default --time-budget on a GPU: one call in 8 min with start-up
+# Default --time-budget on a GPU: with jax's start (~15 s), the bundle and the watchdog's grace
+# (WATCHDOG_GRACE_S) the command ends inside 8 minutes, so `timeout_s=540` leaves a margin.
+GPU_BUDGET_S = 380.0
 DRY_BUDGET_S = 1200.0        # a CPU dry run is not on the clock; interpreted kernels are slow
+# Past budget + this, a watchdog thread writes the report and the bundle from what finished and
+# exits, even while the main thread is stuck inside a compile (no Python-level check reaches it).
+WATCHDOG_GRACE_S = 60.0
+SECTION_GRACE_S = 15.0       # a section overrunning its cap by this is interrupted
 
 
 def model_configs(dry: bool) -> dict:
@@ -59,7 +65,10 @@ class Profile:
     max_layers: int              # timed attention caches cycle through up to this many layers
     max_copies: int              # timed int4/dense weights cycle through up to this many copies
     e2e_batches: tuple
-    e2e_variants: tuple          # quantizations benchmarked per model (None = bf16)
+    # Engine variants per model, in order: (quantization or None for bf16, backend for both
+    # attention and linears). The Pallas engine beside the XLA one is the end-to-end baseline.
+    e2e_variants: tuple
+    e2e_variants_8b: tuple
     prompt_len: int
     new_tokens: int
     max_model_len: int
@@ -73,7 +82,13 @@ class Profile:
     defaults_prompts: int = 4    # plain LLM() run: prompts of prompt_len, new_tokens each
     # (section, seconds): a section starts only with this much budget left (8B init + compiles).
     section_min_s: tuple = ()
+    # (section, seconds): a section's own cap. Its loops stop starting work at it; past it plus
+    # SECTION_GRACE_S the driver interrupts the section (SIGALRM) and records what it had.
+    section_cap_s: tuple = ()
     variant_min_s: float = 0.0   # an engine variant (bf16, int4) starts only with this left
+    trace_batch: int = 64        # decode_trace: rows decoding while the profiler runs
+    trace_steps: int = 6         # decode_trace: warm decode steps traced
+    launch_chain: tuple = (16, 128)  # launch_floor: tiny dependent kernels per jitted chain
 
 
 GPU_PROFILE = Profile(
@@ -83,7 +98,9 @@ GPU_PROFILE = Profile(
     int4_cases=tuple((mo, k, n, m) for mo, shapes in INT4_SHAPES.items() for k, n in shapes
                      for m in (1, 64)),
     iters=20, reps=7, copy_bytes=2 << 30, matmul_n=8192, max_layers=32, max_copies=64,
-    e2e_batches=(1, 64), e2e_variants=(None, "int4"), prompt_len=136, new_tokens=64,
+    e2e_batches=(1, 64), prompt_len=136, new_tokens=64,
+    e2e_variants=((None, "pallas"), (None, "xla"), ("int4", "pallas"), ("int4", "xla")),
+    e2e_variants_8b=((None, "pallas"), ("int4", "pallas"), (None, "xla"), ("int4", "xla")),
     max_model_len=256, ragged_cases=(("llama3_8b", 16, 2048, 48),),
     ragged_extra_cases=(("smollm2", 16, 1024, 8, "float32", 0.0),
                         ("llama3_8b", 16, 2048, 8, "bfloat16", 4.5)),
@@ -92,7 +109,13 @@ GPU_PROFILE = Profile(
                 ("llama3_8b", 4096, 14336, 256, 4, 16)),
     # llm_defaults warms up every bucket (its construct_s is that start-up cost).
     section_min_s=(("e2e_llama3_8b", 90.0), ("llm_defaults", 60.0), ("hf_peer", 20.0)),
-    variant_min_s=25.0)
+    # Kernel work first and bounded, so the engine sections keep most of the budget.
+    # The caps before the 8B model sum to 290 s of the 380: it keeps its 90 s at worst.
+    section_cap_s=(("bandwidth", 20.0), ("kernel_correctness", 50.0), ("kernel_tests", 60.0),
+                   ("kernel_timings", 45.0), ("launch_floor", 15.0), ("e2e_smollm2", 75.0),
+                   ("decode_trace", 25.0), ("e2e_llama3_8b", 110.0), ("llm_defaults", 60.0),
+                   ("hf_peer", 30.0)),
+    variant_min_s=20.0)
 
 # CPU: the same code paths through the Pallas interpreter, each at a fraction of a second of
 # work. Cases cover both head layouts, both block sizes, the split (batch 1) and batched paths;
@@ -102,11 +125,15 @@ DRY_PROFILE = Profile(
     attn_cases=(("smollm2", 16, 4), ("llama3_8b", 32, 1)), max_context=64,
     int4_cases=(("smollm2", 128, 256, 1), ("llama3_8b", 256, 128, 4)),
     iters=2, reps=2, copy_bytes=8 << 20, matmul_n=256, max_layers=2, max_copies=2,
-    e2e_batches=(2,), e2e_variants=(None, "int4"), prompt_len=20, new_tokens=6,
+    e2e_batches=(2,), prompt_len=20, new_tokens=6,
+    # Each path once: the Pallas and the XLA engine in bf16, int4 weights through the kernel.
+    e2e_variants=((None, "pallas-interpret"), (None, "xla")),
+    e2e_variants_8b=(("int4", "pallas-interpret"),),
     max_model_len=64, ragged_cases=(("smollm2", 16, 64, 4),),
     # The large-cache case at a few MiB: the same code path; the > 4 GiB indexing itself is
     # compiled deviceless in tests/kernels/test_ragged_paged_attention.py.
     ragged_extra_cases=(("smollm2", 16, 64, 2, "float32", 0.0),
                         ("llama3_8b", 16, 64, 2, "bfloat16", 1 / 256)),
     lora_cases=(("smollm2", 576, 192, 8, 3, 8),),
-    defaults_prompts=2)
+    defaults_prompts=2, trace_batch=2, trace_steps=3, launch_chain=(4, 16),
+    section_cap_s=(("kernel_tests", 60.0),))

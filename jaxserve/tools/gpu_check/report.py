@@ -1,11 +1,19 @@
 """The report: gpu_check.json rewritten after every section (a killed run keeps what it
-finished) and the markdown of each section's result."""
+finished) and the markdown of each section's result (the newer sections render their own, in
+their modules) and of the bundle."""
 
 from __future__ import annotations
 
 import json
 import math
 import pathlib
+
+from jaxserve.tools.gpu_check.decode_trace import md_decode_trace
+from jaxserve.tools.gpu_check.int4_timing import md_int4_row
+from jaxserve.tools.gpu_check.launch_floor import md_launch_floor
+from jaxserve.tools.gpu_check.prediction import md_prediction
+from jaxserve.tools.gpu_check.preflight import md_preflight
+from jaxserve.tools.gpu_check.step_dump import md_step_dump
 
 
 def fmt(v, spec=".3g") -> str:
@@ -14,15 +22,6 @@ def fmt(v, spec=".3g") -> str:
     if isinstance(v, float):
         return "nan" if math.isnan(v) else format(v, spec)
     return str(v)
-
-
-def md_environment(r: dict) -> list[str]:
-    mem = r.get("device_memory", {})
-    return [f"- python {r['python']}, jax {r['jax']}, jaxlib {r['jaxlib']}, backend "
-            f"{r['default_backend']}", f"- devices: {', '.join(r['devices'])}",
-            f"- device memory limit: {fmt(mem.get('bytes_limit', 0) / 2**30)} GiB",
-            f"- packages: {', '.join(f'{k} {v}' for k, v in r['packages'].items())}",
-            f"- importable: {r['importable']}", f"- nvidia-smi: `{r['nvidia_smi']}`"]
 
 
 def md_bandwidth(r: dict) -> list[str]:
@@ -37,9 +36,14 @@ def md_bandwidth(r: dict) -> list[str]:
 def md_correctness(r: dict) -> list[str]:
     out = ["| kernel | case | max abs err | max rel err | ok |", "|---|---|---|---|---|"]
     for kind in ("paged_attention", "int4_matmul", "ragged_attention", "ragged_extra",
-                 "lora_sgmv"):
+                 "lora_sgmv", "registered"):
         for row in r.get(kind, []):
-            if "error" in row:
+            if "error" in row or kind == "registered":
+                if "error" not in row:
+                    out.append(f"| {row['case']} | (registered) | {fmt(row['max_abs_err'])} | "
+                               f"{fmt(row.get('max_rel_err'))} | "
+                               f"{'yes' if row['within_tol'] else 'NO'} |")
+                    continue
                 out.append(f"| {kind} | {row['case']} | ERROR: {row['error'][:120]} | | no |")
                 continue
             case = (f"{row['model']} bs{row['block_size']} B{row['batch']} "
@@ -83,14 +87,12 @@ def md_timings(r: dict) -> list[str]:
             if "error" in row:
                 out.append(f"| {kind} | {row['case']} | ERROR: {row['error'][:120]} ||||||||")
                 continue
+            if kind == "int4_matmul":
+                out.append(md_int4_row(row, fmt))
+                continue
             k, x = row["kernel"], row["xla_engine_path"]
-            if kind == "paged_attention":
-                case = f"{row['model']} bs{row['block_size']} B{row['batch']}"
-                extra = f"f32 ref {row['reference_f32']['median_s'] * 1e6:.1f} us"
-            else:
-                case = f"{row['model']} {row['K']}->{row['N']} M{row['M']}"
-                extra = (f"dense bf16 {row['dense_bf16_xla']['median_s'] * 1e6:.1f} us; "
-                         f"{k['flops_per_s'] / 1e12:.2f} TFLOP/s")
+            case = f"{row['model']} bs{row['block_size']} B{row['batch']}"
+            extra = f"f32 ref {row['reference_f32']['median_s'] * 1e6:.1f} us"
             out.append(f"| {kind} | {case} | {row['bytes_per_call'] / 1e6:.2f} | "
                        f"{k['median_s'] * 1e6:.1f} | {k['bytes_per_s'] / 1e12:.3f} | "
                        f"{k['vs_nominal_bw']:.2f} | {fmt(k.get('vs_measured_copy_bw'), '.2f')} | "
@@ -115,12 +117,13 @@ def md_timings(r: dict) -> list[str]:
 
 def md_e2e(r: dict) -> list[str]:
     out = [f"- model: {r['model']} ({r['num_params'] / 1e6:.0f}M params), source: "
-           f"{r['source']}, backend {r['backend']}, block {r['block_size']}", "",
-           "| weights | batch | decode tok/s | steps/s | overall tok/s | MBU (weights) vs 4.3 | "
-           "vs measured copy | step ms: host / wait / total | compiles in run | lengths ok |",
+           f"{r['source']}, block {r['block_size']}", "",
+           "| weights / backend | batch | decode tok/s | steps/s | overall tok/s | "
+           "MBU (weights) vs 4.3 | vs measured copy | step ms: host / wait / total | "
+           "compiles in run | lengths ok |",
            "|---|---|---|---|---|---|---|---|---|---|"]
     for v in r["variants"]:
-        label = v.get("quantization") or "bf16"
+        label = f"{v.get('quantization') or 'bf16'} / {v.get('backend')}"
         if "error" in v or "skipped" in v:
             out.append(f"| {label} | {v.get('error') or v.get('skipped')} ||||||||")
             continue
@@ -162,18 +165,6 @@ def md_llm_defaults(r: dict) -> list[str]:
             f"{r['num_compiles_after_warmup']}"]
 
 
-def md_step_dump(r: dict) -> list[str]:
-    out = [f"- `{r['dir']}`: {r['files']} files, {r['bytes'] / 2**20:.1f} MiB, modules: "
-           f"{', '.join(r['modules']) or 'none'}"]
-    if r.get("removed"):
-        out.append(f"- removed {r['removed']} files (not {'/'.join(r['kept_suffixes'])}, or "
-                   f"over {r['max_file_bytes'] / 2**20:.0f} MiB), e.g. "
-                   f"{', '.join(r['removed_examples'][:3])}")
-    if r.get("reader"):
-        out.append(f"- reader: {json.dumps(r['reader'], default=str)[:1500]}")
-    return out
-
-
 def md_hf(r: dict) -> list[str]:
     out = [f"- {r['source']} on {r['device']}, torch {r['torch']}, transformers "
            f"{r['transformers']}, bf16", "", "| batch | decode tok/s | overall tok/s |",
@@ -192,10 +183,22 @@ def md_kernel_tests(r: dict) -> list[str]:
             r["output_tail"][-1500:], "```"]
 
 
-MD = {"environment": md_environment, "bandwidth": md_bandwidth,
+MD = {"preflight": md_preflight, "bandwidth": md_bandwidth,
       "kernel_correctness": md_correctness, "kernel_timings": md_timings,
+      "launch_floor": md_launch_floor, "decode_trace": md_decode_trace,
       "e2e_llama3_8b": md_e2e, "e2e_smollm2": md_e2e, "llm_defaults": md_llm_defaults,
-      "step_dump": md_step_dump, "hf_peer": md_hf, "kernel_tests": md_kernel_tests}
+      "step_dump": md_step_dump, "hf_peer": md_hf, "kernel_tests": md_kernel_tests,
+      "prediction": md_prediction}
+
+
+def md_bundle(b: dict) -> list[str]:
+    if "error" in b:
+        return [f"- bundle failed: {b['error']}"]
+    return [f"- `{b['tar']}`: {b['tar_bytes'] / 2**20:.2f} MiB, {b['included']} files, "
+            f"{len(b['truncated'])} truncated, {len(b['left_out'])} left out (MANIFEST.json "
+            f"inside lists them); dumps first written to `{b['scratch_dir']}`",
+            f"- out dir within the return limits: "
+            f"{'yes' if not b['out_dir_problems'] else b['out_dir_problems']}"]
 
 
 def markdown(report: dict) -> str:
@@ -207,11 +210,13 @@ def markdown(report: dict) -> str:
             lines += [f"reason: {sec['reason']}", ""]
         if sec.get("error"):
             lines += ["```", sec["error"], "```", ""]
-        if sec.get("result") and sec["status"] != "skipped":
+        if sec.get("result") and (sec["status"] != "skipped" or name == "prediction"):
             try:
                 lines += MD[name](sec["result"]) + [""]
             except Exception as e:  # noqa: BLE001 - the JSON has everything anyway
                 lines += [f"(markdown rendering failed: {type(e).__name__}: {e})", ""]
+    if report.get("bundle"):
+        lines += ["## bundle", ""] + md_bundle(report["bundle"]) + [""]
     return "\n".join(lines)
 
 
