@@ -300,3 +300,27 @@ def sampling_case(seed: int, v: int, rows, *, ties: bool = False, masked: float 
     u = rng.random(s).astype(np.float32)
     return (jnp.asarray(x), jnp.asarray(x), jnp.asarray(k), jnp.asarray(top_p, jnp.float32),
             jnp.asarray(log_min_p), jnp.asarray(u), jnp.asarray(greedy))
+
+
+def check_sampling(interpret: bool, small: bool) -> dict:
+    """gpu_check's sampling case (GPU_CHECK_CASES): the kernel against its sort reference on
+    every SAMPLING_ROWS mix at each model's vocabulary (a 5000-token vocabulary when small),
+    tokens and top-logprob ids exact, logprobs within SAMPLING_LOGPROB_ATOL."""
+    from pallas_kernels.sampling import sample_rows, sample_rows_reference
+    rows = []
+    for name, v in ({"small": 5000} if small else SAMPLING_MODEL_VOCABS).items():
+        args = sampling_case(7, v, SAMPLING_ROWS)
+        got = sample_rows(*args, True, num_logprobs=20, interpret=interpret)
+        want = sample_rows_reference(*args, True, num_logprobs=20)
+        got, want = ([np.asarray(a) for a in out] for out in (got, want))
+        err = max(float(np.max(np.abs(got[i] - want[i]))) for i in (1, 3))
+        rows.append({"vocab": v, "model": name, "tokens_equal": bool((got[0] == want[0]).all()),
+                     "top_ids_equal": bool((got[2] == want[2]).all()), "max_abs_err": err})
+    ok = all(r["tokens_equal"] and r["top_ids_equal"] and r["max_abs_err"] <= SAMPLING_LOGPROB_ATOL
+             for r in rows)
+    return {"within_tol": ok, "max_abs_err": max(r["max_abs_err"] for r in rows),
+            "tolerance": SAMPLING_LOGPROB_ATOL, "rows": rows}
+
+
+# gpu_check's kernel_correctness runs each (jaxserve/tools/gpu_check/kernel_correctness.py).
+GPU_CHECK_CASES = {"sampling": check_sampling}

@@ -38,8 +38,8 @@ SECTIONS = ["preflight", "bandwidth", "kernel_correctness", "kernel_tests", "ker
             "launch_floor", "e2e_smollm2", "decode_trace", "e2e_llama3_8b", "llm_defaults",
             "hf_peer", "step_dump", "prediction"]
 # May be skipped (with a reason) where the packages are missing, as in .venv on CPU; the
-# compiled kernel tests always are in a dry run, and the prediction hook is not wired yet.
-MAY_SKIP = {"hf_peer", "kernel_tests", "prediction"}
+# compiled kernel tests always are in a dry run.
+MAY_SKIP = {"hf_peer", "kernel_tests"}
 # Cheap sections that still reach the trace, the step dump and the bundle: the fast test's run.
 QUICK = "preflight,launch_floor,decode_trace,step_dump,prediction"
 
@@ -85,7 +85,6 @@ def test_quick_dry_run_bundles_within_the_return_limits(quick_run):
         assert sec["status"] in ("ok", "skipped"), (name, sec)
         if name not in QUICK.split(","):
             assert sec["reason"] == "not selected (--sections)"
-    assert report["sections"]["prediction"]["reason"].startswith("not wired")
     assert_bundle_within_limits(out, report)
     names = tar_names(out)
     assert any(n.startswith("trace/") and n.endswith(".xplane.pb") for n in names), names
@@ -113,8 +112,14 @@ def test_quick_dry_run_reads_the_trace_into_per_kernel_times(quick_run):
     chains = report["profile"]["launch_chain"]
     assert [c["kernels_in_program"] for c in floor["chains"]] == list(chains)
     assert "us_per_kernel" in floor
+    # The performance model costs the traced model's step compiled for an H200 and predicts
+    # it; a CPU trace shares at most a stray instruction name with it, so nothing is fitted.
     pred = report["sections"]["prediction"]["result"]
-    assert pred["wired"] is False and pred["measured_ready"]["per_kernel_s"]
+    assert pred["source"].startswith("deviceless H200 compile"), pred
+    assert pred["kernels"] > 0 and pred["matched_kernels"] < 3
+    p = pred["predicted"]
+    assert p["kernels"] == pred["kernels"] and p["floor_us"] < p["step_us"]
+    assert 0 < p["mbu"] < 1 and "skipped" in pred["fit"]
 
 
 @pytest.fixture(scope="module")
@@ -543,3 +548,16 @@ def test_sigterm_mid_section_still_returns_the_bundle(tmp_path):
                                                  "error": "interrupted by SIGTERM"}
     assert report["sections"]["decode_trace"]["reason"].startswith("not reached")
     assert_bundle_within_limits(out, report)
+
+
+def test_prediction_takes_seconds_per_launch_from_the_trace():
+    """The trace gives seconds per step per HLO instruction; the model compares per launch."""
+    from jaxserve.tools.gpu_check.prediction import per_launch
+    from jaxserve.tools.perf_model import KernelCost
+
+    def cost(name, hlo):
+        return KernelCost(name=name, hlo=hlo, kind="xla", bytes=1, flops=0)
+
+    costs = [cost("loop_add", "add.1"), cost("loop_add", "add.1"), cost("gemm", "dot.2")]
+    got = per_launch({"add.1": 4e-6, "dot.2": 3e-6, "elsewhere.9": 1e-6}, costs)
+    assert got == {"add.1": 2e-6, "dot.2": 3e-6}

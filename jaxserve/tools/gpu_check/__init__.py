@@ -19,7 +19,7 @@
   hf_peer             section `hf_peer`: HF transformers on the same device
   kernel_tests        section `kernel_tests`: `pytest -m gpu` on the kernel tests
   step_dump           section `step_dump`: XLA's dump of the compiled engine steps
-  prediction          section `prediction`: the performance model's hook (not wired)
+  prediction          section `prediction`: the performance model's prediction beside the trace
   report              gpu_check.json and gpu_check.md
   bundle              the out dir's three files and their limits; the tar of dumps
   driver              arguments and the run: sections in order, the bundle at the end

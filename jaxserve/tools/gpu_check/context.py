@@ -31,6 +31,7 @@ class Ctx:
         self.trace_engine = None    # e2e_smollm2's Pallas bf16 engine, kept for decode_trace
         self.step_modules: dict = {}  # engine variant -> XLA dump module ids it compiled
         self.decode_trace: dict = {}  # decode_trace's per-kernel summary, for prediction
+        self.trace_shape: dict = {}  # the traced engine's model config and cache shape
         self.report: dict = {}      # the report so far (the driver's), read by `prediction`
         self.ptxas_note: str | None = None  # why no ptxas -v report is captured, if none is
 

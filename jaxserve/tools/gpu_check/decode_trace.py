@@ -65,8 +65,17 @@ def traced_decode(ctx: Ctx, engine, batch: int) -> dict:
     trace_s = time.perf_counter() - t0
     while engine.has_unfinished_requests() and not ctx.over_budget():
         engine.step()
+    from jaxserve.tools.gpu_step import weight_bytes
+    model = engine.model
+    # What the performance model needs to cost the traced step (section `prediction`): the
+    # live rows, their context at mid-trace, the weights a step reads, the model's shape.
+    ctx.trace_shape = {"config": model.config, "max_num_seqs": engine.config.max_num_seqs,
+                       "max_model_len": engine.config.max_model_len,
+                       "block_size": engine.config.block_size}
     out = {"batch": batch, "traced_steps": traced, "trace_wall_s": trace_s,
-           "host_step_s": step_s, "compiles_while_traced": engine.runner.num_compiled - compiled}
+           "host_step_s": step_s, "compiles_while_traced": engine.runner.num_compiled - compiled,
+           "context_len": ctx.prof.prompt_len + WARM_DECODE_STEPS + max(1, traced // 2),
+           "weight_bytes": weight_bytes(model.params, model.config)}
     if skipped:
         out["skipped"] = skipped
     return out

@@ -27,6 +27,7 @@ from jaxserve.tools.gpu_check.kernel_tests import section_kernel_tests
 from jaxserve.tools.gpu_check.kernel_timings import section_kernel_timings
 from jaxserve.tools.gpu_check.launch_floor import section_launch_floor
 from jaxserve.tools.gpu_check.llm_defaults import section_llm_defaults
+from jaxserve.tools import cuda_plugin
 from jaxserve.tools.gpu_check.prediction import section_prediction
 from jaxserve.tools.gpu_check.preflight import section_preflight
 from jaxserve.tools.gpu_check.profiles import (DRY_BUDGET_S, DRY_PROFILE, GPU_BUDGET_S,
@@ -43,7 +44,7 @@ DESCRIPTION = "GPU check: the one prepared script to run when an H200 is lent (s
 # Preflight first (no GPU: stop); the kernels' correctness and their compiled tests before any
 # timing; SmolLM2 (the served model) and its trace before the costlier 8B model, both before
 # the plain-defaults run and the HF peer (the first to give way to the budget); the dump
-# summary and the prediction hook last, since they read what the others left.
+# summary and the performance model's prediction last, since they read what the others left.
 SECTIONS = [("preflight", section_preflight), ("bandwidth", section_bandwidth),
             ("kernel_correctness", section_kernel_correctness),
             ("kernel_tests", section_kernel_tests), ("kernel_timings", section_kernel_timings),
@@ -52,7 +53,8 @@ SECTIONS = [("preflight", section_preflight), ("bandwidth", section_bandwidth),
             ("llm_defaults", section_llm_defaults), ("hf_peer", section_hf_peer),
             ("step_dump", section_step_dump), ("prediction", section_prediction)]
 # Cheap and needed to read the rest: these run even past the budget (under their own cap).
-ALWAYS = {"preflight": 30.0, "step_dump": 30.0, "prediction": 10.0}
+# prediction reads the traced step's dump on a GPU (seconds); a dry run compiles one deviceless.
+ALWAYS = {"preflight": 30.0, "step_dump": 30.0, "prediction": 45.0}
 
 
 def skipped(reason: str) -> dict:
@@ -182,6 +184,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.dry_run:
         os.environ["JAX_PLATFORMS"] = "cpu"
+        # The CUDA compiler plugin setup installs beside .venv (before jax is imported): the
+        # dry run's prediction compiles the traced step for an H200 deviceless.
+        cuda_plugin.use_setup_plugin()
     out, scratch = make_dirs(args)
     tee = guards.StderrTee(stderr_log(scratch)).start()
     print(f"gpu_check: dumps, trace and this stderr go to {scratch} first; results to {out}",

@@ -96,7 +96,7 @@ def ragged_step_case(ctx: Ctx, model: str, block: int, max_ctx: int, decode: int
 
 def int4_weights(ctx: Ctx, k: int, n: int) -> dict:
     """The kernel tests' random codes with per-group scales and offsets (asymmetric, the
-    engine's RTN format), in as many copies as make > 2x L2, plus bf16 dense copies for the
+    engine's RTN format, bf16 scales and f32 offsets as the engine stores them for the GPU), in as many copies as make > 2x L2, plus bf16 dense copies for the
     dense baseline. Shared by every M of a (K, N)."""
     import jax
     import jax.numpy as jnp
@@ -106,10 +106,12 @@ def int4_weights(ctx: Ctx, k: int, n: int) -> dict:
     if key in ctx.cases:
         return ctx.cases[key]
     g = int4_group_size(k)
-    wbytes = k * n // 2 + 2 * (k // g) * n * 4
+    # The engine's GPU format (quantization/gpu_format.py): bf16 scales, f32 offsets.
+    wbytes = k * n // 2 + (k // g) * n * (2 + 4)
     copies = int(min(ctx.prof.max_copies, max(1, math.ceil(2 * L2_BYTES / wbytes))))
     dense_copies = int(min(ctx.prof.max_copies, max(1, math.ceil(2 * L2_BYTES / (2 * k * n)))))
-    weights = [case_weights(k, n, g, symmetric=False, seed=i) for i in range(copies)]
+    weights = [case_weights(k, n, g, symmetric=False, seed=i, scale_dtype=jnp.bfloat16,
+                            offset_dtype=jnp.float32) for i in range(copies)]
     keys = jax.random.split(jax.random.key(k * 7 + n), dense_copies)
     dense = [jax.random.normal(keys[i], (k, n), jnp.bfloat16) * 0.02
              for i in range(dense_copies)]

@@ -210,7 +210,7 @@ def markdown(report: dict) -> str:
             lines += [f"reason: {sec['reason']}", ""]
         if sec.get("error"):
             lines += ["```", sec["error"], "```", ""]
-        if sec.get("result") and (sec["status"] != "skipped" or name == "prediction"):
+        if sec.get("result") and sec["status"] != "skipped":
             try:
                 lines += MD[name](sec["result"]) + [""]
             except Exception as e:  # noqa: BLE001 - the JSON has everything anyway
