@@ -44,8 +44,9 @@ failed / error with a reason, and one failing does not stop the others:
   hf_peer            HF transformers `generate` on the same GPU, SmolLM2 shapes, bf16
   step_dump          the compiled steps' dump: modules per engine variant, the traced step's
                      modules, the compiled-program reader's counts, ptxas registers / spills
-  prediction         the hook for a performance model's predicted times beside the measured
-                     ones: records "not wired" until one is connected (prediction.py)
+  prediction         the deviceless performance model (jaxserve/tools/perf_model.py) on the
+                     traced step's dump: predicted step and per-kernel times beside the
+                     measured ones, and the model's constants fitted to the trace
 
 Time: --time-budget (default 380 s on a GPU) is checked between sections and inside every loop
 over cases, baselines, variants, batches and steps; each section also has its own cap
