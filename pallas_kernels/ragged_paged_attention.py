@@ -39,8 +39,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.gpu_tiling import (MASK_VALUE, MIN_DOT_ROWS, NO_WINDOW, default_pages_per_split,
-                                      default_pages_per_step, dot, next_pow2)
+from pallas_kernels.gpu_tiling import (MASK_VALUE, MIN_DOT_ROWS, NO_WINDOW, default_num_splits,
+                                      default_pages_per_step, dot, load_rows, next_pow2,
+                                      store_rows)
 from pallas_kernels.paged_attention import check_scales, dequantize_cache
 
 _PREFILL_DOT_ROWS = 64   # tile rows when the step is mostly prefill: fewer re-reads of the pages
@@ -71,20 +72,42 @@ def _load_page(k_ref, v_ref, scale_refs, pt_ref, layer, r, h, page, in_split):
     return k_ref[index], v_ref[index], scale_refs[0][at], scale_refs[1][at]
 
 
+def split_pages(first, end, s, num_splits: int):
+    """(first page, page count) of split s of `num_splits` over pages [first, end): equal
+    shares of the pages a tile really sees, counted at run time, so a short context in a wide
+    page table still keeps every split busy (the grid, and so the split count, is static)."""
+    share = pl.cdiv(end - first, num_splits)
+    start = first + s * share
+    return start, jnp.clip(end - start, 0, share)
+
+
+def _head_rows(tokens, h, ok, *, gp: int, group: int, num_heads: int):
+    """Flat `[T * H]` rows `[M]` of tile rows whose queries are `tokens` `[M]` (row i holds
+    head i % Gp of KV head h's group), and `ok` `[M]` narrowed to real heads (not the group's
+    padding to Gp)."""
+    g = lax.broadcasted_iota(jnp.int32, tokens.shape, 0) % gp
+    return tokens * num_heads + h * group + g, ok & (g < group)
+
+
 def _ragged_kernel(layer_ref, window_ref, qs_ref, lens_ref, pt_ref, q_ref, k_ref, v_ref,
                    *refs,  # [k_scale_ref, v_scale_ref,] o_ref[, m_ref, l_ref]
-                   block_q: int, gp: int, pages_per_split: int, pages_per_step: int,
+                   block_q: int, gp: int, group: int, num_splits: int, pages_per_step: int,
                    sm_scale: float, softcap: float | None, quantized: bool):
     # layer_ref [1], window_ref [1], qs_ref [R + 1], lens_ref [R], pt_ref [R, P]: whole arrays.
-    # q_ref [K, (T + Bq) * Gp, Dh] whole (token-major, heads of a group inner, zero padded).
+    # q_ref [T * H, Dh] whole: the flat token axis as the model makes it (token-major, heads
+    # inner), read and written in place by index, so no padded copy of q is made.
     # k_ref/v_ref [L, NB, BS, K, Dh] whole caches; int8: k/v_scale_ref [L, NB, BS, K] whole.
-    # Outputs: one split's partial result for one tile, o_ref [M, Dh]; m_ref, l_ref [M],
-    # absent when there is one split (o_ref then holds the final output in q's dtype).
+    # Outputs, whole: one split: o_ref [T * H, Dh] in q's dtype, the final output. Several:
+    # partials o_ref [S * T * H, Dh] f32 and m_ref, l_ref [S * T * H] f32 (split s's rows at
+    # s * T * H) for the combine.
     scale_refs, (o_ref, *ml_refs) = (refs[:2], refs[2:]) if quantized else ((), refs)
     t, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     block_size, head_dim = k_ref.shape[2], k_ref.shape[4]
+    num_rows = lens_ref.shape[0]
+    num_heads = pl.num_programs(1) * group
+    num_tokens = q_ref.shape[0] // (k_ref.shape[3] * group)
     rows = block_q * gp
-    r = _find_row(qs_ref, t, num_rows=lens_ref.shape[0], block_q=block_q)
+    r = _find_row(qs_ref, t, num_rows=num_rows, block_q=block_q)
     row_start = qs_ref[r]
     q_len = qs_ref[r + 1] - row_start
     first = (t - (row_start // block_q + r)) * block_q  # this tile's first query within the row
@@ -94,27 +117,28 @@ def _ragged_kernel(layer_ref, window_ref, qs_ref, lens_ref, pt_ref, q_ref, k_ref
     # The tile's last query sees the most keys; pages past it (or past the table) are not read.
     last_pos = offset + jnp.minimum(first + block_q, q_len) - 1
     n_pages = jnp.minimum(pl.cdiv(jnp.maximum(last_pos + 1, 0), block_size), pt_ref.shape[1])
-    first_page = s * pages_per_split
-    n_pages = jnp.clip(n_pages - first_page, 0, pages_per_split)
     n_pages = jnp.where(live, n_pages, 0)
-    # Sliding window: keys before the tile's first query's window are seen by no tile row;
-    # the loop starts at the step holding the first page past them.
+    # Sliding window: keys before the tile's first query's window are seen by no tile row.
     window = window_ref[0]
     lo = jnp.maximum(offset + first - window + 1, 0)  # first key position any row sees
-    first_step = jnp.clip(lo // block_size - first_page, 0, n_pages) // pages_per_step
+    first_page, n_split = split_pages(jnp.minimum(lo // block_size, n_pages), n_pages, s,
+                                      num_splits)
 
-    start = jnp.where(live, row_start + first, 0) * gp
-    q = q_ref[h, pl.ds(start, rows), pl.ds(0, head_dim)]  # [M, Dh]
+    # Tile row i holds query first + i // Gp, head i % Gp of the group.
+    query = first + lax.broadcasted_iota(jnp.int32, (rows,), 0) // gp  # [M]
+    size = q_ref.shape[0]
+    flat, mine = _head_rows(row_start + query, h, live & (query < q_len), gp=gp,
+                            group=group, num_heads=num_heads)  # [M]: the rows it owns
+    q = load_rows(q_ref, flat, mine, head_dim)  # [M, Dh]
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
-    # Tile row i holds query first + i // Gp; rows past the row's queries are discarded later.
-    q_pos = offset + first + lax.broadcasted_iota(jnp.int32, (rows, 1), 0) // gp  # [M, 1]
+    q_pos = offset + query[:, None]  # [M, 1]
     slot = lax.broadcasted_iota(jnp.int32, (1, block_size), 1)  # [1, BS]
 
     def page_logits(i, j):
         """Masked logits `[M, BS]` f32, values `[BS, Dh]` and (int8) value scales `[1, BS]`
         f32 (else None) of step i's page j."""
         local = i * pages_per_step + j  # page within this split
-        in_split = local < n_pages
+        in_split = local < n_split
         k, v, ks, vs = _load_page(k_ref, v_ref, scale_refs, pt_ref, layer_ref[0], r, h,
                                   first_page + local, in_split)
         key_pos = (first_page + local) * block_size + slot  # [1, BS]
@@ -130,7 +154,7 @@ def _ragged_kernel(layer_ref, window_ref, qs_ref, lens_ref, pt_ref, q_ref, k_ref
             v = jnp.where(valid.reshape(block_size, 1), v, jnp.zeros_like(v))
         # Causal within the row; a query's own position is < length, so this also hides the
         # slots past the context (from all but the tile rows past the row's queries, which
-        # are discarded).
+        # are not stored).
         visible = (key_pos <= q_pos) & (key_pos > q_pos - window) & in_split  # [M, BS]
         logits = dot(q, k, 1, precision) * sm_scale  # [M, BS] f32
         if quantized:
@@ -161,54 +185,65 @@ def _ragged_kernel(layer_ref, window_ref, qs_ref, lens_ref, pt_ref, q_ref, k_ref
     init = (jnp.zeros((rows, head_dim), jnp.float32),
             jnp.full((rows,), MASK_VALUE, jnp.float32),
             jnp.zeros((rows,), jnp.float32))
-    acc, m, l = lax.fori_loop(first_step, pl.cdiv(n_pages, pages_per_step), body, init)
-    o_ref[...] = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
-    if ml_refs:
-        ml_refs[0][...] = m
-        ml_refs[1][...] = l
+    acc, m, l = lax.fori_loop(0, pl.cdiv(n_split, pages_per_step), body, init)
+    out = acc / jnp.where(l > 0, l, 1.0)[:, None]
+
+    # Tokens that belong to no row (before query_start[0], from query_start[R] on) get zeros
+    # from the tile of the same number: tiles 0 .. T / Bq cover every token, and no live tile
+    # writes those tokens, so no two programs write one row.
+    token = t * block_q + lax.broadcasted_iota(jnp.int32, (rows,), 0) // gp  # [M]
+    spare = (token < num_tokens) & ((token < qs_ref[0]) | (token >= qs_ref[num_rows]))
+    flat0, spare = _head_rows(token, h, spare, gp=gp, group=group, num_heads=num_heads)
+    if not ml_refs:
+        store_rows(o_ref, flat, mine, out.astype(o_ref.dtype))
+        store_rows(o_ref, flat0, spare, jnp.zeros_like(out, o_ref.dtype))
+        return
+    part = s * size  # split s's partials start at row s * T * H
+    store_rows(o_ref, flat + part, mine, out)
+    store_rows(o_ref, flat0 + part, spare, jnp.zeros_like(out))
+    # Spare rows: mass 0 and a finite max, so the combine gives them 0.
+    for ref, value, empty in ((ml_refs[0], m, MASK_VALUE), (ml_refs[1], l, 0.0)):
+        store_rows(ref, flat + part, mine, value)
+        store_rows(ref, flat0 + part, spare, jnp.full_like(value, empty))
 
 
-def _ragged_call(layer, window, query_start, context_lens, page_table, qp, k_cache, v_cache,
-                 scales, *, num_tiles: int, block_q: int, gp: int, pages_per_split: int,
+def _ragged_call(layer, window, query_start, context_lens, page_table, q, k_cache, v_cache,
+                 scales, *, num_tiles: int, block_q: int, gp: int, group: int,
                  num_splits: int, pages_per_step: int, sm_scale: float, softcap: float | None,
                  num_warps: int, num_stages: int, interpret):
-    """Partial results per split and tile: out `[S, NT, K, M, Dh]` f32, max and sum
-    `[S, NT, K, M]` f32; with one split only the out, `[1, NT, K, M, Dh]` in q's dtype.
-    scales: an int8 cache's (k_scale, v_scale), or () for a float cache."""
-    num_kv_heads, _, head_dim = qp.shape
-    rows = block_q * gp
-    kernel = functools.partial(_ragged_kernel, block_q=block_q, gp=gp,
-                               pages_per_split=pages_per_split, pages_per_step=pages_per_step,
+    """q `[T * H, Dh]`. One split: the output `[T * H, Dh]` in q's dtype. Several: partial
+    out `[S * T * H, Dh]`, max and sum `[S * T * H]`, f32. scales: an int8 cache's (k_scale,
+    v_scale), or () for a float cache."""
+    rows, head_dim = q.shape
+    num_kv_heads = k_cache.shape[3]
+    kernel = functools.partial(_ragged_kernel, block_q=block_q, gp=gp, group=group,
+                               num_splits=num_splits, pages_per_step=pages_per_step,
                                sm_scale=sm_scale, softcap=softcap, quantized=bool(scales))
 
     # Whole arrays: on Triton a ref is a pointer into global memory, nothing is copied; the
     # kernel computes its own indices (see paged_attention.py).
     def whole(x):
-        return pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
+        return pl.BlockSpec(x.shape, lambda *_: (0,) * len(x.shape))
 
-    part = (num_splits, num_tiles, num_kv_heads, rows)
-    row = pl.BlockSpec((None, None, None, rows), lambda t, h, s: (s, t, h, 0))
-    out_specs = [pl.BlockSpec((None, None, None, rows, head_dim),
-                              lambda t, h, s: (s, t, h, 0, 0))]
-    out_shape = [jax.ShapeDtypeStruct(part + (head_dim,),
-                                      qp.dtype if num_splits == 1 else jnp.float32)]
-    if num_splits > 1:  # the combine needs each split's max and sum
-        out_specs += [row, row]
-        out_shape += [jax.ShapeDtypeStruct(part, jnp.float32)] * 2
+    if num_splits == 1:
+        out_shape = [jax.ShapeDtypeStruct((rows, head_dim), q.dtype)]
+    else:  # the combine needs each split's max and sum
+        out_shape = [jax.ShapeDtypeStruct((num_splits * rows, head_dim), jnp.float32),
+                     *[jax.ShapeDtypeStruct((num_splits * rows,), jnp.float32)] * 2]
     outs = pl.pallas_call(
         kernel,
         grid=(num_tiles, num_kv_heads, num_splits),
         in_specs=[whole(layer), whole(window), whole(query_start), whole(context_lens),
-                  whole(page_table), whole(qp), whole(k_cache), whole(v_cache),
+                  whole(page_table), whole(q), whole(k_cache), whole(v_cache),
                   *map(whole, scales)],
-        out_specs=out_specs,
+        out_specs=[whole(x) for x in out_shape],
         out_shape=out_shape,
         # Interpreters ignore Triton params, and the strict (TPU) interpreter rejects them.
         compiler_params=None if interpret else plgpu.CompilerParams(num_warps=num_warps,
                                                                     num_stages=num_stages),
         interpret=interpret,
         name="ragged_paged_attention",
-    )(layer, window, query_start, context_lens, page_table, qp, k_cache, v_cache, *scales)
+    )(layer, window, query_start, context_lens, page_table, q, k_cache, v_cache, *scales)
     return tuple(outs) if num_splits > 1 else (outs[0], None, None)
 
 
@@ -223,16 +258,17 @@ def _default_queries_per_tile(num_tokens: int, num_rows: int, gp: int,
 
 
 def _schedule(num_tiles: int, num_kv_heads: int, num_pages: int, block_size: int, dtype,
-              rows: int, pages_per_step, pages_per_split, num_warps) -> tuple[int, int, int]:
-    """(pages per step, pages per split, warps): the given values, else the defaults."""
-    step = pages_per_step or min(default_pages_per_step(block_size, dtype, num_pages),
-                                 pages_per_split or num_pages)
+              rows: int, pages_per_step, num_splits, num_warps) -> tuple[int, int, int]:
+    """(pages per step, splits, warps): the given values, else the defaults."""
+    step = pages_per_step or default_pages_per_step(block_size, dtype, num_pages)
     if step < 1:
         raise ValueError(f"pages_per_step must be >= 1, got {pages_per_step}")
-    pps = pages_per_split or default_pages_per_split(num_tiles * num_kv_heads, num_pages, step)
+    splits = num_splits or default_num_splits(num_tiles * num_kv_heads, num_pages)
+    if splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     # 8 warps only for the tall prefill tile: the 16-row tile spills with 8 (sm_90a ptxas).
     tall = rows >= _PREFILL_DOT_ROWS
-    return step, pps, num_warps or (8 if tall and step * block_size >= 128 else 4)
+    return step, splits, num_warps or (8 if tall and step * block_size >= 128 else 4)
 
 
 def _token_rows(query_start, num_tokens: int):
@@ -250,23 +286,21 @@ def _token_rows(query_start, num_tokens: int):
 
 
 def _merge_splits(o, m, l):
-    """One output per tile `[NT, K, M, Dh]` f32 from S partial ones: each split's normalised
-    output weighted by its share of the softmax mass."""
-    if o.shape[0] == 1:
-        return o[0]
-    w = l * jnp.exp(m - m.max(axis=0))  # [S, NT, K, M]; empty splits have l = 0
+    """The output `[N, Dh]` f32 from S partial ones `[S, N, Dh]` (max, sum `[S, N]`): each
+    split's normalised output weighted by its share of the softmax mass."""
+    w = l * jnp.exp(m - m.max(axis=0))  # [S, N]; empty splits have l = 0
     total = w.sum(axis=0)
     return (o * w[..., None]).sum(axis=0) / jnp.where(total > 0, total, 1.0)[..., None]
 
 
-@functools.partial(jax.jit, static_argnames=("queries_per_tile", "pages_per_split",
+@functools.partial(jax.jit, static_argnames=("queries_per_tile", "num_splits",
                                              "pages_per_step", "sm_scale", "softcap",
                                              "num_warps", "num_stages", "interpret"))
 def ragged_paged_attention(q, k_cache, v_cache, layer, page_table, query_start, context_lens, *,
                            k_scale=None, v_scale=None,
                            window=None, softcap: float | None = None,
                            queries_per_tile: int | None = None,
-                           pages_per_split: int | None = None,
+                           num_splits: int | None = None,
                            pages_per_step: int | None = None, sm_scale: float | None = None,
                            num_warps: int | None = None, num_stages: int = 2,
                            interpret=False) -> jax.Array:
@@ -293,9 +327,9 @@ def ragged_paged_attention(q, k_cache, v_cache, layer, page_table, query_start, 
       queries_per_tile: Bq, a power of 2 with Bq * Gp >= 16 on GPU (any in interpret mode);
         None picks 16 / Gp tile rows for decode-shaped steps (T <= 2R) and 64 / Gp otherwise
         (16 / Gp for block sizes over 64).
-      pages_per_split: pages each program handles; None: no split when the tiles alone give an
-        H200 132 programs, else enough splits for about 264, at most 16, each a whole number
-        of steps.
+      num_splits: S, programs sharing each tile's pages (static); each takes an equal share
+        of the pages the tile really sees, counted at run time. None: 1 when the tiles alone
+        give an H200 132 programs, else enough for about 264, at most 16 and the table's width.
       pages_per_step: pages loaded per loop step (one softmax update for all of them); None
         picks 128 keys per step in bf16 (at most the table's width), one page in f32.
       sm_scale: logit scale, default `1 / sqrt(Dh)`.
@@ -324,34 +358,24 @@ def ragged_paged_attention(q, k_cache, v_cache, layer, page_table, query_start, 
         raise ValueError(f"queries_per_tile {bq} x {gp} padded heads is under the "
                          f"{MIN_DOT_ROWS} rows Triton's dot needs: use at least "
                          f"{MIN_DOT_ROWS // gp}")
+    # Row r's tiles start at query_start[r] // Bq + r; tiles 0 .. ceil(T / Bq) - 1 also zero
+    # the tokens of no row, and T // Bq + R >= ceil(T / Bq) as R >= 1.
     num_tiles = num_tokens // bq + num_rows
-    step, pps, warps = _schedule(num_tiles, num_kv_heads, num_pages, block_size, q.dtype,
-                                 bq * gp, pages_per_step, pages_per_split, num_warps)
-    num_splits = pl.cdiv(num_pages, pps)
-    query_start = query_start.astype(jnp.int32)
-    # [K, (T + Bq) * Gp, Dh]: a tile starting at any token reads Bq tokens in bounds.
-    qp = q.reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
-    qp = jnp.pad(qp, ((0, 0), (0, bq), (0, gp - group), (0, 0)))
-    qp = qp.reshape(num_kv_heads, (num_tokens + bq) * gp, head_dim)
+    step, splits, warps = _schedule(num_tiles, num_kv_heads, num_pages, block_size, q.dtype,
+                                    bq * gp, pages_per_step, num_splits, num_warps)
     scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
     window = jnp.asarray(NO_WINDOW if window is None else window, jnp.int32).reshape(1)
+    rows = num_tokens * num_heads
     o, m, l = _ragged_call(
-        jnp.asarray(layer, jnp.int32).reshape(1), window, query_start,
-        context_lens.astype(jnp.int32),
-        page_table.astype(jnp.int32), qp, k_cache, v_cache, scales, num_tiles=num_tiles,
-        block_q=bq,
-        gp=gp, pages_per_split=pps, num_splits=num_splits, pages_per_step=step, sm_scale=scale,
+        jnp.asarray(layer, jnp.int32).reshape(1), window, query_start.astype(jnp.int32),
+        context_lens.astype(jnp.int32), page_table.astype(jnp.int32),
+        q.reshape(rows, head_dim), k_cache, v_cache, scales, num_tiles=num_tiles, block_q=bq,
+        gp=gp, group=group, num_splits=splits, pages_per_step=step, sm_scale=scale,
         softcap=softcap, num_warps=warps, num_stages=num_stages, interpret=interpret)
-    tiles = _merge_splits(o, m, l)  # [NT, K, Bq * Gp, Dh]
-    # Back to the flat token axis: token t of row r is query t - query_start[r] of the row.
-    row, owned = _token_rows(query_start, num_tokens)
-    local = jnp.arange(num_tokens, dtype=jnp.int32) - query_start[row]  # [T]
-    tile = jnp.where(owned, query_start[row] // bq + row + local // bq, 0)
-    slot = jnp.where(owned, local % bq, 0)
-    tiles = tiles.reshape(num_tiles, num_kv_heads, bq, gp, head_dim)
-    out = tiles[tile, :, slot, :group]  # [T, K, G, Dh]
-    out = jnp.where(owned[:, None, None, None], out, 0.0)
-    return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
+    if m is not None:
+        o = _merge_splits(o.reshape(splits, rows, head_dim), m.reshape(splits, rows),
+                          l.reshape(splits, rows))
+    return o.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
 
 
 def ragged_paged_attention_reference(q, k_cache, v_cache, layer, page_table, query_start,
