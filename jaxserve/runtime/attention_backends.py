@@ -17,9 +17,11 @@ from typing import Callable, ClassVar, Literal
 
 from jaxserve import native
 from jaxserve.native.attention import ragged_paged_attention_cpu
+from jaxserve.runtime import kv_quant
 from jaxserve.runtime.attention import ragged_attention_xla, write_kv
 from jaxserve.runtime.kv_cache import KVCache, PagedMeta
 from models.config import ModelConfig
+from pallas_kernels.kv_write import write_kv_cache
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
 Layout = Literal["ragged", "page_table"]
@@ -149,7 +151,7 @@ class PallasAttention(AttentionBackend):
         return "pallas-interpret" if self.interpret else "pallas"
 
     def attend(self, q, k, v, cache, layer, meta, *, window=None, softcap=None, scale=None):
-        cache = write_kv(cache, layer, k, v, meta.slots)
+        cache = _write_kv_one_launch(cache, layer, k, v, meta.slots, self.interpret)
         # The kernel takes q in the cache's dtype (kv_cache_dtype may differ from the model's);
         # an int8 cache's codes are read in q's dtype.
         qf = q[0] if cache.quantized else q[0].astype(cache.k.dtype)
@@ -167,6 +169,18 @@ class PallasAttention(AttentionBackend):
         if block_size not in KERNEL_BLOCK_SIZES:
             reasons.append(f"block_size {block_size} (kernel: {KERNEL_BLOCK_SIZES})")
         return tuple(reasons)
+
+
+def _write_kv_one_launch(cache: KVCache, layer, k, v, slots, interpret) -> KVCache:
+    """write_kv's result (k/v `[1, T, K, Dh]` at `slots` `[1, T]`) in one kernel launch for K
+    and V (and an int8 cache's scales, quantized as write_kv does) instead of a scatter each."""
+    if cache.quantized:
+        (kc, ks), (vc, vs) = kv_quant.quantize(k[0]), kv_quant.quantize(v[0])
+        new = (kc, vc, ks, vs)
+    else:
+        new = (k[0].astype(cache.k.dtype), v[0].astype(cache.v.dtype))
+    leaves = (cache.k, cache.v) + ((cache.k_scale, cache.v_scale) if cache.quantized else ())
+    return KVCache(*write_kv_cache(leaves, layer, slots[0], new, interpret=interpret))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
