@@ -27,19 +27,21 @@ _ROWS = 64  # (token, KV head) rows per program
 
 
 def _write_kernel(layer_ref, slots_ref, *refs, block_t: int, kp: int, num_kv_heads: int,
-                  layer_rows: int, num_new: int):
-    # layer_ref [1], slots_ref [T]; then num_new new arrays (k, v: [T * K, Dh]; int8 adds
-    # k_scale, v_scale: [T * K]), the same number of aliased cache inputs (unread) and the
-    # caches as outputs ([L * NB * BS * K, Dh] and, int8, [L * NB * BS * K]), whole arrays.
+                  layer_rows: int, heads_at: tuple[tuple[int, int], ...]):
+    # layer_ref [1], slots_ref [T]; then the new arrays (k, v: [T * Hn, Dh], the cache's K
+    # heads at heads_at[i] = (first head, Hn); int8 adds k_scale, v_scale: [T * K]), the same
+    # number of aliased cache inputs (unread) and the caches as outputs ([L * NB * BS * K, Dh]
+    # and, int8, [L * NB * BS * K]), whole arrays.
+    num_new = len(heads_at)
     new, outs = refs[:num_new], refs[2 * num_new:]
     num_tokens = slots_ref.shape[0]
     i = lax.broadcasted_iota(jnp.int32, (block_t * kp,), 0)
     token, head = pl.program_id(0) * block_t + i // kp, i % kp  # [M]
     ok = (token < num_tokens) & (head < num_kv_heads)
     slot = plgpu.load(slots_ref.at[jnp.where(ok, token, 0)], mask=ok, other=0)  # [M]
-    src = token * num_kv_heads + head
     dst = (layer_ref[0] * layer_rows + slot) * num_kv_heads + head
-    for value_ref, cache_ref in zip(new, outs):
+    for value_ref, cache_ref, (first, stride) in zip(new, outs, heads_at):
+        src = token * stride + first + head
         if len(value_ref.shape) == 1:  # an int8 cache's scales
             value = plgpu.load(value_ref.at[jnp.where(ok, src, 0)], mask=ok, other=0)
         else:
@@ -47,8 +49,8 @@ def _write_kernel(layer_ref, slots_ref, *refs, block_t: int, kp: int, num_kv_hea
         store_rows(cache_ref, dst, ok, value)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
-def write_kv_cache(caches, layer, slots, new, *, interpret=False):
+@functools.partial(jax.jit, static_argnames=("heads_at", "interpret"))
+def write_kv_cache(caches, layer, slots, new, *, heads_at=None, interpret=False):
     """Writes each token's new values into the caches at its slot, in place.
 
     Args:
@@ -59,6 +61,9 @@ def write_kv_cache(caches, layer, slots, new, *, interpret=False):
       slots: `[T]` int32 flat slot (block * BS + offset) of each token within the layer.
       new: the tuple of new values matching `caches`: `[T, K, Dh]` (in each cache's dtype)
         and, int8, `[T, K]` scales.
+      heads_at: static, None or one first head per cache: new[i] is then `[T, Hn, Dh]` and
+        cache i takes its heads [heads_at[i], heads_at[i] + K) (e.g. the keys and values of a
+        packed [q | k | v] array, so that one fusion makes all three).
       interpret: False on GPU; True to run on CPU.
     Returns:
       The caches, same shapes.
@@ -68,15 +73,18 @@ def write_kv_cache(caches, layer, slots, new, *, interpret=False):
                          f"{[n.shape for n in new]}")
     num_layers, num_blocks, block_size, num_kv_heads = caches[0].shape[:4]
     num_tokens = slots.shape[0]
-    for c, n in zip(caches, new):
-        if n.shape != (num_tokens,) + c.shape[3:] or n.dtype != c.dtype:
-            raise ValueError(f"new values {n.shape} {n.dtype} do not fit cache {c.shape} "
-                             f"{c.dtype} for {num_tokens} tokens")
+    heads_at = heads_at or (0,) * len(new)
+    for c, n, at in zip(caches, new, heads_at):
+        heads = n.shape[1] if n.ndim > 1 else 0
+        if n.shape[:1] + n.shape[2:] != (num_tokens,) + c.shape[4:] or n.dtype != c.dtype or \
+                len(heads_at) != len(new) or not 0 <= at <= heads - num_kv_heads:
+            raise ValueError(f"new values {n.shape} {n.dtype} from head {at} do not fit cache "
+                             f"{c.shape} {c.dtype} for {num_tokens} tokens")
     kp = next_pow2(num_kv_heads)
     block_t = max(1, _ROWS // kp)
     rows = num_layers * num_blocks * block_size * num_kv_heads
     flat_caches = [c.reshape(rows, *c.shape[4:]) for c in caches]
-    flat_new = [n.reshape(num_tokens * num_kv_heads, *n.shape[2:]) for n in new]
+    flat_new = [n.reshape(-1, *n.shape[2:]) for n in new]
 
     def whole(x):
         return pl.BlockSpec(x.shape, lambda *_: (0,) * len(x.shape))
@@ -84,7 +92,8 @@ def write_kv_cache(caches, layer, slots, new, *, interpret=False):
     args = [jnp.asarray(layer, jnp.int32).reshape(1), slots.astype(jnp.int32), *flat_new,
             *flat_caches]
     kernel = functools.partial(_write_kernel, block_t=block_t, kp=kp, num_kv_heads=num_kv_heads,
-                               layer_rows=num_blocks * block_size, num_new=len(new))
+                               layer_rows=num_blocks * block_size,
+                               heads_at=tuple((at, n.shape[1]) for at, n in zip(heads_at, new)))
     first_cache = 2 + len(new)
     outs = pl.pallas_call(
         kernel,

@@ -82,20 +82,22 @@ def split_pages(first, end, s, num_splits: int):
 
 
 def _head_rows(tokens, h, ok, *, gp: int, group: int, num_heads: int):
-    """Flat `[T * H]` rows `[M]` of tile rows whose queries are `tokens` `[M]` (row i holds
-    head i % Gp of KV head h's group), and `ok` `[M]` narrowed to real heads (not the group's
-    padding to Gp)."""
+    """Rows `[M]` of a flat `[T * num_heads]` head axis for tile rows whose queries are
+    `tokens` `[M]` (row i holds head i % Gp of KV head h's group), and `ok` `[M]` narrowed to
+    real heads (not the group's padding to Gp)."""
     g = lax.broadcasted_iota(jnp.int32, tokens.shape, 0) % gp
     return tokens * num_heads + h * group + g, ok & (g < group)
 
 
 def _ragged_kernel(layer_ref, window_ref, qs_ref, lens_ref, pt_ref, q_ref, k_ref, v_ref,
                    *refs,  # [k_scale_ref, v_scale_ref,] o_ref[, m_ref, l_ref]
-                   block_q: int, gp: int, group: int, num_splits: int, pages_per_step: int,
-                   sm_scale: float, softcap: float | None, quantized: bool):
+                   block_q: int, gp: int, group: int, q_heads: int, num_splits: int,
+                   pages_per_step: int, sm_scale: float, softcap: float | None,
+                   quantized: bool):
     # layer_ref [1], window_ref [1], qs_ref [R + 1], lens_ref [R], pt_ref [R, P]: whole arrays.
-    # q_ref [T * H, Dh] whole: the flat token axis as the model makes it (token-major, heads
-    # inner), read and written in place by index, so no padded copy of q is made.
+    # q_ref [T * Hq, Dh] whole: the flat token axis as the model makes it (token-major, heads
+    # inner; the first H = K * G of each token's Hq heads are queries), read by row, so no
+    # padded copy of q is made.
     # k_ref/v_ref [L, NB, BS, K, Dh] whole caches; int8: k/v_scale_ref [L, NB, BS, K] whole.
     # Outputs, whole: one split: o_ref [T * H, Dh] in q's dtype, the final output. Several:
     # partials o_ref [S * T * H, Dh] f32 and m_ref, l_ref [S * T * H] f32 (split s's rows at
@@ -104,8 +106,8 @@ def _ragged_kernel(layer_ref, window_ref, qs_ref, lens_ref, pt_ref, q_ref, k_ref
     t, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     block_size, head_dim = k_ref.shape[2], k_ref.shape[4]
     num_rows = lens_ref.shape[0]
-    num_heads = pl.num_programs(1) * group
-    num_tokens = q_ref.shape[0] // (k_ref.shape[3] * group)
+    num_heads = k_ref.shape[3] * group
+    num_tokens = q_ref.shape[0] // q_heads
     rows = block_q * gp
     r = _find_row(qs_ref, t, num_rows=num_rows, block_q=block_q)
     row_start = qs_ref[r]
@@ -126,10 +128,10 @@ def _ragged_kernel(layer_ref, window_ref, qs_ref, lens_ref, pt_ref, q_ref, k_ref
 
     # Tile row i holds query first + i // Gp, head i % Gp of the group.
     query = first + lax.broadcasted_iota(jnp.int32, (rows,), 0) // gp  # [M]
-    size = q_ref.shape[0]
     flat, mine = _head_rows(row_start + query, h, live & (query < q_len), gp=gp,
-                            group=group, num_heads=num_heads)  # [M]: the rows it owns
-    q = load_rows(q_ref, flat, mine, head_dim)  # [M, Dh]
+                            group=group, num_heads=num_heads)  # [M]: output rows it owns
+    q_at, _ = _head_rows(row_start + query, h, mine, gp=gp, group=group, num_heads=q_heads)
+    q = load_rows(q_ref, q_at, mine, head_dim)  # [M, Dh]
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     q_pos = offset + query[:, None]  # [M, 1]
     slot = lax.broadcasted_iota(jnp.int32, (1, block_size), 1)  # [1, BS]
@@ -198,7 +200,7 @@ def _ragged_kernel(layer_ref, window_ref, qs_ref, lens_ref, pt_ref, q_ref, k_ref
         store_rows(o_ref, flat, mine, out.astype(o_ref.dtype))
         store_rows(o_ref, flat0, spare, jnp.zeros_like(out, o_ref.dtype))
         return
-    part = s * size  # split s's partials start at row s * T * H
+    part = s * num_tokens * num_heads  # split s's partials start at row s * T * H
     store_rows(o_ref, flat + part, mine, out)
     store_rows(o_ref, flat0 + part, spare, jnp.zeros_like(out))
     # Spare rows: mass 0 and a finite max, so the combine gives them 0.
@@ -208,17 +210,19 @@ def _ragged_kernel(layer_ref, window_ref, qs_ref, lens_ref, pt_ref, q_ref, k_ref
 
 
 def _ragged_call(layer, window, query_start, context_lens, page_table, q, k_cache, v_cache,
-                 scales, *, num_tiles: int, block_q: int, gp: int, group: int,
+                 scales, *, num_tiles: int, block_q: int, gp: int, group: int, q_heads: int,
                  num_splits: int, pages_per_step: int, sm_scale: float, softcap: float | None,
                  num_warps: int, num_stages: int, interpret):
-    """q `[T * H, Dh]`. One split: the output `[T * H, Dh]` in q's dtype. Several: partial
+    """q `[T * Hq, Dh]`. One split: the output `[T * H, Dh]` in q's dtype. Several: partial
     out `[S * T * H, Dh]`, max and sum `[S * T * H]`, f32. scales: an int8 cache's (k_scale,
     v_scale), or () for a float cache."""
-    rows, head_dim = q.shape
+    head_dim = q.shape[1]
     num_kv_heads = k_cache.shape[3]
+    rows = q.shape[0] // q_heads * num_kv_heads * group  # T * H
     kernel = functools.partial(_ragged_kernel, block_q=block_q, gp=gp, group=group,
-                               num_splits=num_splits, pages_per_step=pages_per_step,
-                               sm_scale=sm_scale, softcap=softcap, quantized=bool(scales))
+                               q_heads=q_heads, num_splits=num_splits,
+                               pages_per_step=pages_per_step, sm_scale=sm_scale,
+                               softcap=softcap, quantized=bool(scales))
 
     # Whole arrays: on Triton a ref is a pointer into global memory, nothing is copied; the
     # kernel computes its own indices (see paged_attention.py).
@@ -293,12 +297,13 @@ def _merge_splits(o, m, l):
     return (o * w[..., None]).sum(axis=0) / jnp.where(total > 0, total, 1.0)[..., None]
 
 
-@functools.partial(jax.jit, static_argnames=("queries_per_tile", "num_splits",
+@functools.partial(jax.jit, static_argnames=("num_heads", "queries_per_tile", "num_splits",
                                              "pages_per_step", "sm_scale", "softcap",
                                              "num_warps", "num_stages", "interpret"))
 def ragged_paged_attention(q, k_cache, v_cache, layer, page_table, query_start, context_lens, *,
                            k_scale=None, v_scale=None,
                            window=None, softcap: float | None = None,
+                           num_heads: int | None = None,
                            queries_per_tile: int | None = None,
                            num_splits: int | None = None,
                            pages_per_step: int | None = None, sm_scale: float | None = None,
@@ -307,8 +312,10 @@ def ragged_paged_attention(q, k_cache, v_cache, layer, page_table, query_start, 
     """Causal attention of ragged rows of queries over their pages of the KV cache.
 
     Args:
-      q: `[T, H, Dh]` in the cache's dtype (bf16 or f32; int8 cache: bf16 or f32), a flat
-        token axis; H = K * G.
+      q: `[T, Hq, Dh]` in the cache's dtype (bf16 or f32; int8 cache: bf16 or f32), a flat
+        token axis whose first H = K * G heads are the queries (`num_heads`); the others are
+        not read (the step's keys and values packed beside them, so that one fusion makes
+        all three).
       k_cache, v_cache: `[L, NB, BS, K, Dh]` the caches of all layers (block 0 = null block).
       k_scale, v_scale: int8 caches only: `[L, NB, BS, K]` float32, each (token, KV head)'s
         scale (the cache's values are codes * scale); None for float caches.
@@ -324,6 +331,7 @@ def ragged_paged_attention(q, k_cache, v_cache, layer, page_table, query_start, 
         position p sees keys at positions (p - window, p]; None: no window.
       softcap: static float or None: logits become `softcap * tanh(logits / softcap)` before
         the mask (Gemma 2's attention-logit soft-capping).
+      num_heads: H, static; None: all of q's heads.
       queries_per_tile: Bq, a power of 2 with Bq * Gp >= 16 on GPU (any in interpret mode);
         None picks 16 / Gp tile rows for decode-shaped steps (T <= 2R) and 64 / Gp otherwise
         (16 / Gp for block sizes over 64).
@@ -339,11 +347,12 @@ def ragged_paged_attention(q, k_cache, v_cache, layer, page_table, query_start, 
     Returns:
       `[T, H, Dh]` in q.dtype; tokens that belong to no row are zeros.
     """
-    num_tokens, num_heads, head_dim = q.shape
+    num_tokens, q_heads, head_dim = q.shape
+    num_heads = num_heads or q_heads
     _, _, block_size, num_kv_heads, _ = k_cache.shape
     num_rows, num_pages = page_table.shape
     scales = check_scales(q, k_cache, v_cache, k_scale, v_scale)
-    if num_heads % num_kv_heads or k_cache.shape != v_cache.shape or \
+    if num_heads % num_kv_heads or num_heads > q_heads or k_cache.shape != v_cache.shape or \
             k_cache.shape[-1] != head_dim or query_start.shape != (num_rows + 1,) or \
             context_lens.shape != (num_rows,):
         raise ValueError(f"incompatible shapes q {q.shape}, k {k_cache.shape}, "
@@ -369,9 +378,10 @@ def ragged_paged_attention(q, k_cache, v_cache, layer, page_table, query_start, 
     o, m, l = _ragged_call(
         jnp.asarray(layer, jnp.int32).reshape(1), window, query_start.astype(jnp.int32),
         context_lens.astype(jnp.int32), page_table.astype(jnp.int32),
-        q.reshape(rows, head_dim), k_cache, v_cache, scales, num_tiles=num_tiles, block_q=bq,
-        gp=gp, group=group, num_splits=splits, pages_per_step=step, sm_scale=scale,
-        softcap=softcap, num_warps=warps, num_stages=num_stages, interpret=interpret)
+        q.reshape(num_tokens * q_heads, head_dim), k_cache, v_cache, scales,
+        num_tiles=num_tiles, block_q=bq, gp=gp, group=group, q_heads=q_heads,
+        num_splits=splits, pages_per_step=step, sm_scale=scale, softcap=softcap,
+        num_warps=warps, num_stages=num_stages, interpret=interpret)
     if m is not None:
         o = _merge_splits(o.reshape(splits, rows, head_dim), m.reshape(splits, rows),
                           l.reshape(splits, rows))

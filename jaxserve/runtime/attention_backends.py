@@ -15,6 +15,8 @@ import abc
 import dataclasses
 from typing import Callable, ClassVar, Literal
 
+import jax.numpy as jnp
+
 from jaxserve import native
 from jaxserve.native.attention import ragged_paged_attention_cpu
 from jaxserve.runtime import kv_quant
@@ -151,15 +153,28 @@ class PallasAttention(AttentionBackend):
         return "pallas-interpret" if self.interpret else "pallas"
 
     def attend(self, q, k, v, cache, layer, meta, *, window=None, softcap=None, scale=None):
-        cache = _write_kv_one_launch(cache, layer, k, v, meta.slots, self.interpret)
-        # The kernel takes q in the cache's dtype (kv_cache_dtype may differ from the model's);
-        # an int8 cache's codes are read in q's dtype.
-        qf = q[0] if cache.quantized else q[0].astype(cache.k.dtype)
-        out = ragged_paged_attention(qf, cache.k, cache.v, layer,
-                                     meta.page_table, meta.query_start, meta.context_lens,
-                                     k_scale=cache.k_scale, v_scale=cache.v_scale,
-                                     window=window, softcap=softcap, sm_scale=scale,
-                                     interpret=self.interpret)  # [T, H, Dh]
+        kw = dict(window=window, softcap=softcap, sm_scale=scale, interpret=self.interpret)
+        if cache.quantized:  # the codes are written, q is read in its own dtype
+            (kc, ks), (vc, vs) = kv_quant.quantize(k[0]), kv_quant.quantize(v[0])
+            leaves = write_kv_cache((cache.k, cache.v, cache.k_scale, cache.v_scale), layer,
+                                    meta.slots[0], (kc, vc, ks, vs), interpret=self.interpret)
+            cache = KVCache(*leaves)
+            out = ragged_paged_attention(q[0], cache.k, cache.v, layer, meta.page_table,
+                                         meta.query_start, meta.context_lens,
+                                         k_scale=cache.k_scale, v_scale=cache.v_scale, **kw)
+            return out[None].astype(q.dtype), cache
+        # One array [T, H + 2K, Dh] in the cache's dtype (kv_cache_dtype may differ from the
+        # model's): XLA makes q, k and v (RoPE, casts) in one fusion, and both kernels read
+        # their heads from it by row, where separate q, k, v took a fusion each.
+        heads = q.shape[2]
+        qkv = jnp.concatenate([q[0], k[0], v[0]], axis=1).astype(cache.k.dtype)
+        kv_heads = k.shape[2]
+        leaves = write_kv_cache((cache.k, cache.v), layer, meta.slots[0], (qkv, qkv),
+                                heads_at=(heads, heads + kv_heads), interpret=self.interpret)
+        cache = KVCache(*leaves)
+        out = ragged_paged_attention(qkv, cache.k, cache.v, layer, meta.page_table,
+                                     meta.query_start, meta.context_lens, num_heads=heads,
+                                     **kw)  # [T, H, Dh]
         return out[None].astype(q.dtype), cache
 
     def supports(self, config: ModelConfig, block_size: int) -> tuple[str, ...]:
@@ -169,18 +184,6 @@ class PallasAttention(AttentionBackend):
         if block_size not in KERNEL_BLOCK_SIZES:
             reasons.append(f"block_size {block_size} (kernel: {KERNEL_BLOCK_SIZES})")
         return tuple(reasons)
-
-
-def _write_kv_one_launch(cache: KVCache, layer, k, v, slots, interpret) -> KVCache:
-    """write_kv's result (k/v `[1, T, K, Dh]` at `slots` `[1, T]`) in one kernel launch for K
-    and V (and an int8 cache's scales, quantized as write_kv does) instead of a scatter each."""
-    if cache.quantized:
-        (kc, ks), (vc, vs) = kv_quant.quantize(k[0]), kv_quant.quantize(v[0])
-        new = (kc, vc, ks, vs)
-    else:
-        new = (k[0].astype(cache.k.dtype), v[0].astype(cache.v.dtype))
-    leaves = (cache.k, cache.v) + ((cache.k_scale, cache.v_scale) if cache.quantized else ())
-    return KVCache(*write_kv_cache(leaves, layer, slots[0], new, interpret=interpret))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

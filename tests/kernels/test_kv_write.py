@@ -84,11 +84,26 @@ def test_layer_is_traced_inside_scan(interpret):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_write_from_packed_heads(dtype, interpret):
+    """K and V read from one [q | k | v] array per token (heads_at), the engine's layout."""
+    caches, slots, (k, v) = make_case(3, num_tokens=11, num_kv_heads=3, head_dim=64,
+                                      dtype=DTYPES[dtype], pad_tokens=2)
+    q = jnp.full((k.shape[0], 9, 64), jnp.nan, k.dtype)  # never written anywhere
+    qkv = jnp.concatenate([q, k, v], axis=1)  # [T, 9 + 2 * 3, Dh]
+    got = write_kv_cache(caches, 1, slots, (qkv, qkv), heads_at=(9, 12), interpret=interpret)
+    want = write_kv_cache_reference(caches, 1, slots, (k, v))
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+
+
 def test_rejects_mismatched_values():
     caches, slots, (k, v) = make_case(2, num_tokens=4, num_kv_heads=2, head_dim=64,
                                       dtype=jnp.bfloat16)
     with pytest.raises(ValueError, match="do not fit cache"):
         write_kv_cache(caches, 0, slots, (k.astype(jnp.float32), v), interpret=True)
+    with pytest.raises(ValueError, match="from head 1 do not fit"):  # heads [1, 3) of 2
+        write_kv_cache(caches, 0, slots, (k, v), heads_at=(1, 0), interpret=True)
     with pytest.raises(ValueError, match="do not match"):
         write_kv_cache(caches, 0, slots, (k,), interpret=True)
 

@@ -209,6 +209,20 @@ def test_splits_share_the_real_pages(context, window):
     assert max(count for _, count in got) == -(-(n_pages - first) // splits)
 
 
+@pytest.mark.parametrize("group,bq,num_splits", [(3, None, None), (4, 4, 3), (1, 16, 1)])
+def test_queries_packed_with_other_heads(group, bq, num_splits, interpret):
+    """q as the first H of Hq heads per token (the engine packs [q | k | v]): the other heads
+    are NaN, so reading one shows; the output has H heads."""
+    q, k, v, pt, qs, cl = make_case(7, dtype=jnp.float32, block_size=8, group=group,
+                                    head_dim=64, mix="mixed")
+    extra = jnp.full((q.shape[0], 2 * NUM_KV_HEADS, q.shape[2]), jnp.nan, q.dtype)
+    packed = jnp.concatenate([q, extra], axis=1)  # [T, H + 2K, Dh]
+    out = ragged_paged_attention(packed, k, v, LAYER, pt, qs, cl, num_heads=q.shape[1],
+                                 queries_per_tile=bq, num_splits=num_splits,
+                                 interpret=interpret)
+    check(out, (q, k, v, LAYER, pt, qs, cl), jnp.float32)
+
+
 def test_all_padding_step_gives_zeros(interpret):
     spec = dict(rows=[(0, 0), (0, 5), (0, 0)], head=2, tail=3)
     q, k, v, pt, qs, cl = make_case(2, dtype=jnp.float32, block_size=8, group=3, head_dim=64,
