@@ -93,7 +93,7 @@ def _ragged_kernel(layer_ref, window_ref, qs_ref, lens_ref, pt_ref, q_ref, k_ref
                    *refs,  # [k_scale_ref, v_scale_ref,] o_ref[, m_ref, l_ref]
                    block_q: int, gp: int, group: int, q_heads: int, num_splits: int,
                    pages_per_step: int, sm_scale: float, softcap: float | None,
-                   quantized: bool):
+                   quantized: bool, short_rows: int | None, num_outputs: int):
     # layer_ref [1], window_ref [1], qs_ref [R + 1], lens_ref [R], pt_ref [R, P]: whole arrays.
     # q_ref [T * Hq, Dh] whole: the flat token axis as the model makes it (token-major, heads
     # inner; the first H = K * G of each token's Hq heads are queries), read by row, so no
@@ -102,18 +102,29 @@ def _ragged_kernel(layer_ref, window_ref, qs_ref, lens_ref, pt_ref, q_ref, k_ref
     # Outputs, whole: one split: o_ref [T * H, Dh] in q's dtype, the final output. Several:
     # partials o_ref [S * T * H, Dh] f32 and m_ref, l_ref [S * T * H] f32 (split s's rows at
     # s * T * H) for the combine.
-    scale_refs, (o_ref, *ml_refs) = (refs[:2], refs[2:]) if quantized else ((), refs)
+    # short_rows: None, every row; > 0: only rows of at most that many queries, one tile each
+    # (tile r: row r); < 0: only rows of more than -short_rows queries. A mixed step runs its
+    # decode rows on a short tile and its prefill rows on a tall one, two calls writing one
+    # output (the second's earlier outputs are aliased inputs, not read).
+    scale_refs = refs[:2] if quantized else ()
+    o_ref, *ml_refs = refs[len(refs) - num_outputs:]
     t, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     block_size, head_dim = k_ref.shape[2], k_ref.shape[4]
     num_rows = lens_ref.shape[0]
     num_heads = k_ref.shape[3] * group
     num_tokens = q_ref.shape[0] // q_heads
     rows = block_q * gp
-    r = _find_row(qs_ref, t, num_rows=num_rows, block_q=block_q)
+    if short_rows is not None and short_rows > 0:
+        r, tile_of_row = t, t
+    else:
+        r = _find_row(qs_ref, t, num_rows=num_rows, block_q=block_q)
+        tile_of_row = qs_ref[r] // block_q + r
     row_start = qs_ref[r]
     q_len = qs_ref[r + 1] - row_start
-    first = (t - (row_start // block_q + r)) * block_q  # this tile's first query within the row
+    first = (t - tile_of_row) * block_q  # this tile's first query within the row
     live = (first >= 0) & (first < q_len)
+    if short_rows is not None:
+        live = live & ((q_len <= short_rows) if short_rows > 0 else (q_len > -short_rows))
     length = lens_ref[r]
     offset = length - q_len  # position of the row's query 0
     # The tile's last query sees the most keys; pages past it (or past the table) are not read.
@@ -193,61 +204,68 @@ def _ragged_kernel(layer_ref, window_ref, qs_ref, lens_ref, pt_ref, q_ref, k_ref
     # Tokens that belong to no row (before query_start[0], from query_start[R] on) get zeros
     # from the tile of the same number: tiles 0 .. T / Bq cover every token, and no live tile
     # writes those tokens, so no two programs write one row.
+    # The short-row call has R tiles, maybe fewer than T / Bq: the other call zeroes them.
+    zero_spare = short_rows is None or short_rows < 0
     token = t * block_q + lax.broadcasted_iota(jnp.int32, (rows,), 0) // gp  # [M]
     spare = (token < num_tokens) & ((token < qs_ref[0]) | (token >= qs_ref[num_rows]))
     flat0, spare = _head_rows(token, h, spare, gp=gp, group=group, num_heads=num_heads)
+    part = s * num_tokens * num_heads  # split s's partials start at row s * T * H
     if not ml_refs:
         store_rows(o_ref, flat, mine, out.astype(o_ref.dtype))
-        store_rows(o_ref, flat0, spare, jnp.zeros_like(out, o_ref.dtype))
-        return
-    part = s * num_tokens * num_heads  # split s's partials start at row s * T * H
-    store_rows(o_ref, flat + part, mine, out)
-    store_rows(o_ref, flat0 + part, spare, jnp.zeros_like(out))
-    # Spare rows: mass 0 and a finite max, so the combine gives them 0.
-    for ref, value, empty in ((ml_refs[0], m, MASK_VALUE), (ml_refs[1], l, 0.0)):
-        store_rows(ref, flat + part, mine, value)
-        store_rows(ref, flat0 + part, spare, jnp.full_like(value, empty))
+    else:
+        store_rows(o_ref, flat + part, mine, out)
+        for ref, value in ((ml_refs[0], m), (ml_refs[1], l)):
+            store_rows(ref, flat + part, mine, value)
+    if zero_spare:
+        store_rows(o_ref, flat0 + part, spare, jnp.zeros_like(out, o_ref.dtype))
+        # Spare rows: mass 0 and a finite max, so the combine gives them 0.
+        for ref, empty in zip(ml_refs, (MASK_VALUE, 0.0)):
+            store_rows(ref, flat0 + part, spare, jnp.full_like(m, empty))
 
 
 def _ragged_call(layer, window, query_start, context_lens, page_table, q, k_cache, v_cache,
                  scales, *, num_tiles: int, block_q: int, gp: int, group: int, q_heads: int,
                  num_splits: int, pages_per_step: int, sm_scale: float, softcap: float | None,
-                 num_warps: int, num_stages: int, interpret):
+                 num_warps: int, num_stages: int, interpret, short_rows: int | None = None,
+                 prev: tuple = ()):
     """q `[T * Hq, Dh]`. One split: the output `[T * H, Dh]` in q's dtype. Several: partial
     out `[S * T * H, Dh]`, max and sum `[S * T * H]`, f32. scales: an int8 cache's (k_scale,
-    v_scale), or () for a float cache."""
+    v_scale), or () for a float cache. short_rows: which rows (see _ragged_kernel); prev: an
+    earlier call's outputs, which this call's outputs alias (it writes the other rows)."""
     head_dim = q.shape[1]
     num_kv_heads = k_cache.shape[3]
     rows = q.shape[0] // q_heads * num_kv_heads * group  # T * H
+    if num_splits == 1:
+        out_shape = [jax.ShapeDtypeStruct((rows, head_dim), q.dtype)]
+    else:  # the combine needs each split's max and sum
+        out_shape = [jax.ShapeDtypeStruct((num_splits * rows, head_dim), jnp.float32),
+                     *[jax.ShapeDtypeStruct((num_splits * rows,), jnp.float32)] * 2]
     kernel = functools.partial(_ragged_kernel, block_q=block_q, gp=gp, group=group,
                                q_heads=q_heads, num_splits=num_splits,
                                pages_per_step=pages_per_step, sm_scale=sm_scale,
-                               softcap=softcap, quantized=bool(scales))
+                               softcap=softcap, quantized=bool(scales), short_rows=short_rows,
+                               num_outputs=len(out_shape))
 
     # Whole arrays: on Triton a ref is a pointer into global memory, nothing is copied; the
     # kernel computes its own indices (see paged_attention.py).
     def whole(x):
         return pl.BlockSpec(x.shape, lambda *_: (0,) * len(x.shape))
 
-    if num_splits == 1:
-        out_shape = [jax.ShapeDtypeStruct((rows, head_dim), q.dtype)]
-    else:  # the combine needs each split's max and sum
-        out_shape = [jax.ShapeDtypeStruct((num_splits * rows, head_dim), jnp.float32),
-                     *[jax.ShapeDtypeStruct((num_splits * rows,), jnp.float32)] * 2]
+    args = (layer, window, query_start, context_lens, page_table, q, k_cache, v_cache,
+            *scales, *prev)
     outs = pl.pallas_call(
         kernel,
         grid=(num_tiles, num_kv_heads, num_splits),
-        in_specs=[whole(layer), whole(window), whole(query_start), whole(context_lens),
-                  whole(page_table), whole(q), whole(k_cache), whole(v_cache),
-                  *map(whole, scales)],
+        in_specs=[whole(x) for x in args],
         out_specs=[whole(x) for x in out_shape],
         out_shape=out_shape,
+        input_output_aliases={len(args) - len(prev) + i: i for i in range(len(prev))},
         # Interpreters ignore Triton params, and the strict (TPU) interpreter rejects them.
         compiler_params=None if interpret else plgpu.CompilerParams(num_warps=num_warps,
                                                                     num_stages=num_stages),
         interpret=interpret,
         name="ragged_paged_attention",
-    )(layer, window, query_start, context_lens, page_table, q, k_cache, v_cache, *scales)
+    )(*args)
     return tuple(outs) if num_splits > 1 else (outs[0], None, None)
 
 
@@ -297,7 +315,8 @@ def _merge_splits(o, m, l):
     return (o * w[..., None]).sum(axis=0) / jnp.where(total > 0, total, 1.0)[..., None]
 
 
-@functools.partial(jax.jit, static_argnames=("num_heads", "queries_per_tile", "num_splits",
+@functools.partial(jax.jit, static_argnames=("num_heads", "queries_per_tile",
+                                             "short_queries_per_tile", "num_splits",
                                              "pages_per_step", "sm_scale", "softcap",
                                              "num_warps", "num_stages", "interpret"))
 def ragged_paged_attention(q, k_cache, v_cache, layer, page_table, query_start, context_lens, *,
@@ -305,6 +324,7 @@ def ragged_paged_attention(q, k_cache, v_cache, layer, page_table, query_start, 
                            window=None, softcap: float | None = None,
                            num_heads: int | None = None,
                            queries_per_tile: int | None = None,
+                           short_queries_per_tile: int | None = None,
                            num_splits: int | None = None,
                            pages_per_step: int | None = None, sm_scale: float | None = None,
                            num_warps: int | None = None, num_stages: int = 2,
@@ -335,6 +355,10 @@ def ragged_paged_attention(q, k_cache, v_cache, layer, page_table, query_start, 
       queries_per_tile: Bq, a power of 2 with Bq * Gp >= 16 on GPU (any in interpret mode);
         None picks 16 / Gp tile rows for decode-shaped steps (T <= 2R) and 64 / Gp otherwise
         (16 / Gp for block sizes over 64).
+      short_queries_per_tile: Bs < Bq, a power of 2, or 0: rows of at most Bs queries (the
+        decodes of a mixed step) run on tiles of Bs queries, one per row, in a call of their
+        own before the other rows' (two launches). None: 16 / Gp when the tall prefill tile
+        was picked by default, else 0 (one call, one tile size).
       num_splits: S, programs sharing each tile's pages (static); each takes an equal share
         of the pages the tile really sees, counted at run time. None: 1 when the tiles alone
         give an H200 132 programs, else enough for about 264, at most 16 and the table's width.
@@ -367,21 +391,36 @@ def ragged_paged_attention(q, k_cache, v_cache, layer, page_table, query_start, 
         raise ValueError(f"queries_per_tile {bq} x {gp} padded heads is under the "
                          f"{MIN_DOT_ROWS} rows Triton's dot needs: use at least "
                          f"{MIN_DOT_ROWS // gp}")
+    short_q = short_queries_per_tile
+    if short_q is None:
+        short_q = max(1, MIN_DOT_ROWS // gp) if queries_per_tile is None else 0
+        short_q = short_q if short_q < bq else 0
+    if short_q and (short_q & (short_q - 1) or short_q >= bq):
+        raise ValueError(f"short_queries_per_tile must be a power of 2 under {bq}, got "
+                         f"{short_queries_per_tile}")
     # Row r's tiles start at query_start[r] // Bq + r; tiles 0 .. ceil(T / Bq) - 1 also zero
     # the tokens of no row, and T // Bq + R >= ceil(T / Bq) as R >= 1.
     num_tiles = num_tokens // bq + num_rows
-    step, splits, warps = _schedule(num_tiles, num_kv_heads, num_pages, block_size, q.dtype,
-                                    bq * gp, pages_per_step, num_splits, num_warps)
+    step, splits, warps = _schedule(num_tiles + (num_rows if short_q else 0), num_kv_heads,
+                                    num_pages, block_size, q.dtype, bq * gp, pages_per_step,
+                                    num_splits, num_warps)
     scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
     window = jnp.asarray(NO_WINDOW if window is None else window, jnp.int32).reshape(1)
     rows = num_tokens * num_heads
-    o, m, l = _ragged_call(
-        jnp.asarray(layer, jnp.int32).reshape(1), window, query_start.astype(jnp.int32),
-        context_lens.astype(jnp.int32), page_table.astype(jnp.int32),
-        q.reshape(num_tokens * q_heads, head_dim), k_cache, v_cache, scales,
-        num_tiles=num_tiles, block_q=bq, gp=gp, group=group, q_heads=q_heads,
-        num_splits=splits, pages_per_step=step, sm_scale=scale, softcap=softcap,
-        num_warps=warps, num_stages=num_stages, interpret=interpret)
+    call = functools.partial(
+        _ragged_call, jnp.asarray(layer, jnp.int32).reshape(1), window,
+        query_start.astype(jnp.int32), context_lens.astype(jnp.int32),
+        page_table.astype(jnp.int32), q.reshape(num_tokens * q_heads, head_dim), k_cache,
+        v_cache, scales, gp=gp, group=group, q_heads=q_heads, num_splits=splits,
+        pages_per_step=step, sm_scale=scale, softcap=softcap, num_stages=num_stages,
+        interpret=interpret)
+    prev = ()
+    if short_q:  # the short rows first, on their own tile; 4 warps (8 spill at 16 rows)
+        outs = call(num_tiles=num_rows, block_q=short_q, num_warps=num_warps or 4,
+                    short_rows=short_q)
+        prev = tuple(x for x in outs if x is not None)
+    o, m, l = call(num_tiles=num_tiles, block_q=bq, num_warps=warps,
+                   short_rows=-short_q if short_q else None, prev=prev)
     if m is not None:
         o = _merge_splits(o.reshape(splits, rows, head_dim), m.reshape(splits, rows),
                           l.reshape(splits, rows))

@@ -159,6 +159,46 @@ def test_pages_per_step_variants(case, interpret):
     check(out, (q, k, v, LAYER, pt, qs, cl), dtype)
 
 
+@pytest.mark.parametrize("short,num_splits", [(1, 1), (2, 3), (4, None), (0, 2)])
+def test_short_rows_on_their_own_tile(short, num_splits, interpret):
+    # Rows of at most `short` queries (decodes, 2-token speculative rows) in a call of their
+    # own, on tiles of `short` queries; the others on tiles of 8. 0: one call.
+    q, k, v, pt, qs, cl = make_case(8, dtype=jnp.float32, block_size=8, group=3, head_dim=64,
+                                    mix="mixed")
+    out = ragged_paged_attention(q, k, v, LAYER, pt, qs, cl, queries_per_tile=8,
+                                 short_queries_per_tile=short, num_splits=num_splits,
+                                 interpret=interpret)
+    check(out, (q, k, v, LAYER, pt, qs, cl), jnp.float32)
+
+
+def _pallas_calls(*args, **kw):
+    jaxpr = jax.make_jaxpr(functools.partial(ragged_paged_attention, **kw))(*args)
+    eqns = jaxpr.jaxpr.eqns
+    if not any(e.primitive.name == "pallas_call" for e in eqns):  # inside the jit's jaxpr
+        eqns = eqns[0].params["jaxpr"].jaxpr.eqns
+    return [e for e in eqns if e.primitive.name == "pallas_call"]
+
+
+def test_mixed_step_runs_decodes_on_the_short_tile():
+    """By default a prefill-shaped step (the tall tile) gives its short rows a call on the
+    16-row tile, one tile per row; a decode-shaped step is one call."""
+    kv_heads, group, head_dim, _ = ATTENTION_MODELS["llama3_8b"]
+    s = jax.ShapeDtypeStruct
+    cache = s((2, 300, 16, kv_heads, head_dim), jnp.bfloat16)
+
+    def args(rows, tokens):
+        return (s((tokens, kv_heads * group, head_dim), jnp.bfloat16), cache, cache,
+                s((), jnp.int32), s((rows, 64), jnp.int32), s((rows + 1,), jnp.int32),
+                s((rows,), jnp.int32))
+
+    calls = _pallas_calls(*args(16, 512), interpret=True)
+    assert len(calls) == 2, calls
+    grids = [c.params["grid_mapping"].grid for c in calls]
+    assert grids[0][0] == 16 and grids[1][0] == 512 // 16 + 16, grids  # tiles of 4 and 16
+    assert len(_pallas_calls(*args(64, 64), interpret=True)) == 1
+    assert len(_pallas_calls(*args(16, 512), queries_per_tile=16, interpret=True)) == 1
+
+
 def _kernel_outputs(*args, **kw):
     """Shapes of the pallas_call's outputs in the traced function."""
     jaxpr = jax.make_jaxpr(functools.partial(ragged_paged_attention, **kw))(*args)
@@ -278,8 +318,9 @@ def test_rejects_tiles_too_small_for_the_gpu_dot():
         ragged_paged_attention(q, k, v, LAYER, pt, qs, cl, queries_per_tile=3, interpret=True)
 
 
-# (tokens, rows) buckets: decode-shaped (one token per row) and a mixed prefill step.
-STEPS = {"decode": (64, 64), "mixed": (512, 16)}
+# (tokens, rows) buckets: decode-shaped (one token per row), a mixed prefill step (two calls:
+# short rows, then the others) and one decode row (16 splits and their combine).
+STEPS = {"decode": (64, 64), "mixed": (512, 16), "batch1": (1, 1)}
 
 
 def engine_shapes(model, block_size, dtype, step, num_blocks=1024, num_pages=64):
@@ -330,6 +371,8 @@ def test_compiles_for_sm90a(model, block_size, dtype, step):
     ("llama3_8b", jnp.bfloat16, "decode", 6144, {}),
     ("smollm2", jnp.bfloat16, "decode", 1024, dict(pages_per_step=4, num_warps=8)),
     ("smollm2", jnp.bfloat16, "mixed", 1024, dict(pages_per_step=2, num_stages=3)),
+    ("smollm2", jnp.bfloat16, "batch1", 1024, {}),
+    ("llama3_8b", jnp.float32, "batch1", 1024, {}),
 ])
 def test_compiles_for_sm90a_variants(model, dtype, step, num_blocks, kw):
     why_not = cuda_compiler_available()
