@@ -12,10 +12,18 @@ sharing one KV head, padded to Gp = next power of 2: M = Bq * Gp rows (>= 16, Tr
 Packing heads into the rows lets a decode row fill a tile with its G heads as the decode kernel
 does. Tiles are numbered as vLLM's unified attention numbers them: row r's tiles start at
 `query_start[r] // Bq + r`, so `T // Bq + R` tiles always suffice and each program finds its row
-by a binary search over `query_start`; tiles past their row's queries run no page loop and write
-zeros. A program visits only the pages its last query can see (causal bound), several pages per
-loop step (one softmax update per step), optionally split into page ranges whose partial (out,
-max, sum) a jnp combine merges, so a few long rows still fill the GPU (docs/perf_kernels.md).
+by a binary search over `query_start`; tiles past their row's queries run no page loop. A
+program visits only the pages its last query can see (causal bound), several pages per loop
+step (one softmax update per step), optionally split: the S programs of a tile share the pages
+it really sees, counted at run time, and a jnp combine merges their partial (out, max, sum), so
+a few long rows still fill the GPU (docs/perf_kernels.md).
+
+Nothing around the call depends on the layer: q is read and the output written by row, in
+place, from and to the model's flat `[T, H, Dh]` layout (queries may sit in a wider packed
+`[T, Hq, Dh]` array), so no padded or transposed copy, no token->row search and no select run
+per layer; the tokens of no row are zeroed by the tile of their own number. A step that is
+mostly prefill (the tall 64-row tile) runs its short rows, decodes, in a first call on the
+16-row tile, one tile per row, and the others in a second call writing the same output.
 
 GPU (Triton) support: head_dim 64 or 128 (powers of 2), bf16 and f32 (f32 dots at IEEE
 precision, not TF32), block sizes 8..128 (powers of 2) and 256 in bf16: at 256 slots the f32
@@ -42,7 +50,10 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.gpu_tiling import (MASK_VALUE, MIN_DOT_ROWS, NO_WINDOW, default_num_splits,
                                       default_pages_per_step, dot, load_rows, next_pow2,
                                       store_rows)
-from pallas_kernels.paged_attention import check_scales, dequantize_cache
+from pallas_kernels.paged_attention import check_scales
+# The reference lives in its own module; importable from here as before.
+from pallas_kernels.ragged_paged_attention_reference import \
+    ragged_paged_attention_reference  # noqa: F401
 
 _PREFILL_DOT_ROWS = 64   # tile rows when the step is mostly prefill: fewer re-reads of the pages
 _MAX_PREFILL_TILE_BLOCK = 64  # largest block size that takes the taller prefill tile
@@ -293,20 +304,6 @@ def _schedule(num_tiles: int, num_kv_heads: int, num_pages: int, block_size: int
     return step, splits, num_warps or (8 if tall and step * block_size >= 128 else 4)
 
 
-def _token_rows(query_start, num_tokens: int):
-    """Each flat token's row `[T]` and whether it belongs to one `[T]` (tokens before
-    query_start[0] and from query_start[R] on do not)."""
-    tokens = jnp.arange(num_tokens, dtype=jnp.int32)  # [T]
-    num_rows = query_start.shape[0] - 1
-    # compare_all: one [T, R] fusion; the default (scan) is an XLA while loop, which on a GPU
-    # reads its predicate back to the host every iteration.
-    row = jnp.searchsorted(query_start[1:], tokens, side="right", method="compare_all")
-    row = row.astype(jnp.int32)
-    row = jnp.minimum(row, num_rows - 1)
-    owned = (query_start[row] <= tokens) & (tokens < query_start[row + 1])
-    return row, owned
-
-
 def _merge_splits(o, m, l):
     """The output `[N, Dh]` f32 from S partial ones `[S, N, Dh]` (max, sum `[S, N]`): each
     split's normalised output weighted by its share of the softmax mass."""
@@ -425,44 +422,3 @@ def ragged_paged_attention(q, k_cache, v_cache, layer, page_table, query_start, 
         o = _merge_splits(o.reshape(splits, rows, head_dim), m.reshape(splits, rows),
                           l.reshape(splits, rows))
     return o.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
-
-
-def ragged_paged_attention_reference(q, k_cache, v_cache, layer, page_table, query_start,
-                                     context_lens, *, k_scale=None, v_scale=None, window=None,
-                                     softcap: float | None = None,
-                                     sm_scale: float | None = None) -> jax.Array:
-    """Each token gathers its row's pages, masks causally (and by the window), soft-caps,
-    softmax in float32. Same shapes; tokens that belong to no row are zeros. An int8 cache
-    (k_scale, v_scale given) is dequantized to float32 first."""
-    if check_scales(q, k_cache, v_cache, k_scale, v_scale):
-        k_cache, v_cache = dequantize_cache(k_cache, k_scale), dequantize_cache(v_cache, v_scale)
-    num_tokens, num_heads, head_dim = q.shape
-    _, _, block_size, num_kv_heads, _ = k_cache.shape
-    group = num_heads // num_kv_heads
-    scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
-    query_start = jnp.asarray(query_start, jnp.int32)
-    context_lens = jnp.asarray(context_lens, jnp.int32)
-    row, owned = _token_rows(query_start, num_tokens)  # [T], [T]
-    q_len = query_start[row + 1] - query_start[row]
-    pos = context_lens[row] - q_len + jnp.arange(num_tokens) - query_start[row]  # [T]
-    keys = k_cache[layer][page_table[row]].astype(jnp.float32)  # [T, P, BS, K, Dh]
-    values = v_cache[layer][page_table[row]].astype(jnp.float32)
-    keys = keys.reshape(num_tokens, -1, num_kv_heads, head_dim)  # [T, S, K, Dh]
-    values = values.reshape(num_tokens, -1, num_kv_heads, head_dim)
-    key_pos = jnp.arange(keys.shape[1])[None, :]  # [1, S]
-    visible = (key_pos <= pos[:, None]) & (key_pos < context_lens[row][:, None]) \
-        & owned[:, None]  # [T, S]
-    if window is not None:
-        visible = visible & (key_pos > pos[:, None] - window)
-    # Zero what is not visible, so NaN garbage there cannot leak through 0 * NaN.
-    keys = jnp.where(visible[:, :, None, None], keys, 0.0)
-    values = jnp.where(visible[:, :, None, None], values, 0.0)
-    qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
-    scores = jnp.einsum("tkgd,tskd->tkgs", qg, keys, precision=lax.Precision.HIGHEST) * scale
-    if softcap is not None:
-        scores = softcap * jnp.tanh(scores / softcap)
-    scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1)
-    probs = jnp.where(visible[:, None, None, :], probs, 0.0)  # tokens seeing nothing -> zeros
-    out = jnp.einsum("tkgs,tskd->tkgd", probs, values, precision=lax.Precision.HIGHEST)
-    return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
