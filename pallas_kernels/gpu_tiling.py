@@ -76,3 +76,15 @@ def store_rows(ref, rows, ok, value):
         return
     col = lax.broadcasted_iota(jnp.int32, value.shape, 1)
     plgpu.store(ref.at[rows[:, None] + 0 * col, col], value, mask=ok[:, None] & (col >= 0))
+
+
+def store_page_rows(cache_ref, layer, slots, h, ok, value):
+    """cache_ref[layer, slot // BS, slot % BS, h] = value `[M, Dh]` for slots `[M]` where ok:
+    a scatter of token rows into a whole `[L, NB, BS, K, Dh]` cache. Masked lanes point past
+    the blocks (dropped by the interpreter, untouched on a GPU)."""
+    block_size = cache_ref.shape[2]
+    col = lax.broadcasted_iota(jnp.int32, value.shape, 1)
+    block = jnp.where(ok, slots // block_size, cache_ref.shape[1])[:, None] + 0 * col
+    offset = (slots % block_size)[:, None] + 0 * col
+    plgpu.store(cache_ref.at[layer, block, offset, h, col], value,
+                mask=ok[:, None] & (col >= 0))

@@ -49,7 +49,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.gpu_tiling import (MASK_VALUE, MIN_DOT_ROWS, NO_WINDOW, default_num_splits,
                                       default_pages_per_step, dot, load_rows, next_pow2,
-                                      store_rows)
+                                      store_page_rows, store_rows)
 from pallas_kernels.paged_attention import check_scales
 # The reference lives in its own module; importable from here as before.
 from pallas_kernels.ragged_paged_attention_reference import \
@@ -100,11 +100,47 @@ def _head_rows(tokens, h, ok, *, gp: int, group: int, num_heads: int):
     return tokens * num_heads + h * group + g, ok & (g < group)
 
 
+NEW_KEYS = 16  # the step's keys per loop step of a fused KV write (Triton's dot: N >= 16)
+
+
+class _NewKeys:
+    """The step's keys and values of one row and KV head h, read by row from the packed
+    `[T * Hq, Dh]` array (queries, then K keys, then K values per token)."""
+
+    def __init__(self, q_ref, *, row_start, offset, n, h, q_heads: int, num_heads: int,
+                 kv_heads: int, head_dim: int):
+        self.q_ref, self.row_start, self.offset, self.n, self.h = q_ref, row_start, offset, n, h
+        self.q_heads, self.num_heads, self.kv_heads = q_heads, num_heads, kv_heads
+        self.head_dim = head_dim
+
+    def rows(self, tokens, which: int):
+        """Rows of tokens' key (which 0) or value (1) of head h."""
+        return tokens * self.q_heads + self.num_heads + which * self.kv_heads + self.h
+
+    def chunk(self, c):
+        """Keys, values `[NEW_KEYS, Dh]`, positions `[1, NEW_KEYS]` and which are real
+        `[1, NEW_KEYS]` of chunk c of the row's first n keys."""
+        j = c * NEW_KEYS + lax.broadcasted_iota(jnp.int32, (NEW_KEYS,), 0)
+        ok = j < self.n
+        tokens = self.row_start + j
+        k = load_rows(self.q_ref, self.rows(tokens, 0), ok, self.head_dim)
+        v = load_rows(self.q_ref, self.rows(tokens, 1), ok, self.head_dim)
+        return k, v, (self.offset + j)[None, :], ok[None, :]
+
+    def write(self, cache_outs, slots_ref, layer, tokens, ok):
+        """The keys and values of `tokens` `[M]` where ok, into the caches at their slots."""
+        slot = plgpu.load(slots_ref.at[jnp.where(ok, tokens, 0)], mask=ok, other=0)  # [M]
+        for which, cache in enumerate(cache_outs):
+            value = load_rows(self.q_ref, self.rows(tokens, which), ok, self.head_dim)
+            store_page_rows(cache, layer, slot, self.h, ok, value)
+
+
 def _ragged_kernel(layer_ref, window_ref, qs_ref, lens_ref, pt_ref, q_ref, k_ref, v_ref,
-                   *refs,  # [k_scale_ref, v_scale_ref,] o_ref[, m_ref, l_ref]
+                   *refs,  # [k/v_scale_ref,] [slots_ref,] [earlier outputs,] outputs
                    block_q: int, gp: int, group: int, q_heads: int, num_splits: int,
                    pages_per_step: int, sm_scale: float, softcap: float | None,
-                   quantized: bool, short_rows: int | None, num_outputs: int):
+                   quantized: bool, short_rows: int | None, num_outputs: int,
+                   write_kv: bool):
     # layer_ref [1], window_ref [1], qs_ref [R + 1], lens_ref [R], pt_ref [R, P]: whole arrays.
     # q_ref [T * Hq, Dh] whole: the flat token axis as the model makes it (token-major, heads
     # inner; the first H = K * G of each token's Hq heads are queries), read by row, so no
@@ -117,8 +153,16 @@ def _ragged_kernel(layer_ref, window_ref, qs_ref, lens_ref, pt_ref, q_ref, k_ref
     # (tile r: row r); < 0: only rows of more than -short_rows queries. A mixed step runs its
     # decode rows on a short tile and its prefill rows on a tall one, two calls writing one
     # output (the second's earlier outputs are aliased inputs, not read).
+    # write_kv: the step's keys and values are in q_ref beside the queries (heads H .. H + K
+    # and H + K .. H + 2K) and slots_ref [T] holds each token's cache slot; the caches hold
+    # only the positions before each row's first query. The kernel reads the step's keys from
+    # q_ref, never from the cache, and writes them to the caches (aliased outputs
+    # k_out, v_out after the attention outputs): programs run in no order, so no program
+    # may read a slot another program of the call writes.
     scale_refs = refs[:2] if quantized else ()
-    o_ref, *ml_refs = refs[len(refs) - num_outputs:]
+    slots_ref = refs[len(scale_refs)] if write_kv else None
+    outs = refs[len(refs) - num_outputs - 2 * write_kv:]
+    (o_ref, *ml_refs), cache_outs = outs[:num_outputs], outs[num_outputs:]
     t, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     block_size, head_dim = k_ref.shape[2], k_ref.shape[4]
     num_rows = lens_ref.shape[0]
@@ -138,9 +182,11 @@ def _ragged_kernel(layer_ref, window_ref, qs_ref, lens_ref, pt_ref, q_ref, k_ref
         live = live & ((q_len <= short_rows) if short_rows > 0 else (q_len > -short_rows))
     length = lens_ref[r]
     offset = length - q_len  # position of the row's query 0
+    cached = offset if write_kv else length  # the keys read from the cache: [0, cached)
     # The tile's last query sees the most keys; pages past it (or past the table) are not read.
     last_pos = offset + jnp.minimum(first + block_q, q_len) - 1
-    n_pages = jnp.minimum(pl.cdiv(jnp.maximum(last_pos + 1, 0), block_size), pt_ref.shape[1])
+    n_pages = jnp.minimum(pl.cdiv(jnp.maximum(jnp.minimum(last_pos + 1, cached), 0),
+                                  block_size), pt_ref.shape[1])
     n_pages = jnp.where(live, n_pages, 0)
     # Sliding window: keys before the tile's first query's window are seen by no tile row.
     window = window_ref[0]
@@ -170,7 +216,7 @@ def _ragged_kernel(layer_ref, window_ref, qs_ref, lens_ref, pt_ref, q_ref, k_ref
         # 0 * NaN in p @ v, so zero them.
         # Keys before the window (lo) are zeroed too: a page the window left behind may hold
         # anything once its block is reused.
-        valid = (key_pos < length) & (key_pos >= lo) & in_split  # [1, BS]
+        valid = (key_pos < cached) & (key_pos >= lo) & in_split  # [1, BS]
         if quantized:  # codes are finite; the scales of such slots are not: zero those
             k, v = k.astype(q.dtype), v.astype(q.dtype)  # exact: |code| <= 127
             vs = jnp.where(valid, vs.reshape(1, block_size), 0.0)
@@ -180,18 +226,25 @@ def _ragged_kernel(layer_ref, window_ref, qs_ref, lens_ref, pt_ref, q_ref, k_ref
         # slots past the context (from all but the tile rows past the row's queries, which
         # are not stored).
         visible = (key_pos <= q_pos) & (key_pos > q_pos - window) & in_split  # [M, BS]
+        if write_kv:  # the slots from the row's first query on are being written
+            visible = visible & (key_pos < cached)
         logits = dot(q, k, 1, precision) * sm_scale  # [M, BS] f32
         if quantized:
             logits = logits * ks.reshape(1, block_size)
+        return masked_logits(logits, visible), v, vs
+
+    def masked_logits(logits, visible):
         if softcap is not None:  # before the mask, as transformers' Gemma 2
             logits = softcap * jnp.tanh(logits / softcap)
-        return jnp.where(visible, logits, MASK_VALUE), v, vs
+        return jnp.where(visible, logits, MASK_VALUE)
 
     def body(i, carry):
-        acc, m_prev, l_prev = carry  # [M, Dh], [M], [M] float32
         # All of a step's pages are loaded before the softmax update: one max and one
         # correction per step, and several pages' loads in flight.
-        pages = [page_logits(i, j) for j in range(pages_per_step)]
+        return update(carry, [page_logits(i, j) for j in range(pages_per_step)])
+
+    def update(carry, pages):
+        acc, m_prev, l_prev = carry  # [M, Dh], [M], [M] float32
         m_next = m_prev
         for logits, _, _ in pages:
             m_next = jnp.maximum(m_next, logits.max(axis=-1))
@@ -209,7 +262,27 @@ def _ragged_kernel(layer_ref, window_ref, qs_ref, lens_ref, pt_ref, q_ref, k_ref
     init = (jnp.zeros((rows, head_dim), jnp.float32),
             jnp.full((rows,), MASK_VALUE, jnp.float32),
             jnp.zeros((rows,), jnp.float32))
-    acc, m, l = lax.fori_loop(0, pl.cdiv(n_split, pages_per_step), body, init)
+    carry = lax.fori_loop(0, pl.cdiv(n_split, pages_per_step), body, init)
+    if write_kv:
+        # The step's keys, NEW_KEYS at a time, from the row's first query to the tile's last
+        # (split 0 only); keys before the window start are skipped.
+        n_new = jnp.where(live & (s == 0), jnp.minimum(first + block_q, q_len), 0)
+        new = _NewKeys(q_ref, row_start=row_start, offset=offset, n=n_new, h=h,
+                       q_heads=q_heads, num_heads=num_heads, kv_heads=k_ref.shape[3],
+                       head_dim=head_dim)
+
+        def new_body(c, carry):
+            k, v, key_pos, ok = new.chunk(c)
+            visible = (key_pos <= q_pos) & (key_pos > q_pos - window) & ok & (key_pos >= 0)
+            logits = dot(q, k, 1, precision) * sm_scale  # [M, NEW_KEYS] f32
+            return update(carry, [(masked_logits(logits, visible), v, None)])
+
+        first_new = jnp.maximum(lo - offset, 0) // NEW_KEYS
+        carry = lax.fori_loop(first_new, pl.cdiv(n_new, NEW_KEYS), new_body, carry)
+        # Each token's K and V for head h once: by its tile's rows of head 0, in split 0.
+        g0 = (lax.broadcasted_iota(jnp.int32, (rows,), 0) % gp == 0) & mine & (s == 0)
+        new.write(cache_outs, slots_ref, layer_ref[0], row_start + query, g0)
+    acc, m, l = carry
     out = acc / jnp.where(l > 0, l, 1.0)[:, None]
 
     # Tokens that belong to no row (before query_start[0], from query_start[R] on) get zeros
@@ -238,11 +311,13 @@ def _ragged_call(layer, window, query_start, context_lens, page_table, q, k_cach
                  scales, *, num_tiles: int, block_q: int, gp: int, group: int, q_heads: int,
                  num_splits: int, pages_per_step: int, sm_scale: float, softcap: float | None,
                  num_warps: int, num_stages: int, interpret, short_rows: int | None = None,
-                 prev: tuple = ()):
+                 prev: tuple = (), slots=None):
     """q `[T * Hq, Dh]`. One split: the output `[T * H, Dh]` in q's dtype. Several: partial
     out `[S * T * H, Dh]`, max and sum `[S * T * H]`, f32. scales: an int8 cache's (k_scale,
     v_scale), or () for a float cache. short_rows: which rows (see _ragged_kernel); prev: an
-    earlier call's outputs, which this call's outputs alias (it writes the other rows)."""
+    earlier call's outputs, which this call's outputs alias (it writes the other rows).
+    slots `[T]`: write the step's keys and values (in q) to the caches, which come back
+    after the outputs (aliased: in place). Returns (out, max, sum, caches)."""
     head_dim = q.shape[1]
     num_kv_heads = k_cache.shape[3]
     rows = q.shape[0] // q_heads * num_kv_heads * group  # T * H
@@ -255,29 +330,36 @@ def _ragged_call(layer, window, query_start, context_lens, page_table, q, k_cach
                                q_heads=q_heads, num_splits=num_splits,
                                pages_per_step=pages_per_step, sm_scale=sm_scale,
                                softcap=softcap, quantized=bool(scales), short_rows=short_rows,
-                               num_outputs=len(out_shape))
+                               num_outputs=len(out_shape), write_kv=slots is not None)
 
     # Whole arrays: on Triton a ref is a pointer into global memory, nothing is copied; the
     # kernel computes its own indices (see paged_attention.py).
     def whole(x):
         return pl.BlockSpec(x.shape, lambda *_: (0,) * len(x.shape))
 
+    write = () if slots is None else (slots,)
     args = (layer, window, query_start, context_lens, page_table, q, k_cache, v_cache,
-            *scales, *prev)
+            *scales, *write, *prev)
+    aliases = {len(args) - len(prev) + i: i for i in range(len(prev))}
+    if write:  # the caches (inputs 6, 7) come back after the attention outputs
+        aliases.update({6: len(out_shape), 7: len(out_shape) + 1})
+        out_shape = out_shape + [jax.ShapeDtypeStruct(c.shape, c.dtype)
+                                 for c in (k_cache, v_cache)]
     outs = pl.pallas_call(
         kernel,
         grid=(num_tiles, num_kv_heads, num_splits),
         in_specs=[whole(x) for x in args],
         out_specs=[whole(x) for x in out_shape],
         out_shape=out_shape,
-        input_output_aliases={len(args) - len(prev) + i: i for i in range(len(prev))},
+        input_output_aliases=aliases,
         # Interpreters ignore Triton params, and the strict (TPU) interpreter rejects them.
         compiler_params=None if interpret else plgpu.CompilerParams(num_warps=num_warps,
                                                                     num_stages=num_stages),
         interpret=interpret,
         name="ragged_paged_attention",
     )(*args)
-    return tuple(outs) if num_splits > 1 else (outs[0], None, None)
+    outs, caches = outs[:len(outs) - 2 * len(write)], tuple(outs[len(outs) - 2 * len(write):])
+    return (*(outs if num_splits > 1 else (outs[0], None, None)), caches)
 
 
 def _default_queries_per_tile(num_tokens: int, num_rows: int, gp: int,
@@ -312,20 +394,34 @@ def _merge_splits(o, m, l):
     return (o * w[..., None]).sum(axis=0) / jnp.where(total > 0, total, 1.0)[..., None]
 
 
-@functools.partial(jax.jit, static_argnames=("num_heads", "queries_per_tile",
-                                             "short_queries_per_tile", "num_splits",
-                                             "pages_per_step", "sm_scale", "softcap",
-                                             "num_warps", "num_stages", "interpret"))
-def ragged_paged_attention(q, k_cache, v_cache, layer, page_table, query_start, context_lens, *,
-                           k_scale=None, v_scale=None,
-                           window=None, softcap: float | None = None,
-                           num_heads: int | None = None,
-                           queries_per_tile: int | None = None,
-                           short_queries_per_tile: int | None = None,
-                           num_splits: int | None = None,
-                           pages_per_step: int | None = None, sm_scale: float | None = None,
-                           num_warps: int | None = None, num_stages: int = 2,
-                           interpret=False) -> jax.Array:
+_STATIC = ("num_heads", "queries_per_tile", "short_queries_per_tile", "num_splits",
+           "pages_per_step", "sm_scale", "softcap", "num_warps", "num_stages", "interpret")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def ragged_paged_attention_write(qkv, k_cache, v_cache, layer, slots, page_table, query_start,
+                                 context_lens, *, num_heads: int, **kw):
+    """Writes the step's keys and values into the float caches and attends, in one launch
+    (two in a step with short rows). qkv `[T, H + 2K, Dh]`: each token's H = num_heads
+    queries, then its K keys, then its K values, in the caches' dtype; slots `[T]` int32: each
+    token's flat slot (block * BS + offset) in the layer; tokens of no row are not written.
+    context_lens count the step's keys. Other arguments as ragged_paged_attention. Returns
+    (`[T, H, Dh]`, k_cache, v_cache), the caches updated in place when donated (the step
+    donates them)."""
+    num_kv_heads = k_cache.shape[3]
+    if k_cache.dtype == jnp.int8 or qkv.shape[1] != num_heads + 2 * num_kv_heads or \
+            slots.shape != qkv.shape[:1]:
+        raise ValueError(f"qkv {qkv.shape} and slots {slots.shape} must hold {num_heads} "
+                         f"queries and {num_kv_heads} keys and values per token, for a "
+                         f"float cache (got {k_cache.dtype})")
+    out, (k_cache, v_cache) = _attend(qkv, k_cache, v_cache, layer, page_table, query_start,
+                                      context_lens, num_heads=num_heads, slots=slots, **kw)
+    return out, k_cache, v_cache
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def ragged_paged_attention(q, k_cache, v_cache, layer, page_table, query_start, context_lens,
+                           **kw) -> jax.Array:
     """Causal attention of ragged rows of queries over their pages of the KV cache.
 
     Args:
@@ -368,6 +464,21 @@ def ragged_paged_attention(q, k_cache, v_cache, layer, page_table, query_start, 
     Returns:
       `[T, H, Dh]` in q.dtype; tokens that belong to no row are zeros.
     """
+    return _attend(q, k_cache, v_cache, layer, page_table, query_start, context_lens, **kw)[0]
+
+
+def _attend(q, k_cache, v_cache, layer, page_table, query_start, context_lens, *,
+            k_scale=None, v_scale=None, slots=None,
+            window=None, softcap: float | None = None,
+            num_heads: int | None = None,
+            queries_per_tile: int | None = None,
+            short_queries_per_tile: int | None = None,
+            num_splits: int | None = None,
+            pages_per_step: int | None = None, sm_scale: float | None = None,
+            num_warps: int | None = None, num_stages: int = 2,
+            interpret=False):
+    """ragged_paged_attention (its arguments), and with slots the fused KV write: returns
+    (`[T, H, Dh]`, (k_cache, v_cache)), the caches as written (as given without slots)."""
     num_tokens, q_heads, head_dim = q.shape
     num_heads = num_heads or q_heads
     _, _, block_size, num_kv_heads, _ = k_cache.shape
@@ -404,21 +515,21 @@ def ragged_paged_attention(q, k_cache, v_cache, layer, page_table, query_start, 
     scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
     window = jnp.asarray(NO_WINDOW if window is None else window, jnp.int32).reshape(1)
     rows = num_tokens * num_heads
+    args = (jnp.asarray(layer, jnp.int32).reshape(1), window, query_start.astype(jnp.int32),
+            context_lens.astype(jnp.int32), page_table.astype(jnp.int32),
+            q.reshape(num_tokens * q_heads, head_dim))
     call = functools.partial(
-        _ragged_call, jnp.asarray(layer, jnp.int32).reshape(1), window,
-        query_start.astype(jnp.int32), context_lens.astype(jnp.int32),
-        page_table.astype(jnp.int32), q.reshape(num_tokens * q_heads, head_dim), k_cache,
-        v_cache, scales, gp=gp, group=group, q_heads=q_heads, num_splits=splits,
+        _ragged_call, scales=scales, gp=gp, group=group, q_heads=q_heads, num_splits=splits,
         pages_per_step=step, sm_scale=scale, softcap=softcap, num_stages=num_stages,
-        interpret=interpret)
-    prev = ()
+        interpret=interpret, slots=None if slots is None else slots.astype(jnp.int32))
+    prev, caches = (), (k_cache, v_cache)
     if short_q:  # the short rows first, on their own tile; 4 warps (8 spill at 16 rows)
-        outs = call(num_tiles=num_rows, block_q=short_q, num_warps=num_warps or 4,
-                    short_rows=short_q)
-        prev = tuple(x for x in outs if x is not None)
-    o, m, l = call(num_tiles=num_tiles, block_q=bq, num_warps=warps,
-                   short_rows=-short_q if short_q else None, prev=prev)
+        *outs, written = call(*args, *caches, num_tiles=num_rows, block_q=short_q,
+                              num_warps=num_warps or 4, short_rows=short_q)
+        prev, caches = tuple(x for x in outs if x is not None), written or caches
+    o, m, l, written = call(*args, *caches, num_tiles=num_tiles, block_q=bq, num_warps=warps,
+                            short_rows=-short_q if short_q else None, prev=prev)
     if m is not None:
         o = _merge_splits(o.reshape(splits, rows, head_dim), m.reshape(splits, rows),
                           l.reshape(splits, rows))
-    return o.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
+    return o.reshape(num_tokens, num_heads, head_dim).astype(q.dtype), written or caches
