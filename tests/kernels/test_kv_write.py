@@ -125,10 +125,20 @@ SHAPES = [(3, 64, jnp.bfloat16, 64), (8, 128, jnp.bfloat16, 512), (3, 64, jnp.in
           (8, 128, jnp.float32, 64)]
 
 
+def flat_call(shape):
+    """write_kv_cache over flat arguments (the CUDA helpers take arrays, not tuples)."""
+    caches, layer, slots, new = engine_shapes(*shape)
+    n = len(caches)
+
+    def fn(*args):
+        return write_kv_cache(args[:n], args[n], args[n + 1], args[n + 2:])
+    return fn, (*caches, layer, slots, *new)
+
+
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda c: "-".join(map(str, c)))
 def test_lowers_for_cuda(shape):
-    text = lower_for_h200(write_kv_cache, *engine_shapes(*shape))
-    assert "__gpu$xla.gpu.triton" in text
+    fn, args = flat_call(shape)
+    assert "__gpu$xla.gpu.triton" in lower_for_h200(fn, *args)
 
 
 @pytest.mark.parametrize("shape", SHAPES[:3], ids=lambda c: "-".join(map(str, c)))
@@ -136,5 +146,5 @@ def test_compiles_for_sm90a(shape):
     why_not = cuda_compiler_available()
     if why_not:
         pytest.skip(why_not)
-    compiled = compile_for_h200(write_kv_cache, *engine_shapes(*shape))
-    assert "pallas_call" in compiled.as_text()
+    fn, args = flat_call(shape)
+    assert "pallas_call" in compile_for_h200(fn, *args).as_text()
