@@ -1,5 +1,7 @@
 """The KV-cache write of one step (Pallas, Triton GPU backend): K and V (and an int8 cache's
-scales) in one kernel, in place, and its jax.numpy reference.
+scales) in one kernel, in place, and its jax.numpy reference. The engine uses it for int8 and
+f32 caches; a bf16 cache is written by the attention kernel itself
+(`ragged_paged_attention_write`).
 
 XLA writes K and V as two scatters (one launch each, four for an int8 cache). This kernel
 writes all of them in one launch: the caches are aliased to its outputs, so nothing is copied,

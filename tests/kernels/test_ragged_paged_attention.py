@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels.ragged_attention_kernel import split_pages
 from pallas_kernels.ragged_paged_attention import (ragged_paged_attention,
-                                                   ragged_paged_attention_reference,
-                                                   split_pages)
+                                                   ragged_paged_attention_reference)
 from tests.cuda_lowering import compile_for_h200, cuda_compiler_available, lower_for_h200
 from pallas_kernels.cases import ATTENTION_MODELS, attention_tolerance, ragged_case
 
@@ -294,7 +294,7 @@ def test_table_garbage_past_the_contexts_is_harmless(interpret):
     # ends at the last token, so its tile's queries run past T. The strict (TPU) interpreter,
     # which raised on out-of-bounds reads, cannot run this kernel (it has no indexed loads:
     # q and the output are gathered / scattered by row), so this checks results only: pages
-    # are read only below each tile's causal bound (see _ragged_kernel), never past a context.
+    # are read only below each tile's causal bound (see ragged_kernel), never past a context.
     spec = dict(rows=[(1, 1), (3, 11), (0, 0), (5, 24)], head=1, tail=0)
     q, k, v, pt, qs, cl = make_case(4, dtype=jnp.float32, block_size=8, group=3, head_dim=64,
                                     mix=spec)
