@@ -220,6 +220,9 @@ def ragged_paged_attention(q, k_cache, v_cache, layer, page_table, query_start, 
     Returns:
       `[T, H, Dh]` in q.dtype; tokens that belong to no row are zeros.
     """
+    if "slots" in kw:
+        raise TypeError("ragged_paged_attention does not write the cache: call "
+                        "ragged_paged_attention_write for the fused KV write")
     return _attend(q, k_cache, v_cache, layer, page_table, query_start, context_lens, **kw)[0]
 
 
