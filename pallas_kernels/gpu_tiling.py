@@ -1,12 +1,13 @@
-"""What the two paged-attention kernels (paged_attention.py, ragged_paged_attention.py) share:
-the H200 figures their default schedules are sized for, the f32-accumulating dot, and the
-default pages per loop step and per split."""
+"""What the paged-attention kernels (paged_attention.py, ragged_paged_attention.py) and the KV
+write (kv_write.py) share: the H200 figures their default schedules are sized for, the
+f32-accumulating dot, the default pages per loop step and splits, and row gathers / scatters."""
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 # Finite, so a fully masked row never computes inf - inf.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -45,3 +46,45 @@ def default_pages_per_split(programs: int, num_pages: int, pages_per_step: int) 
     steps = pl.cdiv(num_pages, pages_per_step)
     splits = min(MAX_SPLITS, steps, pl.cdiv(TARGET_PROGRAMS, programs))
     return pl.cdiv(steps, splits) * pages_per_step
+
+
+def default_num_splits(programs: int, num_pages: int) -> int:
+    """Splits for the ragged kernel, whose splits divide each tile's real pages at run time: 1
+    when `programs` (without splits) give every SM of an H200 one, else about two programs per
+    SM, at most MAX_SPLITS and at most the table's width."""
+    if programs >= NUM_SMS:
+        return 1
+    return max(1, min(MAX_SPLITS, num_pages, pl.cdiv(TARGET_PROGRAMS, programs)))
+
+
+def load_rows(ref, rows, ok, width: int):
+    """ref[rows] `[M, width]` for row indices `rows` `[M]` into a 2-D whole-array ref; zeros
+    where `ok` `[M]` is false (those lanes read nothing on a GPU)."""
+    col = lax.broadcasted_iota(jnp.int32, (rows.shape[0], width), 1)
+    at = jnp.where(ok, rows, 0)[:, None] + 0 * col
+    return plgpu.load(ref.at[at, col], mask=ok[:, None] & (col >= 0), other=0)
+
+
+def store_rows(ref, rows, ok, value):
+    """ref[rows] = value (`[M]` or `[M, W]`) where ok `[M]`: a scatter of whole rows into a
+    whole-array ref. Masked lanes point past the array: the interpreter drops such writes,
+    where a negative or clamped index could land on a row another lane writes (a GPU never
+    touches them)."""
+    rows = jnp.where(ok, rows, ref.shape[0])
+    if value.ndim == 1:
+        plgpu.store(ref.at[rows], value, mask=ok)
+        return
+    col = lax.broadcasted_iota(jnp.int32, value.shape, 1)
+    plgpu.store(ref.at[rows[:, None] + 0 * col, col], value, mask=ok[:, None] & (col >= 0))
+
+
+def store_page_rows(cache_ref, layer, slots, h, ok, value):
+    """cache_ref[layer, slot // BS, slot % BS, h] = value `[M, Dh]` for slots `[M]` where ok:
+    a scatter of token rows into a whole `[L, NB, BS, K, Dh]` cache. Masked lanes point past
+    the blocks (dropped by the interpreter, untouched on a GPU)."""
+    block_size = cache_ref.shape[2]
+    col = lax.broadcasted_iota(jnp.int32, value.shape, 1)
+    block = jnp.where(ok, slots // block_size, cache_ref.shape[1])[:, None] + 0 * col
+    offset = (slots % block_size)[:, None] + 0 * col
+    plgpu.store(cache_ref.at[layer, block, offset, h, col], value,
+                mask=ok[:, None] & (col >= 0))

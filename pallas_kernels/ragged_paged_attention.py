@@ -12,10 +12,23 @@ sharing one KV head, padded to Gp = next power of 2: M = Bq * Gp rows (>= 16, Tr
 Packing heads into the rows lets a decode row fill a tile with its G heads as the decode kernel
 does. Tiles are numbered as vLLM's unified attention numbers them: row r's tiles start at
 `query_start[r] // Bq + r`, so `T // Bq + R` tiles always suffice and each program finds its row
-by a binary search over `query_start`; tiles past their row's queries run no page loop and write
-zeros. A program visits only the pages its last query can see (causal bound), several pages per
-loop step (one softmax update per step), optionally split into page ranges whose partial (out,
-max, sum) a jnp combine merges, so a few long rows still fill the GPU (docs/perf_kernels.md).
+by a binary search over `query_start`; tiles past their row's queries run no page loop. A
+program visits only the pages its last query can see (causal bound), several pages per loop
+step (one softmax update per step), optionally split: the S programs of a tile share the pages
+it really sees, counted at run time, and a jnp combine merges their partial (out, max, sum), so
+a few long rows still fill the GPU (docs/perf_kernels.md).
+
+Nothing around the call depends on the layer: q is read and the output written by row, in
+place, from and to the model's flat `[T, H, Dh]` layout (queries may sit in a wider packed
+`[T, Hq, Dh]` array), so no padded or transposed copy, no token->row search and no select run
+per layer; the tokens of no row are zeroed by the tile of their own number. A step that is
+mostly prefill (the tall 64-row tile) runs its short rows, decodes, in a first call on the
+16-row tile, one tile per row, and the others in a second call writing the same output.
+
+`ragged_paged_attention_write` also writes the step's keys and values (float caches): programs
+run in no order, so each reads from the cache only the positions before its row's first query
+and the step's own keys from the packed array, and writes its tile's tokens' keys and values
+into the caches aliased to its outputs (docs/perf_kernels.md).
 
 GPU (Triton) support: head_dim 64 or 128 (powers of 2), bf16 and f32 (f32 dots at IEEE
 precision, not TF32), block sizes 8..128 (powers of 2) and 256 in bf16: at 256 slots the f32
@@ -35,181 +48,74 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.gpu_tiling import (MASK_VALUE, MIN_DOT_ROWS, NO_WINDOW, default_pages_per_split,
-                                      default_pages_per_step, dot, next_pow2)
-from pallas_kernels.paged_attention import check_scales, dequantize_cache
+from pallas_kernels.gpu_tiling import (MIN_DOT_ROWS, NO_WINDOW, default_num_splits,
+                                      default_pages_per_step, next_pow2)
+from pallas_kernels.ragged_attention_kernel import ragged_kernel
+from pallas_kernels.paged_attention import check_scales
+# The reference lives in its own module; importable from here as before.
+from pallas_kernels.ragged_paged_attention_reference import \
+    ragged_paged_attention_reference  # noqa: F401
 
 _PREFILL_DOT_ROWS = 64   # tile rows when the step is mostly prefill: fewer re-reads of the pages
 _MAX_PREFILL_TILE_BLOCK = 64  # largest block size that takes the taller prefill tile
 
 
-def _find_row(qs_ref, tile, *, num_rows: int, block_q: int):
-    """The last row r with `query_start[r] // Bq + r <= tile` (r = 0 if none), by bisection."""
-    lo, hi = jnp.int32(0), jnp.int32(num_rows)
-    for _ in range(max(1, num_rows).bit_length()):  # static: ceil(log2(R)) + 1 halvings
-        mid = (lo + hi) // 2  # < hi <= R: always a row
-        ok = qs_ref[mid] // block_q + mid <= tile
-        lo, hi = jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
-    return lo
-
-
-def _load_page(k_ref, v_ref, scale_refs, pt_ref, layer, r, h, page, in_split):
-    """Keys and values `[BS, Dh]` of row r's page `page` for KV head h, and (int8 cache,
-    scale_refs = (k_scale_ref, v_scale_ref)) their scales `[BS]` f32, else None. A page outside
-    the split's visible pages (`in_split` false: the next split's, or past the table) reads the
-    null block, in bounds, for the caller to mask; the table itself is read in bounds."""
-    block_size, head_dim = k_ref.shape[2], k_ref.shape[4]
-    block = jnp.where(in_split, pt_ref[r, jnp.minimum(page, pt_ref.shape[1] - 1)], 0)
-    index = (layer, block, pl.ds(0, block_size), h, pl.ds(0, head_dim))
-    if not scale_refs:
-        return k_ref[index], v_ref[index], None, None
-    at = (layer, block, pl.ds(0, block_size), h)
-    return k_ref[index], v_ref[index], scale_refs[0][at], scale_refs[1][at]
-
-
-def _ragged_kernel(layer_ref, window_ref, qs_ref, lens_ref, pt_ref, q_ref, k_ref, v_ref,
-                   *refs,  # [k_scale_ref, v_scale_ref,] o_ref[, m_ref, l_ref]
-                   block_q: int, gp: int, pages_per_split: int, pages_per_step: int,
-                   sm_scale: float, softcap: float | None, quantized: bool):
-    # layer_ref [1], window_ref [1], qs_ref [R + 1], lens_ref [R], pt_ref [R, P]: whole arrays.
-    # q_ref [K, (T + Bq) * Gp, Dh] whole (token-major, heads of a group inner, zero padded).
-    # k_ref/v_ref [L, NB, BS, K, Dh] whole caches; int8: k/v_scale_ref [L, NB, BS, K] whole.
-    # Outputs: one split's partial result for one tile, o_ref [M, Dh]; m_ref, l_ref [M],
-    # absent when there is one split (o_ref then holds the final output in q's dtype).
-    scale_refs, (o_ref, *ml_refs) = (refs[:2], refs[2:]) if quantized else ((), refs)
-    t, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    block_size, head_dim = k_ref.shape[2], k_ref.shape[4]
-    rows = block_q * gp
-    r = _find_row(qs_ref, t, num_rows=lens_ref.shape[0], block_q=block_q)
-    row_start = qs_ref[r]
-    q_len = qs_ref[r + 1] - row_start
-    first = (t - (row_start // block_q + r)) * block_q  # this tile's first query within the row
-    live = (first >= 0) & (first < q_len)
-    length = lens_ref[r]
-    offset = length - q_len  # position of the row's query 0
-    # The tile's last query sees the most keys; pages past it (or past the table) are not read.
-    last_pos = offset + jnp.minimum(first + block_q, q_len) - 1
-    n_pages = jnp.minimum(pl.cdiv(jnp.maximum(last_pos + 1, 0), block_size), pt_ref.shape[1])
-    first_page = s * pages_per_split
-    n_pages = jnp.clip(n_pages - first_page, 0, pages_per_split)
-    n_pages = jnp.where(live, n_pages, 0)
-    # Sliding window: keys before the tile's first query's window are seen by no tile row;
-    # the loop starts at the step holding the first page past them.
-    window = window_ref[0]
-    lo = jnp.maximum(offset + first - window + 1, 0)  # first key position any row sees
-    first_step = jnp.clip(lo // block_size - first_page, 0, n_pages) // pages_per_step
-
-    start = jnp.where(live, row_start + first, 0) * gp
-    q = q_ref[h, pl.ds(start, rows), pl.ds(0, head_dim)]  # [M, Dh]
-    precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
-    # Tile row i holds query first + i // Gp; rows past the row's queries are discarded later.
-    q_pos = offset + first + lax.broadcasted_iota(jnp.int32, (rows, 1), 0) // gp  # [M, 1]
-    slot = lax.broadcasted_iota(jnp.int32, (1, block_size), 1)  # [1, BS]
-
-    def page_logits(i, j):
-        """Masked logits `[M, BS]` f32, values `[BS, Dh]` and (int8) value scales `[1, BS]`
-        f32 (else None) of step i's page j."""
-        local = i * pages_per_step + j  # page within this split
-        in_split = local < n_pages
-        k, v, ks, vs = _load_page(k_ref, v_ref, scale_refs, pt_ref, layer_ref[0], r, h,
-                                  first_page + local, in_split)
-        key_pos = (first_page + local) * block_size + slot  # [1, BS]
-        # Slots past the context hold anything, NaN included: p = 0 alone would not cancel
-        # 0 * NaN in p @ v, so zero them.
-        # Keys before the window (lo) are zeroed too: a page the window left behind may hold
-        # anything once its block is reused.
-        valid = (key_pos < length) & (key_pos >= lo) & in_split  # [1, BS]
-        if quantized:  # codes are finite; the scales of such slots are not: zero those
-            k, v = k.astype(q.dtype), v.astype(q.dtype)  # exact: |code| <= 127
-            vs = jnp.where(valid, vs.reshape(1, block_size), 0.0)
-        else:
-            v = jnp.where(valid.reshape(block_size, 1), v, jnp.zeros_like(v))
-        # Causal within the row; a query's own position is < length, so this also hides the
-        # slots past the context (from all but the tile rows past the row's queries, which
-        # are discarded).
-        visible = (key_pos <= q_pos) & (key_pos > q_pos - window) & in_split  # [M, BS]
-        logits = dot(q, k, 1, precision) * sm_scale  # [M, BS] f32
-        if quantized:
-            logits = logits * ks.reshape(1, block_size)
-        if softcap is not None:  # before the mask, as transformers' Gemma 2
-            logits = softcap * jnp.tanh(logits / softcap)
-        return jnp.where(visible, logits, MASK_VALUE), v, vs
-
-    def body(i, carry):
-        acc, m_prev, l_prev = carry  # [M, Dh], [M], [M] float32
-        # All of a step's pages are loaded before the softmax update: one max and one
-        # correction per step, and several pages' loads in flight.
-        pages = [page_logits(i, j) for j in range(pages_per_step)]
-        m_next = m_prev
-        for logits, _, _ in pages:
-            m_next = jnp.maximum(m_next, logits.max(axis=-1))
-        correction = jnp.exp(m_prev - m_next)
-        acc, l_next = acc * correction[:, None], l_prev * correction
-        for logits, v, vs in pages:
-            # A row that sees nothing in a split gets garbage (p = 1) there, but its mass l
-            # meets exp(MASK_VALUE - max) = 0 in the combine; every real query sees key 0.
-            p = jnp.exp(logits - m_next[:, None])
-            l_next = l_next + p.sum(axis=-1)
-            pw = p if vs is None else p * vs  # int8: p @ (codes * scales) as (p * scales) @ codes
-            acc = acc + dot(pw.astype(v.dtype), v, 0, precision)  # [M, Dh] f32
-        return acc, m_next, l_next
-
-    init = (jnp.zeros((rows, head_dim), jnp.float32),
-            jnp.full((rows,), MASK_VALUE, jnp.float32),
-            jnp.zeros((rows,), jnp.float32))
-    acc, m, l = lax.fori_loop(first_step, pl.cdiv(n_pages, pages_per_step), body, init)
-    o_ref[...] = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
-    if ml_refs:
-        ml_refs[0][...] = m
-        ml_refs[1][...] = l
-
-
-def _ragged_call(layer, window, query_start, context_lens, page_table, qp, k_cache, v_cache,
-                 scales, *, num_tiles: int, block_q: int, gp: int, pages_per_split: int,
+def _ragged_call(layer, window, query_start, context_lens, page_table, q, k_cache, v_cache,
+                 scales, *, num_tiles: int, block_q: int, gp: int, group: int, q_heads: int,
                  num_splits: int, pages_per_step: int, sm_scale: float, softcap: float | None,
-                 num_warps: int, num_stages: int, interpret):
-    """Partial results per split and tile: out `[S, NT, K, M, Dh]` f32, max and sum
-    `[S, NT, K, M]` f32; with one split only the out, `[1, NT, K, M, Dh]` in q's dtype.
-    scales: an int8 cache's (k_scale, v_scale), or () for a float cache."""
-    num_kv_heads, _, head_dim = qp.shape
-    rows = block_q * gp
-    kernel = functools.partial(_ragged_kernel, block_q=block_q, gp=gp,
-                               pages_per_split=pages_per_split, pages_per_step=pages_per_step,
-                               sm_scale=sm_scale, softcap=softcap, quantized=bool(scales))
+                 num_warps: int, num_stages: int, interpret, short_rows: int | None = None,
+                 prev: tuple = (), slots=None):
+    """q `[T * Hq, Dh]`. One split: the output `[T * H, Dh]` in q's dtype. Several: partial
+    out `[S * T * H, Dh]`, max and sum `[S * T * H]`, f32. scales: an int8 cache's (k_scale,
+    v_scale), or () for a float cache. short_rows: which rows (see ragged_kernel); prev: an
+    earlier call's outputs, which this call's outputs alias (it writes the other rows).
+    slots `[T]`: write the step's keys and values (in q) to the caches, which come back
+    after the outputs (aliased: in place). Returns (out, max, sum, caches)."""
+    head_dim = q.shape[1]
+    num_kv_heads = k_cache.shape[3]
+    rows = q.shape[0] // q_heads * num_kv_heads * group  # T * H
+    if num_splits == 1:
+        out_shape = [jax.ShapeDtypeStruct((rows, head_dim), q.dtype)]
+    else:  # the combine needs each split's max and sum
+        out_shape = [jax.ShapeDtypeStruct((num_splits * rows, head_dim), jnp.float32),
+                     *[jax.ShapeDtypeStruct((num_splits * rows,), jnp.float32)] * 2]
+    kernel = functools.partial(ragged_kernel, block_q=block_q, gp=gp, group=group,
+                               q_heads=q_heads, num_splits=num_splits,
+                               pages_per_step=pages_per_step, sm_scale=sm_scale,
+                               softcap=softcap, quantized=bool(scales), short_rows=short_rows,
+                               num_outputs=len(out_shape), write_kv=slots is not None)
 
     # Whole arrays: on Triton a ref is a pointer into global memory, nothing is copied; the
     # kernel computes its own indices (see paged_attention.py).
     def whole(x):
-        return pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
+        return pl.BlockSpec(x.shape, lambda *_: (0,) * len(x.shape))
 
-    part = (num_splits, num_tiles, num_kv_heads, rows)
-    row = pl.BlockSpec((None, None, None, rows), lambda t, h, s: (s, t, h, 0))
-    out_specs = [pl.BlockSpec((None, None, None, rows, head_dim),
-                              lambda t, h, s: (s, t, h, 0, 0))]
-    out_shape = [jax.ShapeDtypeStruct(part + (head_dim,),
-                                      qp.dtype if num_splits == 1 else jnp.float32)]
-    if num_splits > 1:  # the combine needs each split's max and sum
-        out_specs += [row, row]
-        out_shape += [jax.ShapeDtypeStruct(part, jnp.float32)] * 2
+    write = () if slots is None else (slots,)
+    args = (layer, window, query_start, context_lens, page_table, q, k_cache, v_cache,
+            *scales, *write, *prev)
+    aliases = {len(args) - len(prev) + i: i for i in range(len(prev))}
+    if write:  # the caches (inputs 6, 7) come back after the attention outputs
+        aliases.update({6: len(out_shape), 7: len(out_shape) + 1})
+        out_shape = out_shape + [jax.ShapeDtypeStruct(c.shape, c.dtype)
+                                 for c in (k_cache, v_cache)]
     outs = pl.pallas_call(
         kernel,
         grid=(num_tiles, num_kv_heads, num_splits),
-        in_specs=[whole(layer), whole(window), whole(query_start), whole(context_lens),
-                  whole(page_table), whole(qp), whole(k_cache), whole(v_cache),
-                  *map(whole, scales)],
-        out_specs=out_specs,
+        in_specs=[whole(x) for x in args],
+        out_specs=[whole(x) for x in out_shape],
         out_shape=out_shape,
+        input_output_aliases=aliases,
         # Interpreters ignore Triton params, and the strict (TPU) interpreter rejects them.
         compiler_params=None if interpret else plgpu.CompilerParams(num_warps=num_warps,
                                                                     num_stages=num_stages),
         interpret=interpret,
         name="ragged_paged_attention",
-    )(layer, window, query_start, context_lens, page_table, qp, k_cache, v_cache, *scales)
-    return tuple(outs) if num_splits > 1 else (outs[0], None, None)
+    )(*args)
+    outs, caches = outs[:len(outs) - 2 * len(write)], tuple(outs[len(outs) - 2 * len(write):])
+    return (*(outs if num_splits > 1 else (outs[0], None, None)), caches)
 
 
 def _default_queries_per_tile(num_tokens: int, num_rows: int, gp: int,
@@ -223,58 +129,62 @@ def _default_queries_per_tile(num_tokens: int, num_rows: int, gp: int,
 
 
 def _schedule(num_tiles: int, num_kv_heads: int, num_pages: int, block_size: int, dtype,
-              rows: int, pages_per_step, pages_per_split, num_warps) -> tuple[int, int, int]:
-    """(pages per step, pages per split, warps): the given values, else the defaults."""
-    step = pages_per_step or min(default_pages_per_step(block_size, dtype, num_pages),
-                                 pages_per_split or num_pages)
+              rows: int, pages_per_step, num_splits, num_warps) -> tuple[int, int, int]:
+    """(pages per step, splits, warps): the given values, else the defaults."""
+    step = pages_per_step or default_pages_per_step(block_size, dtype, num_pages)
     if step < 1:
         raise ValueError(f"pages_per_step must be >= 1, got {pages_per_step}")
-    pps = pages_per_split or default_pages_per_split(num_tiles * num_kv_heads, num_pages, step)
+    splits = num_splits or default_num_splits(num_tiles * num_kv_heads, num_pages)
+    if splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     # 8 warps only for the tall prefill tile: the 16-row tile spills with 8 (sm_90a ptxas).
     tall = rows >= _PREFILL_DOT_ROWS
-    return step, pps, num_warps or (8 if tall and step * block_size >= 128 else 4)
-
-
-def _token_rows(query_start, num_tokens: int):
-    """Each flat token's row `[T]` and whether it belongs to one `[T]` (tokens before
-    query_start[0] and from query_start[R] on do not)."""
-    tokens = jnp.arange(num_tokens, dtype=jnp.int32)  # [T]
-    num_rows = query_start.shape[0] - 1
-    # compare_all: one [T, R] fusion; the default (scan) is an XLA while loop, which on a GPU
-    # reads its predicate back to the host every iteration.
-    row = jnp.searchsorted(query_start[1:], tokens, side="right", method="compare_all")
-    row = row.astype(jnp.int32)
-    row = jnp.minimum(row, num_rows - 1)
-    owned = (query_start[row] <= tokens) & (tokens < query_start[row + 1])
-    return row, owned
+    return step, splits, num_warps or (8 if tall and step * block_size >= 128 else 4)
 
 
 def _merge_splits(o, m, l):
-    """One output per tile `[NT, K, M, Dh]` f32 from S partial ones: each split's normalised
-    output weighted by its share of the softmax mass."""
-    if o.shape[0] == 1:
-        return o[0]
-    w = l * jnp.exp(m - m.max(axis=0))  # [S, NT, K, M]; empty splits have l = 0
+    """The output `[N, Dh]` f32 from S partial ones `[S, N, Dh]` (max, sum `[S, N]`): each
+    split's normalised output weighted by its share of the softmax mass."""
+    w = l * jnp.exp(m - m.max(axis=0))  # [S, N]; empty splits have l = 0
     total = w.sum(axis=0)
     return (o * w[..., None]).sum(axis=0) / jnp.where(total > 0, total, 1.0)[..., None]
 
 
-@functools.partial(jax.jit, static_argnames=("queries_per_tile", "pages_per_split",
-                                             "pages_per_step", "sm_scale", "softcap",
-                                             "num_warps", "num_stages", "interpret"))
-def ragged_paged_attention(q, k_cache, v_cache, layer, page_table, query_start, context_lens, *,
-                           k_scale=None, v_scale=None,
-                           window=None, softcap: float | None = None,
-                           queries_per_tile: int | None = None,
-                           pages_per_split: int | None = None,
-                           pages_per_step: int | None = None, sm_scale: float | None = None,
-                           num_warps: int | None = None, num_stages: int = 2,
-                           interpret=False) -> jax.Array:
+_STATIC = ("num_heads", "queries_per_tile", "short_queries_per_tile", "num_splits",
+           "pages_per_step", "sm_scale", "softcap", "num_warps", "num_stages", "interpret")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def ragged_paged_attention_write(qkv, k_cache, v_cache, layer, slots, page_table, query_start,
+                                 context_lens, *, num_heads: int, **kw):
+    """Writes the step's keys and values into the float caches and attends, in one launch
+    (two in a step with short rows). qkv `[T, H + 2K, Dh]`: each token's H = num_heads
+    queries, then its K keys, then its K values, in the caches' dtype; slots `[T]` int32: each
+    token's flat slot (block * BS + offset) in the layer; tokens of no row are not written.
+    context_lens count the step's keys. Other arguments as ragged_paged_attention. Returns
+    (`[T, H, Dh]`, k_cache, v_cache), the caches updated in place when donated (the step
+    donates them)."""
+    num_kv_heads = k_cache.shape[3]
+    if k_cache.dtype == jnp.int8 or qkv.shape[1] != num_heads + 2 * num_kv_heads or \
+            slots.shape != qkv.shape[:1]:
+        raise ValueError(f"qkv {qkv.shape} and slots {slots.shape} must hold {num_heads} "
+                         f"queries and {num_kv_heads} keys and values per token, for a "
+                         f"float cache (got {k_cache.dtype})")
+    out, (k_cache, v_cache) = _attend(qkv, k_cache, v_cache, layer, page_table, query_start,
+                                      context_lens, num_heads=num_heads, slots=slots, **kw)
+    return out, k_cache, v_cache
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def ragged_paged_attention(q, k_cache, v_cache, layer, page_table, query_start, context_lens,
+                           **kw) -> jax.Array:
     """Causal attention of ragged rows of queries over their pages of the KV cache.
 
     Args:
-      q: `[T, H, Dh]` in the cache's dtype (bf16 or f32; int8 cache: bf16 or f32), a flat
-        token axis; H = K * G.
+      q: `[T, Hq, Dh]` in the cache's dtype (bf16 or f32; int8 cache: bf16 or f32), a flat
+        token axis whose first H = K * G heads are the queries (`num_heads`); the others are
+        not read (the step's keys and values packed beside them, so that one fusion makes
+        all three).
       k_cache, v_cache: `[L, NB, BS, K, Dh]` the caches of all layers (block 0 = null block).
       k_scale, v_scale: int8 caches only: `[L, NB, BS, K]` float32, each (token, KV head)'s
         scale (the cache's values are codes * scale); None for float caches.
@@ -290,12 +200,17 @@ def ragged_paged_attention(q, k_cache, v_cache, layer, page_table, query_start, 
         position p sees keys at positions (p - window, p]; None: no window.
       softcap: static float or None: logits become `softcap * tanh(logits / softcap)` before
         the mask (Gemma 2's attention-logit soft-capping).
+      num_heads: H, static; None: all of q's heads.
       queries_per_tile: Bq, a power of 2 with Bq * Gp >= 16 on GPU (any in interpret mode);
         None picks 16 / Gp tile rows for decode-shaped steps (T <= 2R) and 64 / Gp otherwise
         (16 / Gp for block sizes over 64).
-      pages_per_split: pages each program handles; None: no split when the tiles alone give an
-        H200 132 programs, else enough splits for about 264, at most 16, each a whole number
-        of steps.
+      short_queries_per_tile: Bs < Bq, a power of 2, or 0: rows of at most Bs queries (the
+        decodes of a mixed step) run on tiles of Bs queries, one per row, in a call of their
+        own before the other rows' (two launches). None: 16 / Gp when the tall prefill tile
+        was picked by default, else 0 (one call, one tile size).
+      num_splits: S, programs sharing each tile's pages (static); each takes an equal share
+        of the pages the tile really sees, counted at run time. None: 1 when the tiles alone
+        give an H200 132 programs, else enough for about 264, at most 16 and the table's width.
       pages_per_step: pages loaded per loop step (one softmax update for all of them); None
         picks 128 keys per step in bf16 (at most the table's width), one page in f32.
       sm_scale: logit scale, default `1 / sqrt(Dh)`.
@@ -305,11 +220,30 @@ def ragged_paged_attention(q, k_cache, v_cache, layer, page_table, query_start, 
     Returns:
       `[T, H, Dh]` in q.dtype; tokens that belong to no row are zeros.
     """
-    num_tokens, num_heads, head_dim = q.shape
+    if "slots" in kw:
+        raise TypeError("ragged_paged_attention does not write the cache: call "
+                        "ragged_paged_attention_write for the fused KV write")
+    return _attend(q, k_cache, v_cache, layer, page_table, query_start, context_lens, **kw)[0]
+
+
+def _attend(q, k_cache, v_cache, layer, page_table, query_start, context_lens, *,
+            k_scale=None, v_scale=None, slots=None,
+            window=None, softcap: float | None = None,
+            num_heads: int | None = None,
+            queries_per_tile: int | None = None,
+            short_queries_per_tile: int | None = None,
+            num_splits: int | None = None,
+            pages_per_step: int | None = None, sm_scale: float | None = None,
+            num_warps: int | None = None, num_stages: int = 2,
+            interpret=False):
+    """ragged_paged_attention (its arguments), and with slots the fused KV write: returns
+    (`[T, H, Dh]`, (k_cache, v_cache)), the caches as written (as given without slots)."""
+    num_tokens, q_heads, head_dim = q.shape
+    num_heads = num_heads or q_heads
     _, _, block_size, num_kv_heads, _ = k_cache.shape
     num_rows, num_pages = page_table.shape
     scales = check_scales(q, k_cache, v_cache, k_scale, v_scale)
-    if num_heads % num_kv_heads or k_cache.shape != v_cache.shape or \
+    if num_heads % num_kv_heads or num_heads > q_heads or k_cache.shape != v_cache.shape or \
             k_cache.shape[-1] != head_dim or query_start.shape != (num_rows + 1,) or \
             context_lens.shape != (num_rows,):
         raise ValueError(f"incompatible shapes q {q.shape}, k {k_cache.shape}, "
@@ -324,72 +258,37 @@ def ragged_paged_attention(q, k_cache, v_cache, layer, page_table, query_start, 
         raise ValueError(f"queries_per_tile {bq} x {gp} padded heads is under the "
                          f"{MIN_DOT_ROWS} rows Triton's dot needs: use at least "
                          f"{MIN_DOT_ROWS // gp}")
+    short_q = short_queries_per_tile
+    if short_q is None:
+        short_q = max(1, MIN_DOT_ROWS // gp) if queries_per_tile is None else 0
+        short_q = short_q if short_q < bq else 0
+    if short_q and (short_q & (short_q - 1) or short_q >= bq):
+        raise ValueError(f"short_queries_per_tile must be a power of 2 under {bq}, got "
+                         f"{short_queries_per_tile}")
+    # Row r's tiles start at query_start[r] // Bq + r; tiles 0 .. ceil(T / Bq) - 1 also zero
+    # the tokens of no row, and T // Bq + R >= ceil(T / Bq) as R >= 1.
     num_tiles = num_tokens // bq + num_rows
-    step, pps, warps = _schedule(num_tiles, num_kv_heads, num_pages, block_size, q.dtype,
-                                 bq * gp, pages_per_step, pages_per_split, num_warps)
-    num_splits = pl.cdiv(num_pages, pps)
-    query_start = query_start.astype(jnp.int32)
-    # [K, (T + Bq) * Gp, Dh]: a tile starting at any token reads Bq tokens in bounds.
-    qp = q.reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
-    qp = jnp.pad(qp, ((0, 0), (0, bq), (0, gp - group), (0, 0)))
-    qp = qp.reshape(num_kv_heads, (num_tokens + bq) * gp, head_dim)
+    step, splits, warps = _schedule(num_tiles + (num_rows if short_q else 0), num_kv_heads,
+                                    num_pages, block_size, q.dtype, bq * gp, pages_per_step,
+                                    num_splits, num_warps)
     scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
     window = jnp.asarray(NO_WINDOW if window is None else window, jnp.int32).reshape(1)
-    o, m, l = _ragged_call(
-        jnp.asarray(layer, jnp.int32).reshape(1), window, query_start,
-        context_lens.astype(jnp.int32),
-        page_table.astype(jnp.int32), qp, k_cache, v_cache, scales, num_tiles=num_tiles,
-        block_q=bq,
-        gp=gp, pages_per_split=pps, num_splits=num_splits, pages_per_step=step, sm_scale=scale,
-        softcap=softcap, num_warps=warps, num_stages=num_stages, interpret=interpret)
-    tiles = _merge_splits(o, m, l)  # [NT, K, Bq * Gp, Dh]
-    # Back to the flat token axis: token t of row r is query t - query_start[r] of the row.
-    row, owned = _token_rows(query_start, num_tokens)
-    local = jnp.arange(num_tokens, dtype=jnp.int32) - query_start[row]  # [T]
-    tile = jnp.where(owned, query_start[row] // bq + row + local // bq, 0)
-    slot = jnp.where(owned, local % bq, 0)
-    tiles = tiles.reshape(num_tiles, num_kv_heads, bq, gp, head_dim)
-    out = tiles[tile, :, slot, :group]  # [T, K, G, Dh]
-    out = jnp.where(owned[:, None, None, None], out, 0.0)
-    return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
-
-
-def ragged_paged_attention_reference(q, k_cache, v_cache, layer, page_table, query_start,
-                                     context_lens, *, k_scale=None, v_scale=None, window=None,
-                                     softcap: float | None = None,
-                                     sm_scale: float | None = None) -> jax.Array:
-    """Each token gathers its row's pages, masks causally (and by the window), soft-caps,
-    softmax in float32. Same shapes; tokens that belong to no row are zeros. An int8 cache
-    (k_scale, v_scale given) is dequantized to float32 first."""
-    if check_scales(q, k_cache, v_cache, k_scale, v_scale):
-        k_cache, v_cache = dequantize_cache(k_cache, k_scale), dequantize_cache(v_cache, v_scale)
-    num_tokens, num_heads, head_dim = q.shape
-    _, _, block_size, num_kv_heads, _ = k_cache.shape
-    group = num_heads // num_kv_heads
-    scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
-    query_start = jnp.asarray(query_start, jnp.int32)
-    context_lens = jnp.asarray(context_lens, jnp.int32)
-    row, owned = _token_rows(query_start, num_tokens)  # [T], [T]
-    q_len = query_start[row + 1] - query_start[row]
-    pos = context_lens[row] - q_len + jnp.arange(num_tokens) - query_start[row]  # [T]
-    keys = k_cache[layer][page_table[row]].astype(jnp.float32)  # [T, P, BS, K, Dh]
-    values = v_cache[layer][page_table[row]].astype(jnp.float32)
-    keys = keys.reshape(num_tokens, -1, num_kv_heads, head_dim)  # [T, S, K, Dh]
-    values = values.reshape(num_tokens, -1, num_kv_heads, head_dim)
-    key_pos = jnp.arange(keys.shape[1])[None, :]  # [1, S]
-    visible = (key_pos <= pos[:, None]) & (key_pos < context_lens[row][:, None]) \
-        & owned[:, None]  # [T, S]
-    if window is not None:
-        visible = visible & (key_pos > pos[:, None] - window)
-    # Zero what is not visible, so NaN garbage there cannot leak through 0 * NaN.
-    keys = jnp.where(visible[:, :, None, None], keys, 0.0)
-    values = jnp.where(visible[:, :, None, None], values, 0.0)
-    qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
-    scores = jnp.einsum("tkgd,tskd->tkgs", qg, keys, precision=lax.Precision.HIGHEST) * scale
-    if softcap is not None:
-        scores = softcap * jnp.tanh(scores / softcap)
-    scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1)
-    probs = jnp.where(visible[:, None, None, :], probs, 0.0)  # tokens seeing nothing -> zeros
-    out = jnp.einsum("tkgs,tskd->tkgd", probs, values, precision=lax.Precision.HIGHEST)
-    return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
+    rows = num_tokens * num_heads
+    args = (jnp.asarray(layer, jnp.int32).reshape(1), window, query_start.astype(jnp.int32),
+            context_lens.astype(jnp.int32), page_table.astype(jnp.int32),
+            q.reshape(num_tokens * q_heads, head_dim))
+    call = functools.partial(
+        _ragged_call, scales=scales, gp=gp, group=group, q_heads=q_heads, num_splits=splits,
+        pages_per_step=step, sm_scale=scale, softcap=softcap, num_stages=num_stages,
+        interpret=interpret, slots=None if slots is None else slots.astype(jnp.int32))
+    prev, caches = (), (k_cache, v_cache)
+    if short_q:  # the short rows first, on their own tile; 4 warps (8 spill at 16 rows)
+        *outs, written = call(*args, *caches, num_tiles=num_rows, block_q=short_q,
+                              num_warps=num_warps or 4, short_rows=short_q)
+        prev, caches = tuple(x for x in outs if x is not None), written or caches
+    o, m, l, written = call(*args, *caches, num_tiles=num_tiles, block_q=bq, num_warps=warps,
+                            short_rows=-short_q if short_q else None, prev=prev)
+    if m is not None:
+        o = _merge_splits(o.reshape(splits, rows, head_dim), m.reshape(splits, rows),
+                          l.reshape(splits, rows))
+    return o.reshape(num_tokens, num_heads, head_dim).astype(q.dtype), written or caches

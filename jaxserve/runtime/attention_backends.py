@@ -15,12 +15,17 @@ import abc
 import dataclasses
 from typing import Callable, ClassVar, Literal
 
+import jax.numpy as jnp
+
 from jaxserve import native
 from jaxserve.native.attention import ragged_paged_attention_cpu
+from jaxserve.runtime import kv_quant
 from jaxserve.runtime.attention import ragged_attention_xla, write_kv
 from jaxserve.runtime.kv_cache import KVCache, PagedMeta
 from models.config import ModelConfig
-from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+from pallas_kernels.kv_write import write_kv_cache
+from pallas_kernels.ragged_paged_attention import (ragged_paged_attention,
+                                                   ragged_paged_attention_write)
 
 Layout = Literal["ragged", "page_table"]
 AttentionFn = Callable[..., tuple]  # (q, k, v, cache, layer, meta) -> (out, cache)
@@ -149,16 +154,34 @@ class PallasAttention(AttentionBackend):
         return "pallas-interpret" if self.interpret else "pallas"
 
     def attend(self, q, k, v, cache, layer, meta, *, window=None, softcap=None, scale=None):
-        cache = write_kv(cache, layer, k, v, meta.slots)
-        # The kernel takes q in the cache's dtype (kv_cache_dtype may differ from the model's);
-        # an int8 cache's codes are read in q's dtype.
-        qf = q[0] if cache.quantized else q[0].astype(cache.k.dtype)
-        out = ragged_paged_attention(qf, cache.k, cache.v, layer,
-                                     meta.page_table, meta.query_start, meta.context_lens,
-                                     k_scale=cache.k_scale, v_scale=cache.v_scale,
-                                     window=window, softcap=softcap, sm_scale=scale,
-                                     interpret=self.interpret)  # [T, H, Dh]
-        return out[None].astype(q.dtype), cache
+        kw = dict(window=window, softcap=softcap, sm_scale=scale, interpret=self.interpret)
+        if cache.quantized:  # the codes are written, q is read in its own dtype
+            (kc, ks), (vc, vs) = kv_quant.quantize(k[0]), kv_quant.quantize(v[0])
+            leaves = write_kv_cache((cache.k, cache.v, cache.k_scale, cache.v_scale), layer,
+                                    meta.slots[0], (kc, vc, ks, vs), interpret=self.interpret)
+            cache = KVCache(*leaves)
+            out = ragged_paged_attention(q[0], cache.k, cache.v, layer, meta.page_table,
+                                         meta.query_start, meta.context_lens,
+                                         k_scale=cache.k_scale, v_scale=cache.v_scale, **kw)
+            return out[None].astype(q.dtype), cache
+        # One array [T, H + 2K, Dh] in the cache's dtype (kv_cache_dtype may differ from the
+        # model's): XLA makes q, k and v (RoPE, casts) in one fusion, and one kernel reads
+        # them by row, writes k and v into the cache and attends.
+        qkv = jnp.concatenate([q[0], k[0], v[0]], axis=1).astype(cache.k.dtype)
+        heads, kv_heads = q.shape[2], k.shape[2]
+        args = (meta.page_table, meta.query_start, meta.context_lens)
+        if cache.k.dtype == jnp.float32:
+            # f32 (IEEE dots): the fused write's key loop spills in the tall prefill tile at
+            # head_dim 128 (sm_90a ptxas), so the write is a kernel of its own.
+            kc, vc = write_kv_cache((cache.k, cache.v), layer, meta.slots[0], (qkv, qkv),
+                                    heads_at=(heads, heads + kv_heads),
+                                    interpret=self.interpret)
+            out = ragged_paged_attention(qkv, kc, vc, layer, *args, num_heads=heads, **kw)
+        else:
+            out, kc, vc = ragged_paged_attention_write(qkv, cache.k, cache.v, layer,
+                                                       meta.slots[0], *args, num_heads=heads,
+                                                       **kw)  # [T, H, Dh]
+        return out[None].astype(q.dtype), KVCache(k=kc, v=vc)
 
     def supports(self, config: ModelConfig, block_size: int) -> tuple[str, ...]:
         reasons = []

@@ -276,7 +276,7 @@ def test_ragged_kernel_splits_and_window_with_int8(interpret):
     # Several splits (a combine) and a sliding window, against the int8 reference.
     _, _, q, (kc, vc, ks, vs), _, (pt, qs, cl) = ragged_int8_case(RAGGED_CASES[0])
     kw = dict(k_scale=ks, v_scale=vs, window=jnp.int32(7), softcap=20.0)
-    out = ragged_paged_attention(q, kc, vc, jnp.int32(rpa.LAYER), pt, qs, cl, pages_per_split=2,
+    out = ragged_paged_attention(q, kc, vc, jnp.int32(rpa.LAYER), pt, qs, cl, num_splits=3,
                                  interpret=interpret, **kw)
     ref = ragged_paged_attention_reference(q, kc, vc, rpa.LAYER, pt, qs, cl, **kw)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref),

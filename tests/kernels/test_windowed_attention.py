@@ -69,10 +69,10 @@ def ragged_oracle(q, k, v, layer, table, qs, lens, window, softcap, scale):
     return out, owned
 
 
-# (dtype, block_size, window, softcap, queries_per_tile, pages_per_split, pages_per_step)
+# (dtype, block_size, window, softcap, queries_per_tile, num_splits, pages_per_step)
 KERNEL_CASES = [
     ("f32", 8, 12, 3.0, 8, None, None),
-    ("f32", 16, 5, None, None, 1, None),   # every page its own split: most see nothing
+    ("f32", 16, 5, None, None, 16, None),  # more splits than pages: most see nothing
     ("f32", 8, 20, 2.0, 4, 3, 2),          # splits end mid-step, windows start mid-split
     ("f32", 8, 1, None, None, None, None),  # only the query's own key
     ("bf16", 16, 12, 5.0, None, None, None),
@@ -96,14 +96,14 @@ def _check(out, want, owned, dtype):
 
 @pytest.mark.parametrize("case", KERNEL_CASES, ids=lambda c: "-".join(map(str, c)))
 def test_ragged_kernel_and_reference(case, interpret):
-    dtype, bs, window, softcap, bq, pps, step = case
+    dtype, bs, window, softcap, bq, splits, step = case
     dtype = DTYPES[dtype]
     q, k, v, pt, qs, cl = _ragged(0, dtype, bs)
     scale = 0.2  # a query_pre_attn_scalar-style scale, not 1 / sqrt(Dh)
     want, owned = ragged_oracle(q, k, v, LAYER, pt, qs, cl, window, softcap, scale)
     w = None if window is None else jnp.int32(window)  # traced, as the engine's layer windows
     out = ragged_paged_attention(q, k, v, LAYER, pt, qs, cl, window=w, softcap=softcap,
-                                 sm_scale=scale, queries_per_tile=bq, pages_per_split=pps,
+                                 sm_scale=scale, queries_per_tile=bq, num_splits=splits,
                                  pages_per_step=step, interpret=interpret)
     _check(out, want, owned, dtype)
     ref = jax.jit(functools.partial(ragged_paged_attention_reference, softcap=softcap,

@@ -79,6 +79,15 @@ def test_kernel_backend_gets_the_page_table(model):
     assert {c.inputs.pages.shape for c in calls} <= {(min(c.shape[0], 4), 4) for c in calls}
 
 
+def test_kernel_backend_with_a_bf16_cache_writes_inside_the_kernel():
+    """A bf16 model (bf16 cache): the kernel that attends also writes the step's keys and
+    values (ragged_paged_attention_write); greedy tokens as the XLA backend's."""
+    model = random_model(TINY, "bfloat16", seed=5)
+    want, _ = decode_calls(model, XlaAttention())
+    got, _ = decode_calls(model, PallasAttention(interpret=True))
+    assert got == want
+
+
 def test_a_bare_function_is_refused_not_run_on_a_slow_path(model):
     with pytest.raises(TypeError, match="must be an AttentionBackend"):
         build_runner(model, SPEC, attention=functools.partial(ragged_attention_xla))

@@ -327,8 +327,11 @@ def test_sharded_kernel_step_compiles_for_4_h200s():
     runner.page_table = np.zeros((5, 64 // bs), np.int32)
     runner._module = step_module(model, tp.attention(attention),
                                  tp.linear(backends.linear_backend("pallas")))
+    # A bf16 cache, as on a GPU: the attention kernel writes it (an f32 one takes a write
+    # kernel of its own).
     cache_shape = jax.ShapeDtypeStruct((c.num_layers, 32, bs, c.num_kv_heads, c.head_dim),
-                                       np.float32, sharding=tp.cache_shardings.k)
+                                       jax.numpy.bfloat16,
+                                       sharding=tp.cache_shardings.k)
     rep = tp.replicated
     idle = runner.step_template(16)  # a ragged step of 16 flat tokens
 
@@ -347,6 +350,8 @@ def test_sharded_kernel_step_compiles_for_4_h200s():
     finally:
         jax.config.update("jax_enable_compilation_cache", enabled)
     hlo = compiled.as_text()
-    # One Triton call per kernel in the layer body: 7 int4 linears and the ragged attention.
-    assert hlo.count('custom_call_target="__gpu$xla.gpu.triton"') == 8
+    # One Triton call per kernel in the layer body: 7 int4 linears and the ragged attention,
+    # which writes the KV cache and, in this prefill-shaped bucket (16 tokens, 4 rows), runs
+    # as two calls: the short rows on their own tile, then the others.
+    assert hlo.count('custom_call_target="__gpu$xla.gpu.triton"') == 9
     assert collectives_in_layer_loop(hlo) == {"all-reduce": 2}

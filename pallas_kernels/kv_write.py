@@ -1,0 +1,118 @@
+"""The KV-cache write of one step (Pallas, Triton GPU backend): K and V (and an int8 cache's
+scales) in one kernel, in place, and its jax.numpy reference. The engine uses it for int8 and
+f32 caches; a bf16 cache is written by the attention kernel itself
+(`ragged_paged_attention_write`).
+
+XLA writes K and V as two scatters (one launch each, four for an int8 cache). This kernel
+writes all of them in one launch: the caches are aliased to its outputs, so nothing is copied,
+and each program scatters whole rows of Dh values, one per (token, KV head), at the token's
+flat slot. Caches are viewed as `[L * NB * BS * K, Dh]` rows (a free reshape of the engine's
+`[L, NB, BS, K, Dh]`: a token's KV heads are contiguous).
+
+Padding tokens carry slots in the null block 0 and write there, as the scatters do; two of
+them may write one slot, in either order: the null block is never read unmasked.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.gpu_tiling import load_rows, next_pow2, store_rows
+
+_ROWS = 64  # (token, KV head) rows per program
+
+
+def _write_kernel(layer_ref, slots_ref, *refs, block_t: int, kp: int, num_kv_heads: int,
+                  layer_rows: int, heads_at: tuple[tuple[int, int], ...]):
+    # layer_ref [1], slots_ref [T]; then the new arrays (k, v: [T * Hn, Dh], the cache's K
+    # heads at heads_at[i] = (first head, Hn); int8 adds k_scale, v_scale: [T * K]), the same
+    # number of aliased cache inputs (unread) and the caches as outputs ([L * NB * BS * K, Dh]
+    # and, int8, [L * NB * BS * K]), whole arrays.
+    num_new = len(heads_at)
+    new, outs = refs[:num_new], refs[2 * num_new:]
+    num_tokens = slots_ref.shape[0]
+    i = lax.broadcasted_iota(jnp.int32, (block_t * kp,), 0)
+    token, head = pl.program_id(0) * block_t + i // kp, i % kp  # [M]
+    ok = (token < num_tokens) & (head < num_kv_heads)
+    slot = plgpu.load(slots_ref.at[jnp.where(ok, token, 0)], mask=ok, other=0)  # [M]
+    dst = (layer_ref[0] * layer_rows + slot) * num_kv_heads + head
+    for value_ref, cache_ref, (first, stride) in zip(new, outs, heads_at):
+        src = token * stride + first + head
+        if len(value_ref.shape) == 1:  # an int8 cache's scales
+            value = plgpu.load(value_ref.at[jnp.where(ok, src, 0)], mask=ok, other=0)
+        else:
+            value = load_rows(value_ref, src, ok, value_ref.shape[1])
+        store_rows(cache_ref, dst, ok, value)
+
+
+@functools.partial(jax.jit, static_argnames=("heads_at", "interpret"))
+def write_kv_cache(caches, layer, slots, new, *, heads_at=None, interpret=False):
+    """Writes each token's new values into the caches at its slot, in place.
+
+    Args:
+      caches: a tuple of caches of all layers: (k, v) `[L, NB, BS, K, Dh]`, and for an int8
+        cache also (k_scale, v_scale) `[L, NB, BS, K]`; updated in place when the caller
+        donates them (the engine's step does).
+      layer: int32 scalar, may be traced.
+      slots: `[T]` int32 flat slot (block * BS + offset) of each token within the layer.
+      new: the tuple of new values matching `caches`: `[T, K, Dh]` (in each cache's dtype)
+        and, int8, `[T, K]` scales.
+      heads_at: static, None or one first head per cache: new[i] is then `[T, Hn, Dh]` and
+        cache i takes its heads [heads_at[i], heads_at[i] + K) (e.g. the keys and values of a
+        packed [q | k | v] array, so that one fusion makes all three).
+      interpret: False on GPU; True to run on CPU.
+    Returns:
+      The caches, same shapes.
+    """
+    if len(caches) != len(new) or any(c.shape[1:3] != caches[0].shape[1:3] for c in caches):
+        raise ValueError(f"caches {[c.shape for c in caches]} do not match new values "
+                         f"{[n.shape for n in new]}")
+    num_layers, num_blocks, block_size, num_kv_heads = caches[0].shape[:4]
+    num_tokens = slots.shape[0]
+    heads_at = heads_at or (0,) * len(new)
+    for c, n, at in zip(caches, new, heads_at):
+        heads = n.shape[1] if n.ndim > 1 else 0
+        if n.shape[:1] + n.shape[2:] != (num_tokens,) + c.shape[4:] or n.dtype != c.dtype or \
+                len(heads_at) != len(new) or not 0 <= at <= heads - num_kv_heads:
+            raise ValueError(f"new values {n.shape} {n.dtype} from head {at} do not fit cache "
+                             f"{c.shape} {c.dtype} for {num_tokens} tokens")
+    kp = next_pow2(num_kv_heads)
+    block_t = max(1, _ROWS // kp)
+    rows = num_layers * num_blocks * block_size * num_kv_heads
+    flat_caches = [c.reshape(rows, *c.shape[4:]) for c in caches]
+    flat_new = [n.reshape(-1, *n.shape[2:]) for n in new]
+
+    def whole(x):
+        return pl.BlockSpec(x.shape, lambda *_: (0,) * len(x.shape))
+
+    args = [jnp.asarray(layer, jnp.int32).reshape(1), slots.astype(jnp.int32), *flat_new,
+            *flat_caches]
+    kernel = functools.partial(_write_kernel, block_t=block_t, kp=kp, num_kv_heads=num_kv_heads,
+                               layer_rows=num_blocks * block_size,
+                               heads_at=tuple((at, n.shape[1]) for at, n in zip(heads_at, new)))
+    first_cache = 2 + len(new)
+    outs = pl.pallas_call(
+        kernel,
+        grid=(pl.cdiv(num_tokens, block_t),),
+        in_specs=[whole(a) for a in args],
+        out_specs=[whole(c) for c in flat_caches],
+        out_shape=[jax.ShapeDtypeStruct(c.shape, c.dtype) for c in flat_caches],
+        input_output_aliases={first_cache + i: i for i in range(len(caches))},
+        compiler_params=None if interpret else plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="kv_cache_write",
+    )(*args)
+    return tuple(o.reshape(c.shape) for o, c in zip(outs, caches))
+
+
+def write_kv_cache_reference(caches, layer, slots, new):
+    """The same write as XLA scatters, one per cache."""
+    block_size = caches[0].shape[2]
+    blk, off = slots // block_size, slots % block_size
+    return tuple(c.at[layer, blk, off].set(n) for c, n in zip(caches, new))
