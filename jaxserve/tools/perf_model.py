@@ -254,7 +254,7 @@ def _pallas_cost(name, ins, hm, ctx, rows, scope) -> KernelCost:
     ops = hm.operand_types(ins.name)
     out = sum(map(type_bytes, ins.result))
     if "attention" in name:
-        return _attention_cost(name, ins.name, ops, out, ctx, rows, scope)
+        return _attention_cost(name, ins.name, ops, list(ins.result), ctx, rows, scope)
     moved = sum(map(type_bytes, ops)) + out
     if "int4" in name:
         # Packed codes [..., N], two per byte over K (however the kernel views K: [K/2] or
@@ -269,10 +269,12 @@ def _pallas_cost(name, ins, hm, ctx, rows, scope) -> KernelCost:
     return KernelCost(name, ins.name, "pallas", moved, 0, scope=scope)
 
 
-def _attention_cost(name, hlo, ops, out, ctx, rows, scope) -> KernelCost:
+def _attention_cost(name, hlo, ops, results, ctx, rows, scope) -> KernelCost:
     """Paged attention reads, per live row, the pages holding its context in one layer of the
     K and V caches `[L, NB, BS, K, Dh]` (and of int8 scales `[L, NB, BS, K]`), not the whole
-    cache operands; everything else it reads whole (q, page table, lengths)."""
+    cache operands; everything else it reads whole (q, page table, lengths). A kernel that
+    writes the step's keys and values too returns the caches (aliased, updated in place): it
+    writes one token's K and V per query token, not the caches."""
     caches = [o for o in ops if len(o[1]) == 5]
     if not caches:
         raise ValueError(f"attention kernel {name}: no [L, NB, BS, K, Dh] cache operand among "
@@ -287,5 +289,8 @@ def _attention_cost(name, hlo, ops, out, ctx, rows, scope) -> KernelCost:
     # Each query row: a QK dot over the context and a PV dot back (2 * 2 * Dh * ctx), padded
     # query rows included (the kernel computes them).
     flops = 4 * math.prod(q[1]) * ctx if q else 0
+    tokens = q[1][0] if q else 0  # q [T, heads, Dh]: the packed q/k/v or q alone
+    out = sum(type_bytes((r[0], (tokens, kv_heads, head_dim))) if len(r[1]) == 5
+              else type_bytes(r) for r in results)
     return KernelCost(name, hlo, "attention", sum(map(type_bytes, rest)) + out + kv, flops,
                       kv_bytes=kv, scope=scope)
