@@ -26,6 +26,24 @@ def dot(a, b, b_contract: int, precision):
                            preferred_element_type=jnp.float32)
 
 
+def softmax_update(carry, pages, precision):
+    """One online-softmax step over a group of pages loaded together: carry (acc [M, Dh],
+    running max [M], running sum [M]) float32; pages [(logits [M, BS] f32, values [BS, Dh],
+    int8 value scales [BS] or None)]. One rescale per group, not per page."""
+    acc, m_prev, l_prev = carry
+    m_next = m_prev
+    for logits, _, _ in pages:
+        m_next = jnp.maximum(m_next, logits.max(axis=-1))
+    correction = jnp.exp(m_prev - m_next)
+    acc, l_next = acc * correction[:, None], l_prev * correction
+    for logits, v, vs in pages:
+        p = jnp.exp(logits - m_next[:, None])
+        l_next = l_next + p.sum(axis=-1)
+        pw = p if vs is None else p * vs  # int8: p @ (codes * scales) as (p * scales) @ codes
+        acc = acc + dot(pw.astype(v.dtype), v, 0, precision)  # [M, Dh] f32
+    return acc, m_next, l_next
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 

@@ -37,7 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.gpu_tiling import (MASK_VALUE, MIN_DOT_ROWS, NO_WINDOW, default_pages_per_split,
-                                      default_pages_per_step, dot, next_pow2)
+                                      default_pages_per_step, dot, next_pow2, softmax_update)
 
 
 def check_scales(q, k_cache, v_cache, k_scale, v_scale) -> tuple:
@@ -120,20 +120,9 @@ def _paged_attention_kernel(layer_ref, window_ref, lens_ref, pt_ref, q_ref, k_re
         return jnp.where(valid.reshape(1, block_size), logits, MASK_VALUE), v, vs
 
     def body(i, carry):
-        acc, m_prev, l_prev = carry  # [Gp, Dh], [Gp], [Gp] float32
-        # All of a step's pages are loaded before the softmax update (several loads in flight).
+        # carry: acc [Gp, Dh], max [Gp], sum [Gp] float32. All of a step's pages are loaded before the softmax update (several loads in flight).
         pages = [page_logits(i * pages_per_step + j) for j in range(pages_per_step)]
-        m_next = m_prev
-        for logits, _, _ in pages:
-            m_next = jnp.maximum(m_next, logits.max(axis=-1))
-        correction = jnp.exp(m_prev - m_next)
-        acc, l_next = acc * correction[:, None], l_prev * correction
-        for logits, v, vs in pages:
-            p = jnp.exp(logits - m_next[:, None])
-            l_next = l_next + p.sum(axis=-1)
-            pw = p if vs is None else p * vs  # int8: p @ (codes * scales) as (p * scales) @ codes
-            acc = acc + dot(pw.astype(v.dtype), v, 0, precision)  # [Gp, Dh] f32
-        return acc, m_next, l_next
+        return softmax_update(carry, pages, precision)  # acc [Gp, Dh]
 
     gp = q.shape[0]
     init = (jnp.zeros((gp, head_dim), jnp.float32),

@@ -9,7 +9,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.gpu_tiling import MASK_VALUE, dot, load_rows, store_page_rows, store_rows
+from pallas_kernels.gpu_tiling import (MASK_VALUE, dot, load_rows, softmax_update, store_page_rows,
+                                      store_rows)
 
 
 def _find_row(qs_ref, tile, *, num_rows: int, block_q: int):
@@ -197,20 +198,9 @@ def ragged_kernel(layer_ref, window_ref, qs_ref, lens_ref, pt_ref, q_ref, k_ref,
         return update(carry, [page_logits(i, j) for j in range(pages_per_step)])
 
     def update(carry, pages):
-        acc, m_prev, l_prev = carry  # [M, Dh], [M], [M] float32
-        m_next = m_prev
-        for logits, _, _ in pages:
-            m_next = jnp.maximum(m_next, logits.max(axis=-1))
-        correction = jnp.exp(m_prev - m_next)
-        acc, l_next = acc * correction[:, None], l_prev * correction
-        for logits, v, vs in pages:
-            # A row that sees nothing in a split gets garbage (p = 1) there, but its mass l
-            # meets exp(MASK_VALUE - max) = 0 in the combine; every real query sees key 0.
-            p = jnp.exp(logits - m_next[:, None])
-            l_next = l_next + p.sum(axis=-1)
-            pw = p if vs is None else p * vs  # int8: p @ (codes * scales) as (p * scales) @ codes
-            acc = acc + dot(pw.astype(v.dtype), v, 0, precision)  # [M, Dh] f32
-        return acc, m_next, l_next
+        # A row that sees nothing in a split gets garbage (p = 1) there, but its mass l meets
+        # exp(MASK_VALUE - max) = 0 in the combine; every real query sees key 0.
+        return softmax_update(carry, pages, precision)
 
     init = (jnp.zeros((rows, head_dim), jnp.float32),
             jnp.full((rows,), MASK_VALUE, jnp.float32),
