@@ -48,6 +48,12 @@ VARIANTS = {
     # bisections) instead of the sampling kernel.
     "gpu-xla-sampler": dict(unroll_layers=True, branch_free_sampling=True,
                             sampler_backend="xla"),
+    # XLA merges dots sharing an input (q/k/v, gate/up) only under 32 MB of weights by
+    # default: the 8B's 117 MB gate and up stay two GEMMs. Deviceless, the merged GEMM reads
+    # both weights in place; not the default until a GPU shows the autotuner does not pick a
+    # cuBLAS GEMM over materialised concatenated weights (docs/gpu_step_report.md).
+    "gpu-dot-merger": dict(unroll_layers=True, branch_free_sampling=True, compiler_options=(
+        ("xla_gpu_dot_merger_threshold_mb", 1024),)),
     "loop": dict(unroll_layers=False, branch_free_sampling=False),
     # The GPU program serving LoRA adapters: 4 slots of rank 16 on all seven projections.
     "gpu-lora": dict(unroll_layers=True, branch_free_sampling=True,
