@@ -8,7 +8,8 @@ models have head_dim 64, which the attention kernel takes (the family tests' tin
 
 import pytest
 
-from test_model_families import BASE, GREEDY_PROMPTS, GREEDY_TOKENS, run_reference
+from test_model_families import (BASE, GREEDY_PROMPTS, GREEDY_TOKENS, engine_greedy,
+                                 run_reference)
 
 pytestmark = pytest.mark.hf_ref
 
@@ -34,7 +35,7 @@ def reference():
 
 @pytest.mark.parametrize("name", [m["name"] for m in MODELS])
 def test_gpu_program_greedy_matches_hf(reference, name, monkeypatch):
-    from jaxserve import EngineConfig, LLMEngine, SamplingParams
+    from jaxserve import EngineConfig, LLMEngine
     from jaxserve.runtime import backends
     from models import load_model
     assert reference["json"]["margins"][name] > MIN_MARGIN
@@ -47,13 +48,5 @@ def test_gpu_program_greedy_matches_hf(reference, name, monkeypatch):
     runner = engine.runner
     assert runner.unroll_layers and runner.branch_free_sampling
     assert runner.attention.name.startswith("pallas")
-    params = SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS, ignore_eos=True)
-    for i, ids in enumerate(GREEDY_PROMPTS):
-        engine.add_request(f"r{i}", ids, params)
-    got = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                got[out.request_id] = out.outputs[0].token_ids
-    for i in range(len(GREEDY_PROMPTS)):
-        assert list(got[f"r{i}"]) == reference[f"{name}/greedy/{i}"].tolist(), (name, i)
+    for i, got in enumerate(engine_greedy(engine)):
+        assert got == reference[f"{name}/greedy/{i}"].tolist(), (name, i)

@@ -128,11 +128,18 @@ def test_hf_greedy_margins_are_clear(reference):
 
 @pytest.mark.parametrize("name", [m["name"] for m in MODELS if m.get("greedy")])
 def test_paged_engine_greedy_matches_hf(reference, name):
-    from jaxserve import EngineConfig, LLMEngine, SamplingParams
+    from jaxserve import EngineConfig, LLMEngine
     model = load_model(reference["workdir"] / name, dtype="float32")
     engine = LLMEngine(EngineConfig(model=model.source, dtype="float32", warmup=False,
                                     block_size=8, max_num_seqs=4, max_num_batched_tokens=16,
                                     max_model_len=64), model=model)
+    for i, got in enumerate(engine_greedy(engine)):
+        assert got == reference[f"{name}/greedy/{i}"].tolist(), (name, i)
+
+
+def engine_greedy(engine) -> list[list[int]]:
+    """GREEDY_TOKENS greedy tokens for each of GREEDY_PROMPTS, all in one engine's batch."""
+    from jaxserve import SamplingParams
     params = SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS, ignore_eos=True)
     for i, ids in enumerate(GREEDY_PROMPTS):
         engine.add_request(f"r{i}", ids, params)
@@ -140,9 +147,8 @@ def test_paged_engine_greedy_matches_hf(reference, name):
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
-                got[out.request_id] = out.outputs[0].token_ids
-    for i in range(len(GREEDY_PROMPTS)):
-        assert list(got[f"r{i}"]) == reference[f"{name}/greedy/{i}"].tolist(), (name, i)
+                got[out.request_id] = list(out.outputs[0].token_ids)
+    return [got[f"r{i}"] for i in range(len(GREEDY_PROMPTS))]
 
 
 def test_longrope_past_original_context_is_refused():
