@@ -195,36 +195,12 @@ def test_a_killed_replica_fails_only_its_streams_and_comes_back(pool, reference)
     homes = [_complete(server.url, prefix + [5])[1] for prefix in prefixes]
     # Two new prefixes on idle replicas: the router's tie-break rotation splits them.
     assert homes[0] != homes[1], homes
-    prompts = [prefix + [7 + i] for prefix in prefixes for i in range(2)]
-    results = [{} for _ in prompts]
-    started = [threading.Event() for _ in prompts]
-    threads = [threading.Thread(target=_stream, args=(server.url, q, r, s))
-               for q, r, s in zip(prompts, results, started)]
-    for t in threads:
-        t.start()
-    for s in started:
-        assert s.wait(120)
     victim = homes[0]
-    os.kill(p.replicas()[victim]["pid"], signal.SIGKILL)
-    for t in threads:
-        t.join(200)
-        assert not t.is_alive(), "a stream hung"
-    assert sorted(r["replica"] == victim for r in results) == [False, False, True, True]
-    expected = reference(prompts, 120)
-    for prompt, result, want in zip(prompts, results, expected):
-        assert result["status"] == 200 and "exception" not in result, result
-        if result["replica"] == victim:
-            last = json.loads(result["events"][-1])
-            assert last["error"]["code"] == "replica_unavailable", last
-        else:
-            assert result["events"][-1] == b"[DONE]"
-            assert _tokens(result["events"]) == want
-    # While the victim restarts: the pool is healthy and routes around it.
-    health = requests.get(server.url + "/health", timeout=10)
-    assert health.status_code == 200
-    tokens, replica = _complete(server.url, _prompt(7, 10))
-    assert replica != victim or p.replicas()[victim]["healthy"]
-    _wait(lambda: p.replicas()[victim]["healthy"], RESTART_TIMEOUT_S, "the replica's restart")
+    try:
+        _kill_mid_stream(p, server, prefixes, victim, reference)
+    finally:  # a failure above must not leave the next tests a pool with one replica down
+        _wait(lambda: p.replicas()[victim]["healthy"], RESTART_TIMEOUT_S,
+              "the replica's restart")
     assert requests.get(server.url + "/health", timeout=10).json()["replicas"] == {
         "replica-0": "healthy", "replica-1": "healthy"}
     served = set()
@@ -236,6 +212,42 @@ def test_a_killed_replica_fails_only_its_streams_and_comes_back(pool, reference)
     for name, s in _replica_stats(p).items():
         assert (s["running"], s["waiting"]) == (0, 0), name
         assert s["kv_blocks_in_use"] == 0, (name, s["kv_blocks_in_use"])
+
+
+def _kill_mid_stream(p, server, prefixes, victim, reference) -> None:
+    # prompts[:2] share the victim's cached prefix, prompts[2:] the other replica's.
+    prompts = [prefix + [7 + i] for prefix in prefixes for i in range(2)]
+    # As long as max_model_len allows: the victim's streams must still be running when it
+    # is killed, however long the other replica takes to start its own.
+    max_tokens = ENGINE["max_model_len"] - len(prompts[0]) - 8
+    results = [{} for _ in prompts]
+    started = [threading.Event() for _ in prompts]
+    threads = [threading.Thread(target=_stream, args=(server.url, q, r, s, max_tokens))
+               for q, r, s in zip(prompts, results, started)]
+    for t in threads:
+        t.start()
+    for s in started[:2]:  # kill once the victim's own streams run, not the others'
+        assert s.wait(120)
+    os.kill(p.replicas()[victim]["pid"], signal.SIGKILL)
+    for t in threads:
+        t.join(200)
+        assert not t.is_alive(), "a stream hung"
+    assert [r["replica"] == victim for r in results] == [True, True, False, False]
+    expected = reference(prompts, max_tokens)
+    for prompt, result, want in zip(prompts, results, expected):
+        assert result["status"] == 200 and "exception" not in result, result
+        if result["replica"] == victim:
+            assert result["events"][-1] != b"[DONE]", "a victim's stream ended before the kill"
+            last = json.loads(result["events"][-1])
+            assert last["error"]["code"] == "replica_unavailable", last
+        else:
+            assert result["events"][-1] == b"[DONE]"
+            assert _tokens(result["events"]) == want
+    # While the victim restarts: the pool is healthy and routes around it.
+    health = requests.get(server.url + "/health", timeout=10)
+    assert health.status_code == 200
+    tokens, replica = _complete(server.url, _prompt(7, 10))
+    assert replica != victim or p.replicas()[victim]["healthy"]
 
 
 def test_pool_metrics_are_the_replicas_sums_under_load(pool):
@@ -289,7 +301,9 @@ def test_each_replica_publishes_kv_events_on_its_own_port(pool, events_port):
         time.sleep(1.0)  # PUB/SUB: a subscription takes a moment to reach the publisher
         served = {}
         for seed in range(600, 640):  # until each replica served a 3-block prompt
-            prompt = _prompt(seed, 3 * BLOCK + 1)
+            # Token 3 first: no earlier test cached a block of these (_prompt repeats its
+            # tokens every 200 seeds), so each of the 3 blocks is newly stored.
+            prompt = _prompt(seed, 3 * BLOCK, prefix=[3])
             replica = _complete(server.url, prompt, max_tokens=1)[1]
             served.setdefault(replica, prompt)
             if len(served) == 2:
