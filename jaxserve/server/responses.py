@@ -7,7 +7,7 @@ import time
 from typing import Iterator
 
 from jaxserve.server import formatting as fmt
-from jaxserve.server import tools as tool_calls
+from jaxserve.server import tool_parser
 from jaxserve.server.errors import ApiError
 from jaxserve.server.generation import ClientGone, Delta, Generation
 
@@ -24,8 +24,7 @@ class Responder:
         self.created = int(time.time())
         tools = self.req.tools if self.chat else None
         self.tool_names = tools.names if tools is not None else None
-        self._parsers: dict[int, tool_calls.StreamParser] = {}  # stream: per choice
-        self._num_calls: dict[int, int] = {}
+        self._parsers: dict[int, tool_parser.ToolCallParser] = {}  # stream: per choice
 
     def _usage(self) -> dict:
         return fmt.usage(self.gen.prompt_tokens, self.gen.completion_tokens)
@@ -64,7 +63,7 @@ class Responder:
     def _message(self, text: str, finish: str | None) -> tuple[dict, str | None]:
         if self.tool_names is None:
             return {"role": "assistant", "content": text}, finish
-        content, calls = tool_calls.parse_tool_calls(text, self.tool_names)
+        content, calls = tool_parser.parse_tool_calls(text, self.tool_names)
         if not calls:
             return {"role": "assistant", "content": text}, finish
         return ({"role": "assistant", "content": content, "tool_calls": calls},
@@ -85,8 +84,9 @@ class Responder:
             yield fmt.sse(self._body([choice], None, chunk=True))
 
     def _tool_delta(self, d: Delta) -> tuple[dict, str | None]:
-        """A chat delta with tool calls parsed out of the text (finished calls only)."""
-        parser = self._parsers.setdefault(d.index, tool_calls.StreamParser(self.tool_names))
+        """A chat delta with tool calls parsed out of the text: a call's name as soon as it is
+        known, then its argument fragments as they are generated."""
+        parser = self._parsers.setdefault(d.index, tool_parser.ToolCallParser(self.tool_names))
         text, calls = parser.feed(d.text)
         finish = d.finish_reason
         if finish is not None:
@@ -96,9 +96,7 @@ class Responder:
                 finish = "tool_calls"
         delta = {"content": text} if text else {}
         if calls:
-            first = self._num_calls.get(d.index, 0)
-            self._num_calls[d.index] = first + len(calls)
-            delta["tool_calls"] = tool_calls.delta_calls(calls, first)
+            delta["tool_calls"] = calls
         return delta, finish
 
     def _chunk(self, d: Delta, offset: int) -> bytes | None:
