@@ -9,6 +9,7 @@ is a 400 before anything is queued, and the engine then finds the grammar compil
 from __future__ import annotations
 
 from jaxserve.core.grammar import GrammarError
+from jaxserve.core.strict_schema import close_objects
 from jaxserve.core.sampling_params import SamplingParamError
 from jaxserve.core.structured_outputs import StructuredOutputs
 from jaxserve.server.errors import invalid, shown
@@ -66,8 +67,14 @@ def _response_format(fmt) -> dict | None:
         if name is not None and not isinstance(name, str):
             raise invalid(f"json_schema.name must be a string, got {shown(name)}",
                           "response_format")
-        # strict or not, the output follows the schema: the grammar cannot do less.
-        return {"json": spec.get("schema", {})}
+        strict = spec.get("strict")
+        if not isinstance(strict, bool | None):
+            raise invalid(f"json_schema.strict must be a boolean, got {shown(strict)}",
+                          "response_format")
+        # Either way the output follows the schema (the grammar cannot do less); strict mode
+        # also reads objects that leave additionalProperties unsaid as closed, as OpenAI does.
+        schema = spec.get("schema", {})
+        return {"json": close_objects(schema) if strict else schema}
     raise invalid(f"response_format type must be 'text', 'json_object' or 'json_schema', got "
                   f"{shown(kind)}", "response_format")
 

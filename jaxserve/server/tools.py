@@ -1,5 +1,5 @@
 """Tool calling in /v1/chat/completions: the request's tools, how the prompt shows them, the
-constraint `tool_choice` asks for, and the parser that turns the output into `tool_calls`.
+constraint `tool_choice` asks for (server/tool_parser.py turns the output into `tool_calls`).
 
 The format is Hermes' (Qwen 2.5, SmolLM3, Hermes 2/3, what vLLM's `hermes` parser reads):
 `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`, one block per call. A chat
@@ -7,7 +7,9 @@ template that handles tools itself (it mentions `tools`) gets them as its `tools
 the messages as they are; any other template gets a system block describing the tools and the
 format, assistant tool calls written as those blocks and tool results as user turns wrapped in
 `<tool_response>`. With `tool_choice` `required` or a named function, generation is constrained
-to `<tool_call>` blocks whose JSON follows the tools' parameter schemas.
+to `<tool_call>` blocks whose JSON follows the tools' parameter schemas, read as OpenAI's strict
+mode reads them (objects that leave `additionalProperties` unsaid are closed) unless a
+function says `"strict": false`.
 """
 
 from __future__ import annotations
@@ -15,24 +17,24 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import uuid
 
+from jaxserve.core.strict_schema import close_objects
 from jaxserve.core.structured_outputs import JSON_OPTIONS, StructuredOutputs
 from jaxserve.server.errors import invalid, shown
+from jaxserve.server.tool_parser import CLOSE, OPEN
 
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
 NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 MAX_TOOLS = 128
-CALL_RE = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|$)", re.DOTALL)
 
 
 @dataclasses.dataclass(frozen=True)
 class Tools:
     """A request's tools (OpenAI `function` objects), `tool_choice` and parallel_tool_calls."""
 
-    functions: tuple[dict, ...]  # each {"name", "description"?, "parameters"}
+    functions: tuple[dict, ...]  # each {"name", "description", "parameters"}: the prompt's
     choice: str                  # "auto" | "required" | a function's name
     parallel: bool = True
+    loose: frozenset[str] = frozenset()  # functions that said "strict": false
 
     @property
     def names(self) -> set[str]:
@@ -46,7 +48,8 @@ class Tools:
         calls = [{"type": "object", "additionalProperties": False,
                   "required": ["name", "arguments"],
                   "properties": {"name": {"const": fn["name"]},
-                                 "arguments": fn["parameters"]}} for fn in fns]
+                                 "arguments": fn["parameters"] if fn["name"] in self.loose
+                                 else close_objects(fn["parameters"])}} for fn in fns]
         schema = {"anyOf": calls, "x-guidance": JSON_OPTIONS}
         repeat = ' ("\\n" call)*' if self.parallel else ""
         lark = (f"start: call{repeat}\n"
@@ -73,7 +76,8 @@ def parse_tools(tools, tool_choice, parallel) -> Tools | None:
         raise invalid("'parallel_tool_calls' must be a boolean", "parallel_tool_calls")
     if choice == "none":
         return None
-    return Tools(functions, choice, True if parallel is None else parallel)
+    loose = frozenset(t["function"]["name"] for t in tools if t["function"].get("strict") is False)
+    return Tools(functions, choice, True if parallel is None else parallel, loose)
 
 
 def _function(i: int, tool) -> dict:
@@ -93,6 +97,8 @@ def _function(i: int, tool) -> dict:
     desc = fn.get("description")
     if desc is not None and not isinstance(desc, str):
         raise invalid(f"tools[{i}].function.description must be a string", "tools")
+    if not isinstance(fn.get("strict", False), bool):
+        raise invalid(f"tools[{i}].function.strict must be a boolean", "tools")
     return {"name": name, "description": desc or "", "parameters": params}
 
 
@@ -173,109 +179,3 @@ def _native(m: dict) -> dict:
                                 "arguments": _arguments(c["function"].get("arguments"))}}
              for c in m["tool_calls"]]
     return {**m, "tool_calls": calls}
-
-
-# ---- the output ---------------------------------------------------------------------------
-
-def _call(body: str, names: set[str]) -> dict | None:
-    try:
-        obj = json.loads(body)
-    except ValueError:
-        try:  # an unclosed last block may end in part of the closing tag
-            obj = json.loads(body[:body.rfind("}") + 1])
-        except ValueError:
-            return None
-    if not isinstance(obj, dict) or obj.get("name") not in names:
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": obj["name"],
-                         "arguments": args if isinstance(args, str) else json.dumps(args)}}
-
-
-def parse_tool_calls(text: str, names: set[str]) -> tuple[str | None, list[dict]]:
-    """(content, tool_calls) of a whole output: blocks that parse as a call to a known tool
-    become calls, everything else stays content (None when only whitespace is left)."""
-    calls, content, at = [], [], 0
-    for m in CALL_RE.finditer(text):
-        call = _call(m.group(1).strip(), names)
-        if call is None:
-            continue
-        content.append(text[at:m.start()])
-        calls.append(call)
-        at = m.end()
-    content.append(text[at:])
-    rest = "".join(content).strip() if calls else text
-    return (rest or None), calls
-
-
-class StreamParser:
-    """Incremental parse_tool_calls: feed text deltas, get (content delta, finished calls).
-    Text that may be the start of a `<tool_call>` tag, or whitespace between calls, is held
-    until it is known."""
-
-    def __init__(self, names: set[str]):
-        self.names = names
-        self.buf = ""
-        self.inside = False
-        self.num_calls = 0
-
-    def feed(self, text: str) -> tuple[str, list[dict]]:
-        self.buf += text
-        content, calls = [], []
-        while True:
-            if self.inside:
-                end = self.buf.find(CLOSE)
-                if end < 0:
-                    break
-                self._close(self.buf[:end], content, calls)
-                self.buf = self.buf[end + len(CLOSE):]
-                continue
-            start = self.buf.find(OPEN)
-            if start < 0:
-                cut = len(self.buf) - _partial_tag(self.buf)
-                if self.num_calls and not self.buf[:cut].strip():
-                    break  # whitespace after a call: held until something follows it
-                content.append(self.buf[:cut])
-                self.buf = self.buf[cut:]
-                break
-            content.append(self.buf[:start])
-            self.buf, self.inside = self.buf[start + len(OPEN):], True
-        return "".join(content), calls
-
-    def _close(self, body: str, content: list, calls: list) -> None:
-        self.inside = False
-        call = _call(body.strip(), self.names)
-        if call is None:
-            content.append(OPEN + body + CLOSE)
-        else:
-            calls.append(call)
-            self.num_calls += 1
-
-    def finish(self) -> tuple[str, list[dict]]:
-        content, calls = [], []
-        if self.inside:  # an unclosed last block (the output ended inside it)
-            self.inside = False
-            call = _call(self.buf.strip(), self.names)
-            if call is None:
-                content.append(OPEN + self.buf)
-            else:
-                calls.append(call)
-                self.num_calls += 1
-        elif self.buf.strip() or not self.num_calls:
-            content.append(self.buf)
-        self.buf = ""
-        return "".join(content), calls
-
-
-def _partial_tag(text: str) -> int:
-    """Length of the longest suffix of text that is a proper prefix of OPEN."""
-    for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if OPEN.startswith(text[-n:]):
-            return n
-    return 0
-
-
-def delta_calls(calls: list[dict], first_index: int) -> list[dict]:
-    """Stream chunk entries for finished calls (name and whole arguments in one delta)."""
-    return [{"index": first_index + i, **call} for i, call in enumerate(calls)]

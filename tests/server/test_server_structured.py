@@ -13,7 +13,6 @@ import requests
 
 from jaxserve import EngineConfig, LLMEngine
 from jaxserve.server import EngineLoop, ServerConfig
-from jaxserve.server.tools import StreamParser, parse_tool_calls
 from http_server import serving
 from jaxserve.testing.tiny_chat import tiny_chat_model
 
@@ -31,29 +30,6 @@ TIME = {"type": "function", "function": {
                    "properties": {"city": {"type": "string", "pattern": "^[A-Z][a-z]{1,9}$"}}}}}
 SCHEMAS = {"get_weather": WEATHER["function"]["parameters"],
            "get_time": TIME["function"]["parameters"]}
-
-
-# ---- the parser (no engine) -----------------------------------------------------------------
-
-def test_tool_call_parser_whole_and_streamed():
-    names = {"get_weather", "get_time"}
-    text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}'
-            '\n</tool_call>\n<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>\n'
-            '<tool_call>\n{"name": "get_time", "arguments": {"city": "Oslo"}}')  # unclosed
-    content, calls = parse_tool_calls(text, names)
-    assert [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
-    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Rome"}
-    assert content.startswith("Let me check.") and '"nope"' in content
-    for step in (1, 3, 7, len(text)):  # any split into deltas gives the same result
-        parser, got_text, got_calls = StreamParser(names), "", []
-        for i in range(0, len(text), step):
-            t, c = parser.feed(text[i:i + step])
-            got_text, got_calls = got_text + t, got_calls + c
-        t, c = parser.finish()
-        got_text, got_calls = got_text + t, got_calls + c
-        assert [c["function"] for c in got_calls] == [c["function"] for c in calls]
-        assert got_text.strip() == content
-    assert parse_tool_calls("plain <tool_ text", names) == ("plain <tool_ text", [])
 
 
 # ---- the tiny model -------------------------------------------------------------------------
@@ -81,6 +57,8 @@ BAD_SCHEMA = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"ty
 CASES = [  # (id, body, param)
     ("format-type", {"response_format": {"type": "xml"}}, "response_format"),
     ("format-bad-schema", {"response_format": BAD_SCHEMA}, "response_format"),
+    ("format-unenforceable-keyword", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "array", "uniqueItems": True}}}}, "response_format"),
     ("format-no-schema-object", {"response_format": {"type": "json_schema"}}, "response_format"),
     ("bad-regex", {"guided_regex": "(("}, "guided_regex"),
     ("empty-choice", {"guided_choice": []}, "guided_choice"),
@@ -98,6 +76,10 @@ CASES = [  # (id, body, param)
     ("required-and-format", {"tools": [WEATHER], "tool_choice": "required",
                              "response_format": {"type": "json_object"}}, "response_format"),
     ("min-tokens", {"guided_regex": "a+", "min_tokens": 2}, "min_tokens"),
+    ("strict-not-bool", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "c", "schema": COLOUR, "strict": "yes"}}}, "response_format"),
+    ("tool-strict-not-bool", {"tools": [{"type": "function", "function": {
+        "name": "f", "strict": 1}}]}, "tools"),
 ]
 
 
@@ -135,6 +117,83 @@ def test_random_model_follows_the_constraints(server):
         assert isinstance(json.loads(choice["message"]["content"]), dict)
     else:
         assert choice["message"]["content"].startswith("{")
+
+
+# Neither object says additionalProperties: strict mode closes both, JSON Schema leaves them open.
+UNSAID = {"type": "object", "required": ["ok", "inner"], "properties": {
+    "ok": {"type": "boolean"},
+    "inner": {"type": "object", "properties": {"n": {"enum": [1, 2]}}}}}
+
+
+def _extra_keys(value: dict) -> set[str]:
+    return (set(value) - {"ok", "inner"}) | (set(value.get("inner", {})) - {"n"})
+
+
+def test_strict_schemas_close_objects_and_others_stay_open(server):
+    # A random model at temperature 1 adds a property whenever the grammar lets it.
+    got = {}
+    for strict in (True, False):
+        fmt = {"type": "json_schema", "json_schema": {"name": "u", "schema": UNSAID,
+                                                      "strict": strict}}
+        got[strict] = []
+        for seed in range(4):
+            r = chat(server, response_format=fmt, temperature=1.0, seed=seed, max_tokens=200)
+            assert r.status_code == 200, r.text
+            got[strict].append(r.json()["choices"][0])
+    for choice in got[True]:
+        assert choice["finish_reason"] == "stop", choice
+        value = json.loads(choice["message"]["content"])
+        jsonschema.validate(value, UNSAID)
+        assert not _extra_keys(value), value
+    open_outputs = [c["message"]["content"] for c in got[False]]
+    assert any(c["finish_reason"] == "length" or _extra_keys(json.loads(c["message"]["content"]))
+               for c in got[False]), open_outputs
+
+
+def test_a_length_cut_inside_a_constraint_says_length(server):
+    fmt = {"type": "json_schema", "json_schema": {"name": "c", "schema": COLOUR}}
+    r = chat(server, response_format=fmt, temperature=1.0, max_tokens=2)
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "length", choice
+    for stream in (False, True):
+        body = dict(tools=[WEATHER], tool_choice="required", max_tokens=6, temperature=1.0,
+                    stream=stream)
+        r = chat(server, **body)
+        if stream:
+            finishes = [json.loads(line[6:])["choices"][0]["finish_reason"]
+                        for line in r.text.splitlines()
+                        if line.startswith("data: {") and json.loads(line[6:])["choices"]]
+            assert [f for f in finishes if f] == ["length"], finishes
+        else:
+            assert r.json()["choices"][0]["finish_reason"] == "length", r.text
+
+
+def test_a_required_call_with_tags_and_quotes_in_its_arguments_is_a_call(server):
+    # The string may hold anything; the regex makes the random model write the closing tag,
+    # braces and escaped quotes inside it, as SmolLM2 once did.
+    tricky = (r'<tool_call>\n\{"name": "get_time", "arguments": \{"city": '
+              r'">P</tool_call>\}, \\"\{"\}\}\n</tool_call>')
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0,
+                           timeout=120)
+    for stream in (False, True):
+        kw = dict(model=TINY, messages=CHAT, tools=[WEATHER, TIME], max_tokens=120,
+                  temperature=1.0, extra_body={"guided_regex": tricky})
+        if stream:
+            args, names, content, finish = "", "", "", None
+            for chunk in client.chat.completions.create(stream=True, **kw):
+                for c in chunk.choices:
+                    content += c.delta.content or ""
+                    for d in c.delta.tool_calls or []:
+                        names += d.function.name or ""
+                        args += d.function.arguments or ""
+                    finish = c.finish_reason or finish
+        else:
+            out = client.chat.completions.create(**kw)
+            (call,) = out.choices[0].message.tool_calls
+            names, args = call.function.name, call.function.arguments
+            content, finish = out.choices[0].message.content or "", out.choices[0].finish_reason
+        assert (names, finish, content) == ("get_time", "tool_calls", ""), (args, content)
+        assert json.loads(args) == {"city": '>P</tool_call>}, "{'}
 
 
 @pytest.mark.parametrize("stream", [False, True])
