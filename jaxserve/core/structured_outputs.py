@@ -102,12 +102,30 @@ def _schema_text(schema) -> str:
         raise _error(f"json schema must be an object (or true/false), got "
                      f"{type(schema).__name__}")
     try:
-        text = json.dumps(schema, sort_keys=True, allow_nan=False)
+        text = json.dumps(_canonical(schema), allow_nan=False)
     except (TypeError, ValueError) as e:
         raise _error(f"json schema is not JSON-serialisable: {e}") from None
     if len(text) > MAX_SPEC_CHARS:
         raise _error(f"json schema longer than {MAX_SPEC_CHARS} characters")
     return text
+
+
+def _canonical(node):
+    """The schema with its keys sorted, so equal schemas share a compile, except inside
+    `properties`: the grammar engine writes properties in the order the schema lists them,
+    as OpenAI's strict mode does, so that order is part of what the schema asks for."""
+    if isinstance(node, list):
+        return [_canonical(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {}
+    for key in sorted(node, key=str):
+        value = node[key]
+        if key == "properties" and isinstance(value, dict):
+            out[key] = {k: _canonical(v) for k, v in value.items()}
+        else:
+            out[key] = _canonical(value)
+    return out
 
 
 def _choices(choice) -> tuple[str, ...]:

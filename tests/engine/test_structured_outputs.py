@@ -38,6 +38,11 @@ def test_spec_key_is_canonical():
     a = StructuredOutputs(json={"type": "object", "properties": {}})
     b = StructuredOutputs(json='{"properties": {}, "type": "object"}')
     assert a.key == b.key and a.key != StructuredOutputs(json_object=True).key
+    # The order of properties is what the output follows: kept, and part of the key.
+    xy = StructuredOutputs(json={"properties": {"y": {}, "x": {"type": "string"}}})
+    assert list(json.loads(xy.json)["properties"]) == ["y", "x"]
+    assert xy.key != StructuredOutputs(json={"properties": {"x": {"type": "string"},
+                                                            "y": {}}}).key
 
 
 @pytest.mark.parametrize("name, value", [("use_beam_search", True), ("min_tokens", 2)])
