@@ -129,19 +129,19 @@ class _Block:
             self.args = (start, end, string)
         self.key = None
 
-    def args_text(self) -> tuple[str, bool]:
-        """(the arguments as far as they arrived, whether they are complete)."""
+    def args_text(self) -> str:
+        """The arguments as far as they arrived (a string value only once it is whole)."""
         if self.args is None:
-            return ("{}", True) if self.phase in ("post", "done") else ("", False)
+            return "{}" if self.phase in ("post", "done") else ""
         start, end, string = self.args
-        if string:  # "arguments": "<JSON text>": the string's content is the arguments
-            if end is None:
-                return "", False
-            try:
-                return json.loads(self.raw[start:end]), True
-            except ValueError:
-                return self.raw[start:end], True
-        return self.raw[start:end if end is not None else len(self.raw)], end is not None
+        if not string:
+            return self.raw[start:end if end is not None else len(self.raw)]
+        if end is None:
+            return ""
+        try:  # "arguments": "<JSON text>": the string's content is the arguments
+            return json.loads(self.raw[start:end])
+        except ValueError:
+            return self.raw[start:end]
 
 
 class ToolCallParser:
@@ -205,7 +205,7 @@ class ToolCallParser:
             deltas.append({"index": self.num_calls, "id": f"call_{uuid.uuid4().hex[:24]}",
                            "type": "function",
                            "function": {"name": self.block.name, "arguments": ""}})
-        args, _ = self.block.args_text()
+        args = self.block.args_text()
         if len(args) > self._sent:
             deltas.append({"index": self.num_calls,
                            "function": {"arguments": args[self._sent:]}})
