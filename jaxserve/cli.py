@@ -273,6 +273,8 @@ def _cmd_bench(args) -> int:
               f"{warm['seconds']:.2f}s")
     t, mem = s["step_totals"], s["kv_memory_time_avg"]
     busy = max(1e-9, t["schedule_s"] + t["device_s"] + t["postprocess_s"])
+    from jaxserve.tools.machine import describe
+    print(f"machine: {describe()}; load average {os.getloadavg()[0]:.1f}")
     print(f"{result['num_requests']} requests, {result['prompt_tokens']} prompt + "
           f"{result['output_tokens']} generated tokens in {result['seconds']:.2f}s: "
           f"{result['output_tok_s']:.1f} generated tok/s, {result['total_tok_s']:.1f} total "

@@ -23,7 +23,6 @@ import csv
 import json
 import os
 import pathlib
-import platform
 import shlex
 import sys
 import tempfile
@@ -33,6 +32,7 @@ import jax
 
 from jaxserve import EngineConfig, LLMEngine
 from jaxserve.tools.workload import make_workload, run_workload
+from jaxserve.tools.machine import describe
 
 NAME = "ablate_block_size"
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -286,7 +286,7 @@ def main(argv=None) -> list[dict]:
     workload = make_workload(args.seed, args.num_requests, args.prompt_len, args.output_len,
                              token_range)
     env = {"jax": jax.__version__, "backend": jax.default_backend(),
-           "cpus": len(os.sched_getaffinity(0)), "machine": platform.machine(),
+           "cpus": len(os.sched_getaffinity(0)), "machine": describe(),
            "load_avg_start": [round(x, 1) for x in os.getloadavg()]}  # lists: JSON-stable
     command = [sys.executable, *sys.argv]
     print("command:", " ".join(shlex.quote(a) for a in command), flush=True)

@@ -16,6 +16,7 @@ import os
 import time
 
 from bench_throughput import batch1_prompt
+from jaxserve.tools.machine import describe
 
 
 def main(argv=None):
@@ -33,7 +34,7 @@ def main(argv=None):
     from jaxserve import LLM, SamplingParams
     prompt = batch1_prompt(args.seed, 32)
     params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
-    print(f"load average at start {os.getloadavg()}")
+    print(f"machine: {describe()}; load average at start {os.getloadavg()}")
     for path in args.quantization.split(","):
         t0 = time.perf_counter()
         llm = LLM(args.model, dtype=args.dtype, block_size=16, max_num_seqs=64,

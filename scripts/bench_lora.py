@@ -22,7 +22,7 @@ import tempfile
 
 from jaxserve import EngineConfig, LLMEngine, LoRARequest
 from jaxserve.testing.peft_files import write_adapter
-from jaxserve.tools.machine import cpu_name
+from jaxserve.tools.machine import describe
 from jaxserve.tools.workload import make_workload, run_workload
 from models import load_model
 from models.lora_names import LORA_TARGETS
@@ -54,7 +54,7 @@ def main(argv=None) -> None:
                   max_num_batched_tokens=512)
     workload = make_workload(args.seed, args.num_requests, args.prompt_len, args.output_len)
     load = os.getloadavg()
-    header = (f"CPU: {cpu_name()} ({os.cpu_count()} CPUs); load average before: "
+    header = (f"CPU: {describe()}; load average before: "
               f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     print(header, flush=True)
     with tempfile.TemporaryDirectory() as root:

@@ -31,7 +31,7 @@ import numpy as np
 import requests
 
 from bench_serving import WORDS, Result, read_stream
-from jaxserve.tools.machine import cpu_name
+from jaxserve.tools.machine import describe
 
 STARTUP_TIMEOUT_S = 600
 
@@ -211,7 +211,7 @@ def main() -> None:
     p.add_argument("--out", default=None, help="write the results as markdown here")
     args = p.parse_args()
     load = os.getloadavg()
-    header = (f"CPU: {cpu_name()} ({os.cpu_count()} CPUs); load average before: "
+    header = (f"CPU: {describe()}; load average before: "
               f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     print(header, flush=True)
     rows = routing(args) if args.part != "overhead" else None

@@ -22,12 +22,13 @@ import argparse
 import json
 import os
 import pathlib
-import platform
 import random
 import shlex
 import statistics
 import sys
 import time
+
+from jaxserve.tools.machine import describe
 
 CODE = '''def merge_sorted(a, b):
     out, i, j = [], 0, 0
@@ -190,7 +191,7 @@ def main(argv=None) -> dict:
                          "verified_share": emitted / sum(x["tokens"] for x in xs)})
     result = {"command": "python " + shlex.join(["scripts/bench_speculative.py",
                                                  *(argv if argv is not None else sys.argv[1:])]),
-              "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+              "machine": describe(),
               "load_average_end": load, "max_tokens": args.max_tokens, "rounds": args.rounds,
               "ways": {w: WAYS[w] for w in ways},
               "rows": rows, "ngram_drafter_cost": {str(k): v for k, v in cost.items()}}

@@ -35,6 +35,7 @@ import time
 from jaxserve import EngineConfig, LLMEngine, SamplingParams
 from jaxserve.core.grammar import GrammarCompiler
 from jaxserve.core.structured_outputs import StructuredOutputs
+from jaxserve.tools.machine import describe
 
 LONG_STRING = {"type": "object", "required": ["story"], "additionalProperties": False,
                "properties": {"story": {"type": "string", "minLength": 2000}}}
@@ -152,7 +153,7 @@ def main(argv=None) -> dict:
     rows = {name: {k: statistics.median(r[k] for r in runs) for k in runs[0]}
             for name, runs in results.items()}
     report = {"config": vars(args) | {"md": str(args.md), "out": str(args.out)},
-              "machine": f"{platform.python_version()}, {os.cpu_count()} CPUs",
+              "machine": f"{describe()}, Python {platform.python_version()}",
               "load_before": load0, "load_after": os.getloadavg(), "warmup_s": warmup_s,
               "programs": engine.runner.num_compiled, "rows": rows, "runs": results,
               "compile": compile_times(engine),

@@ -30,6 +30,7 @@ import numpy as np
 
 from jaxserve.config import KV_CACHE_DTYPES
 from jaxserve.tools.workload import TOKEN_RANGE, make_workload  # as `jaxserve bench`
+from jaxserve.tools.machine import describe
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 LLAMA_CPP_PAPER_FIGURE = 71.3  # docs/peers.md: default build of llama-cpp-python 0.3.36, batch 1
@@ -96,7 +97,7 @@ def environment(args) -> dict:
     return {"python": platform.python_version(), "jax": jax.__version__,
             "jax_backend": jax.default_backend(), "cpu_count": os.cpu_count(),
             "cpu_affinity": len(os.sched_getaffinity(0)), "load_avg_start": os.getloadavg(),
-            "machine": platform.processor() or platform.machine(), "model": args.model,
+            "machine": describe(), "model": args.model,
             "dtype": args.dtype, "block_size": args.block_size,
             "max_num_seqs": args.max_num_seqs,
             "max_num_batched_tokens": args.max_num_batched_tokens,

@@ -25,7 +25,6 @@ import functools
 import json
 import os
 import pathlib
-import platform
 import shlex
 import sys
 import time
@@ -40,6 +39,7 @@ from jaxserve.quantization.calibration import Calibration, from_text, load_calib
 from jaxserve.quantization.gptq import GPTQConfig, gptq_quantize
 from jaxserve.quantization.layerwise import (LINEARS, LayerForward, embed, layer_slice,
                                              rtn_params, spec_for)
+from jaxserve.tools.machine import describe
 from models.llama import Llama, dense_linear
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -358,7 +358,7 @@ def write_outputs(report: dict, prefix: pathlib.Path, command: str, env: str) ->
 
 def environment() -> str:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    return (f"{platform.machine()}, {os.cpu_count()} CPUs (load average {load:.1f} at the end: "
+    return (f"{describe()} (load average {load:.1f} at the end: "
             f"shared with other jobs), jax {jax.__version__} {jax.default_backend()}, "
             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
 

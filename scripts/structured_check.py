@@ -33,7 +33,7 @@ import openai
 from jaxserve import EngineConfig, LLMEngine
 from jaxserve.core.strict_schema import close_objects
 from jaxserve.server import EngineLoop, ServerConfig, create_app, make_server
-from jaxserve.tools.machine import cpu_name
+from jaxserve.tools.machine import describe
 
 MODEL = "smollm2-135m"
 TEMPERATURES = (0.0, 0.9)
@@ -217,7 +217,7 @@ def run(args) -> dict:
         pool.shutdown(cancel_futures=True)
         server.close()
         loop.stop()
-    return {"machine": cpu_name(), "model": args.model, "max_tokens": args.max_tokens,
+    return {"machine": describe(), "model": args.model, "max_tokens": args.max_tokens,
             "seconds": round(time.monotonic() - start, 1), "rows": rows}
 
 

@@ -7,7 +7,6 @@ import json
 
 import jsonschema
 import openai
-import pydantic
 import pytest
 import requests
 
