@@ -7,6 +7,7 @@ import json
 
 import jsonschema
 import openai
+import pydantic
 import pytest
 import requests
 
@@ -302,3 +303,28 @@ def test_other_templates_get_the_hermes_prompt():
     assert "<|im_start|>user\n<tool_response>\nsunny\n</tool_response>" in text
     assert "<tools>" not in _prompt(None, messages=HISTORY, tools=[WEATHER],
                                     tool_choice="none")
+
+
+def test_the_openai_stream_helper_accumulates_the_argument_fragments(server):
+    # client.chat.completions.stream: the client's own accumulator, its argument-delta events
+    # and its final parse of a strict function tool.
+    class GetTime(pydantic.BaseModel):
+        city: str = pydantic.Field(pattern="^[A-Z][a-z]{1,9}$")
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0,
+                           timeout=120)
+    tool = openai.pydantic_function_tool(GetTime, name="get_time")
+    fragments, names = [], []
+    with client.chat.completions.stream(
+            model=TINY, messages=CHAT, tools=[tool], tool_choice="required", max_tokens=120,
+            temperature=1.0, seed=5, parallel_tool_calls=False) as stream:
+        for event in stream:
+            if event.type == "tool_calls.function.arguments.delta":
+                fragments.append(event.arguments_delta)
+            elif event.type == "tool_calls.function.arguments.done":
+                names.append(event.name)
+        final = stream.get_final_completion()
+    (call,) = final.choices[0].message.tool_calls
+    assert names == ["get_time"] and final.choices[0].finish_reason == "tool_calls"
+    assert len(fragments) > 1 and "".join(fragments) == call.function.arguments
+    assert isinstance(call.function.parsed_arguments, GetTime)
