@@ -17,10 +17,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import tp_worker as w  # noqa: E402  (after XLA_FLAGS: one device per process)
 
 from jaxserve.runtime import multihost  # noqa: E402
+from models.model import enable_compilation_cache  # noqa: E402
 from models.random_init import random_model  # noqa: E402
 
 
 def main(process_id: int, port: int) -> int:
+    # As tp_worker's runs: a random model is not loaded through load_model, which turns the
+    # persistent cache on; without it both processes compile every step program on every run.
+    enable_compilation_cache()
     multihost.initialize(f"127.0.0.1:{port}", 2, process_id)
     eng = w.engine(random_model(w.GQA, seed=3), 2)
     if multihost.is_leader():

@@ -69,6 +69,7 @@ class ReplicaPool:
         self._stats: dict[str, dict] = {}     # replica -> its engine's latest stats
         self._pids: dict[str, int] = {}
         self._snapshot_error: Exception | None = None  # the last failed engine_state fetch
+        self._streams: dict[str, object] = {}  # replica -> its open `events` stream
         self._threads = [threading.Thread(target=target, args=(name,), daemon=True,
                                           name=f"{kind}-{name}")
                          for name in handles
@@ -202,8 +203,14 @@ class ReplicaPool:
         self._stopped.set()
         with self._lock:
             groups = list(self._groups.values())
+            streams = list(self._streams.values())
         for group in groups:
             self._fail(group, "the server is stopping")
+        # An idle replica's `events` stream never yields again: left open, it keeps the pump
+        # thread waiting (the join below times out) and counts as an ongoing request, so Ray
+        # Serve waits out its whole graceful-shutdown period (20 s) before deleting the replica.
+        for stream in streams:
+            _cancel(stream)
         for t in self._threads:
             t.join(timeout / max(1, len(self._threads)))
 
@@ -233,7 +240,7 @@ class ReplicaPool:
                 self._stopped.wait(self._poll_s)
                 continue
             try:
-                for batch in handle.events.remote():
+                for batch in self._open_stream(name, handle):
                     now = time.monotonic()
                     for key, item in batch:
                         self._deliver(name, key, item, now)
@@ -256,6 +263,17 @@ class ReplicaPool:
                     self._handles[name].abort.remote(sorted(r for g in lost for r in g.open))
                 except Exception:  # noqa: BLE001 - it is dead: nothing to free
                     pass
+
+    def _open_stream(self, name: str, handle):
+        """A new `events` stream, registered for stop() to cancel (cancelled at once when
+        stop() came first: it sets `_stopped` before it collects the streams)."""
+        stream = handle.events.remote()
+        with self._lock:
+            self._streams[name] = stream
+            stopped = self._stopped.is_set()
+        if stopped:
+            _cancel(stream)
+        return stream
 
     def _deliver(self, name: str, key: str, item, now: float) -> None:
         with self._lock:
@@ -300,3 +318,12 @@ class ReplicaPool:
                 self._stats[name] = info["stats"]
             self._router.set_capacity(name, info["stats"]["kv_blocks_total"])
             self._router.mark_up(name, fresh=fresh)
+
+
+def _cancel(stream) -> None:
+    """Ends an `events` stream: Ray cancels the call in the replica, and the pump reading it
+    gets an error (which it ignores once the pool is stopped)."""
+    try:
+        stream.cancel()
+    except Exception as e:  # noqa: BLE001 - best effort: a dead replica's stream is gone
+        log.info("cancelling an event stream failed: %r", e)

@@ -21,6 +21,7 @@ from jaxserve.server.engine_loop import EngineLoop
 log = logging.getLogger("jaxserve.server")
 # After the last response body is handed to waitress, its I/O thread still has to send it.
 FLUSH_GRACE_S = 0.5
+FAILED_STOP_TIMEOUT_S = 1.0  # how long a dead loop's thread gets to end before the exit
 
 
 def make_server(app, host: str, port: int, config: ServerConfig):
@@ -93,6 +94,9 @@ def serve_backend(loop: Backend, host: str, port: int, config: ServerConfig) -> 
         log.info("drain %s; shutting down", "complete" if drained else "timed out")
     server.close()
     server.task_dispatcher.shutdown(timeout=1)
-    loop.stop()
+    # A loop that died is not waited for: its requests have their errors already, and after
+    # the watchdog its thread may be stuck in a step for good (the full join timeout would
+    # only hold back the exit, and the supervisor's restart, by 10 s).
+    loop.stop(timeout=FAILED_STOP_TIMEOUT_S if failed else 10.0)
     # A supervisor restarts on a non-zero status (Restart=on-failure): never 0 after a failure.
     return 0 if drained and not failed and loop.error is None else 1

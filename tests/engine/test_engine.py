@@ -36,14 +36,21 @@ def prompt_ids(model):
 
 @pytest.fixture(scope="module")
 def oracle(model, prompt_ids):
-    """Dense greedy continuations, and the smallest top-2 logit margin along them."""
+    """Dense greedy continuations, and the smallest top-2 logit margin along them.
+
+    model.greedy_generate's loop (a full-recompute forward per token, its argmax appended),
+    with the margin read off the same logits instead of a second forward per token."""
     outs, margin = [], np.inf
     for ids in prompt_ids:
-        out = model.greedy_generate(ids, MAX_TOKENS, stop_token_ids=())
-        for i in range(len(out)):
-            top2 = np.sort(model.forward_logits(ids + out[:i])[-1])[-2:]
+        out = []
+        for _ in range(MAX_TOKENS):
+            logits = model.forward_logits(ids + out)[-1]
+            top2 = np.sort(logits)[-2:]
             margin = min(margin, top2[1] - top2[0])
+            out.append(int(np.argmax(logits)))
         outs.append(out)
+    # The loop above is greedy_generate's (no stop ids): one prompt through the method itself.
+    assert outs[0] == model.greedy_generate(prompt_ids[0], MAX_TOKENS, stop_token_ids=())
     return outs, margin
 
 

@@ -72,6 +72,7 @@ def runs():
     })
 
 
+@pytest.mark.subprocess  # the `runs` worker: its whole 8-device process starts here
 def test_lora_adapters_under_tensor_parallelism_equal_one_device(runs):
     lora = runs["lora"]
     one = lora["1"]["tokens"]

@@ -41,7 +41,10 @@ SECTIONS = ["preflight", "bandwidth", "kernel_correctness", "kernel_tests", "ker
 # compiled kernel tests always are in a dry run.
 MAY_SKIP = {"hf_peer", "kernel_tests"}
 # Cheap sections that still reach the trace, the step dump and the bundle: the fast test's run.
-QUICK = "preflight,launch_floor,decode_trace,step_dump,prediction"
+# Its decode_trace builds an engine of its own (the full run's reuses e2e_smollm2's). The
+# performance model's prediction of the traced step is checked on the full run alone: it is
+# the same deviceless compile of the same model either way.
+QUICK = "preflight,launch_floor,decode_trace,step_dump"
 
 
 def run_script(out_dir: pathlib.Path, *args: str, timeout: int = 540):
@@ -112,14 +115,6 @@ def test_quick_dry_run_reads_the_trace_into_per_kernel_times(quick_run):
     chains = report["profile"]["launch_chain"]
     assert [c["kernels_in_program"] for c in floor["chains"]] == list(chains)
     assert "us_per_kernel" in floor
-    # The performance model costs the traced model's step compiled for an H200 and predicts
-    # it; a CPU trace shares at most a stray instruction name with it, so nothing is fitted.
-    pred = report["sections"]["prediction"]["result"]
-    assert pred["source"].startswith("deviceless H200 compile"), pred
-    assert pred["kernels"] > 0 and pred["matched_kernels"] < 3
-    p = pred["predicted"]
-    assert p["kernels"] == pred["kernels"] and p["floor_us"] < p["step_us"]
-    assert 0 < p["mbu"] < 1 and "skipped" in pred["fit"]
 
 
 @pytest.fixture(scope="module")
@@ -144,6 +139,19 @@ def test_every_section_ok_or_skipped_with_reason(dry_run):
     assert md.startswith("# gpu_check") and md in proc.stdout
     for name in SECTIONS:
         assert f"## {name}: " in md
+
+
+@pytest.mark.subprocess
+def test_prediction_costs_the_traced_step(dry_run):
+    """The performance model costs the traced model's step compiled for an H200 and predicts
+    it; a CPU trace shares at most a stray instruction name with it, so nothing is fitted."""
+    _, report, _ = dry_run
+    pred = report["sections"]["prediction"]["result"]
+    assert pred["source"].startswith("deviceless H200 compile"), pred
+    assert pred["kernels"] > 0 and pred["matched_kernels"] < 3
+    p = pred["predicted"]
+    assert p["kernels"] == pred["kernels"] and p["floor_us"] < p["step_us"]
+    assert 0 < p["mbu"] < 1 and "skipped" in pred["fit"]
 
 
 @pytest.mark.subprocess
