@@ -28,7 +28,11 @@ QuantizationPath = Literal["w8a16", "w4a16", "w8a8", "w4a8", "gguf"]
 QuantizationAlias = Literal["int4"]
 QUANTIZATION_ALIASES: Mapping[QuantizationAlias, QuantizationPath] = MappingProxyType(
     {"int4": "w4a16"})
-Quantization = Literal[QuantizationPath, QuantizationAlias]
+# auto: a model carrying a GGUF file's quantized blocks serves them ("gguf", as llama.cpp and
+# vLLM do), a quantized checkpoint its own path, anything else its float weights; none: float
+# weights, a GGUF file's blocks dequantized.
+QuantizationMode = Literal["auto", "none"]
+Quantization = Literal[QuantizationMode, QuantizationPath, QuantizationAlias]
 # int8: codes plus a float32 scale per (token, KV head), dequantized inside the attention
 # (jaxserve/runtime/kv_quant.py).
 KVCacheDtype = Literal["auto", Dtype, "int8"]
@@ -36,6 +40,7 @@ LayerLoop = Literal["auto", "scan", "unrolled"]
 
 BACKENDS = get_args(Backend)
 QUANTIZATION_PATHS = get_args(QuantizationPath)
+QUANTIZATION_MODES = get_args(QuantizationMode)
 QUANTIZATIONS = get_args(Quantization)
 KV_CACHE_DTYPES = get_args(KVCacheDtype)
 
@@ -93,10 +98,11 @@ class EngineConfig:
     linear_backend: Backend = dataclasses.field(default="auto", metadata=_help(
         "quantized linears: pallas (int4 GPU kernel), cpu (native int4/int8 CPU kernel), xla, "
         "pallas-interpret; auto: pallas on GPU, cpu on CPU where it builds, else xla"))
-    quantization: Quantization | None = dataclasses.field(default=None, metadata=_help(
+    quantization: Quantization = dataclasses.field(default="auto", metadata=_help(
         "w8a16, w4a16 (alias int4), w8a8, w4a8: int8/int4 weights by round-to-nearest, int8 "
-        "activations per token (w8a8, w4a8); gguf: a .gguf file's own blocks; default: the weights as loaded (a quantized "
-        "checkpoint serves its own path)"))
+        "activations per token (w8a8, w4a8); gguf: a .gguf file's own Q4_0/Q4_1/Q8_0 blocks; "
+        "none: float weights (a .gguf file dequantized); auto: gguf for a .gguf file with "
+        "such blocks on one device, a quantized checkpoint's own path, else none"))
     seed: int = dataclasses.field(default=0, metadata=_help(
         "engine seed: a request without a seed of its own draws one from it (bench: also the "
         "workload's seed)"))

@@ -56,7 +56,8 @@ def build(config: EngineConfig, model: Model | None, faults) -> EngineParts:
                            weights_cache=config.weights_cache)
     # Tensor parallel: a mesh, and heads padded for it (float weights: before quantization).
     tp, model = sharding.setup(config.tensor_parallel_size, model)
-    model, quantization = prepare_model(model, config.quantization)
+    model, quantization = prepare_model(model, config.quantization,
+                                        tensor_parallel_size=config.tensor_parallel_size)
     tok = model.tokenizer
     program = StepProgram.from_config(
         config, params=model.params, tensor_parallel=tp is not None, tokenizer=tok is not None,

@@ -39,7 +39,7 @@ def main(argv=None):
         t0 = time.perf_counter()
         llm = LLM(args.model, dtype=args.dtype, block_size=16, max_num_seqs=64,
                   max_num_batched_tokens=512, max_model_len=1024, kv_cache_memory=1 << 30,
-                  quantization=None if path == "none" else path,
+                  quantization=path,
                   linear_backend=args.linear_backend, layer_loop=args.layer_loop)
         llm.engine.wait_until_warm()
         build = time.perf_counter() - t0

@@ -107,7 +107,7 @@ def environment(args) -> dict:
 
 # ---- jaxserve ----------------------------------------------------------------------------------
 
-def build_llm(args, dtype: str, quantization: str | None = None):
+def build_llm(args, dtype: str, quantization: str = "none"):
     from jaxserve import LLM
     t0 = time.perf_counter()
     llm = LLM(args.model, dtype=dtype, block_size=args.block_size,

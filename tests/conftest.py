@@ -109,10 +109,19 @@ def smollm2_path():
 
 
 @pytest.fixture(scope="session")
-def smollm2_fp32(smollm2_path):
-    """The real default model in float32, loaded once for every module that needs it."""
+def smollm2_gguf(smollm2_path):
+    """The real default model as loaded from its GGUF file: float32 params plus the file's
+    quantized blocks, which engines serve by default (quantization="auto" -> "gguf")."""
     from models import load_model
     return load_model(smollm2_path, dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def smollm2_fp32(smollm2_gguf):
+    """The real default model in float32 (the file's blocks dequantized), without the blocks,
+    so every engine built on it serves float weights; shares smollm2_gguf's arrays."""
+    import dataclasses
+    return dataclasses.replace(smollm2_gguf, raw={})
 
 
 def _proc_status_kib(field: str) -> int:

@@ -149,7 +149,8 @@ def case_smollm2(sizes):
           + tok.encode(t) for t in texts]
     out = {}
     for n in sizes:
-        eng = engine(model, n, max_model_len=256, max_num_seqs=4, kv_cache_memory=64 << 20)
+        eng = engine(model, n, max_model_len=256, max_num_seqs=4, kv_cache_memory=64 << 20,
+                     quantization="none")  # float on every size (auto: gguf on one)
         out[n] = {"tokens": greedy(eng, ps, max_tokens=16), **memory(eng)}
     return out
 

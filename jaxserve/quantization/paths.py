@@ -18,23 +18,53 @@ takes w8a16 only (its experts per expert and channel: quantization/moe.py).
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 from jaxserve.config import QUANTIZATION_ALIASES as ALIASES
+from jaxserve.config import QUANTIZATION_MODES as MODES
 from jaxserve.config import QUANTIZATION_PATHS as PATHS
 from jaxserve.quantization.core import QuantSpec
-from jaxserve.quantization.gguf_native import gguf_native_params
+from jaxserve.quantization.gguf_native import NATIVE_TYPES, gguf_native_params
 from jaxserve.quantization.rtn import quantize_head, quantize_kernels
 from jaxserve.quantization.moe import quantize_experts
+
+log = logging.getLogger("jaxserve")
 
 INT8_CHANNEL = QuantSpec(bits=8, granularity="channel", symmetric=True)
 INT4_G128 = QuantSpec(bits=4, granularity="group", group_size=128)
 
 
 def canonical(path: str | None) -> str | None:
+    """A path name (aliases resolved), "auto", or None for float weights ("none")."""
     path = ALIASES.get(path, path)
-    if path is not None and path not in PATHS:
-        raise ValueError(f"quantization must be one of {PATHS} (or None), got {path!r}")
+    if path == "none":
+        return None
+    if path is not None and path not in MODES and path not in PATHS:
+        raise ValueError(f"quantization must be one of {(*MODES, *PATHS)}, got {path!r}")
     return path
+
+
+def has_native_blocks(model) -> bool:
+    """Whether `model` carries GGUF blocks that quantization='gguf' serves natively."""
+    return any(t.qtype in NATIVE_TYPES for t in getattr(model, "raw", {}).values())
+
+
+def auto_path(model, tensor_parallel_size: int = 1) -> tuple[str | None, str]:
+    """What quantization="auto" serves for `model`, and why (the start-up line's words)."""
+    saved = getattr(model, "quantization", None)
+    if saved is not None:
+        return saved, f"the checkpoint's own {saved} weights"
+    if not has_native_blocks(model):
+        return None, f"{model.dtype} as loaded"
+    kinds = "/".join(sorted({t.qtype.name for t in model.raw.values()
+                             if t.qtype in NATIVE_TYPES}))
+    if model.config.num_experts:
+        return None, (f"float weights: the file's {kinds} blocks are dequantized, as a "
+                      "mixture-of-experts model has no gguf path")
+    if tensor_parallel_size > 1:
+        return None, (f"float weights: the file's {kinds} blocks are dequantized, as the gguf "
+                      "path runs on one device")
+    return "gguf", f"the file's own {kinds} blocks (quantization='none' serves float weights)"
 
 
 def activation_bits(path: str | None) -> int:
@@ -70,18 +100,24 @@ def refuse_moe(config, what: str) -> None:
             "unquantized (dtype='bfloat16' halves the weights)")
 
 
-def prepare_model(model, requested: str | None):
-    """(model with params for the path, the path served).
+def prepare_model(model, requested: str | None, *, tensor_parallel_size: int = 1):
+    """(model with params for the path, the path served). requested: a path, "auto" (see
+    auto_path), or "none"/None for the weights as loaded, in float.
 
     A model that is already quantized (an orbax checkpoint from `jaxserve quantize`) is served
     on the path it was saved for; asking for another is an error, not a silent re-quantization.
     """
+    explicit_float = requested == "none"
     requested = canonical(requested)
+    if requested == "auto":
+        requested, why = auto_path(model, tensor_parallel_size)
+        log.info("weights: %s", why)
     saved = getattr(model, "quantization", None)
     if saved is not None:
-        if requested not in (None, saved):
+        if requested != saved and (requested is not None or explicit_float):
             raise ValueError(f"{model.source} holds {saved} weights; it cannot be served as "
-                             f"{requested} (omit quantization, or quantize the float model)")
+                             f"{requested or 'float'} (use quantization='auto' or {saved!r}, "
+                             "or quantize the float model)")
         return model, saved
     if requested is None:
         return model, None

@@ -20,12 +20,15 @@ HOST_CORES = [()] + ([("--host-cores", "1")] if hasattr(os, "sched_getaffinity")
 
 @pytest.mark.parametrize("cores", HOST_CORES, ids=lambda c: "host-cores-1" if c else "default")
 def test_generate_chat_answers_like_hf(smollm2_path, cores):
-    # HF transformers' greedy answer on the same file (tests/e2e/test_smollm2_parity.py).
+    # HF transformers' greedy answer on the same file (tests/e2e/test_smollm2_parity.py), here
+    # from the file's own Q4_1 blocks with int8 activations.
     proc = run_cli("generate", "--chat", "What is the capital of France?", "--max-tokens", "24",
                    "--max-model-len", "256", "--max-num-seqs", "4", *cores)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "The capital of France is Paris."
     assert "finish=stop" in proc.stderr
+    # A GGUF file is served in its own quantization by default, and start-up says so.
+    assert "weights: the file's own Q4_1/Q8_0 blocks (quantization='none'" in proc.stderr
     if cores:  # XLA's pool kept off the host loop's CPU
         assert "host loop on CPU" in proc.stderr and "XLA's pool on CPU" in proc.stderr
 

@@ -10,8 +10,8 @@ import typing
 import pytest
 
 from jaxserve.cli import _engine_kwargs, build_parser, main
-from jaxserve.config import (QUANTIZATION_ALIASES, QUANTIZATION_PATHS, QUANTIZATIONS,
-                             EngineConfig)
+from jaxserve.config import (QUANTIZATION_ALIASES, QUANTIZATION_MODES, QUANTIZATION_PATHS,
+                             QUANTIZATIONS, EngineConfig)
 from jaxserve.config_fields import check_choices, cli_fields, field_type, field_types
 from models.config import DTYPES
 
@@ -87,7 +87,9 @@ def test_literal_fields_offer_their_choices_on_the_command_line(capsys):
 def test_choices_are_declared_once():
     from jaxserve.quantization import paths
     assert paths.PATHS is QUANTIZATION_PATHS and paths.ALIASES is QUANTIZATION_ALIASES
-    assert set(QUANTIZATIONS) == set(QUANTIZATION_PATHS) | set(QUANTIZATION_ALIASES)
+    assert paths.MODES is QUANTIZATION_MODES
+    assert set(QUANTIZATIONS) == (set(QUANTIZATION_MODES) | set(QUANTIZATION_PATHS)
+                                  | set(QUANTIZATION_ALIASES))
     assert set(QUANTIZATION_ALIASES.values()) <= set(QUANTIZATION_PATHS)
     assert field_types(EngineConfig)["dtype"].choices == DTYPES
     with pytest.raises(TypeError):

@@ -103,10 +103,10 @@ def test_gguf_native_model_logits_equal_dequantized_float(caplog):
 
 
 @pytest.mark.model
-def test_smollm2_native_pytrees_are_the_files_weights(smollm2_fp32, smollm2_path):
+def test_smollm2_native_pytrees_are_the_files_weights(smollm2_gguf, smollm2_path):
     """Every native kernel dequantizes to exactly the loader's float weight (which undid the
     Q/K row permutation); linear outputs equal matmuls with gguf's dequantized file tensors."""
-    m = smollm2_fp32
+    m = smollm2_gguf
     assert {t.qtype for t in m.raw.values()} == {QT.Q4_1, QT.Q8_0}
     native = gguf_native_params(m.params, m.raw, m.config)
     for block, name in LINEARS:

@@ -7,6 +7,7 @@ Slow: on SmolLM2 each path agrees with the float32 engine at a measured level (d
 """
 
 import dataclasses
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +16,7 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.runtime import backends
-from jaxserve.quantization.paths import activation_bits, prepare_model
+from jaxserve.quantization.paths import activation_bits, auto_path, prepare_model
 from jaxserve.testing.tiny_models import TINY_TIED
 from models.model import Model
 from models.random_init import random_model
@@ -72,7 +73,38 @@ def test_gguf_engine_equals_dense_oracle_on_native_blocks():
     want = [dense_greedy(qmodel, qmodel.params, linear, [t % 128 for t in p]) for p in prompts]
     assert got == want
     # ...and the native blocks are exactly the dequantized weights the float engine runs on.
-    assert got == engine_greedy(model, [[t % 128 for t in p] for p in prompts], None)
+    assert got == engine_greedy(model, [[t % 128 for t in p] for p in prompts], "none")
+
+
+def test_auto_serves_a_gguf_files_blocks_and_none_serves_float(caplog):
+    """quantization="auto" (the default) serves a GGUF model's own blocks, as llama.cpp and
+    vLLM do, and says so; "none" serves the dequantized float weights; where the gguf path
+    cannot run (tensor parallel, mixture of experts) auto falls back to float and says why."""
+    _, params, raw = tiny_gguf_model()
+    model = Model(config=GGUF_TINY, params=params, tokenizer=None, dtype="float32",
+                  source="tiny.gguf", raw=raw)
+    prompts = [[t % 128 for t in p[:6]] for p in PROMPTS]
+    with caplog.at_level(logging.INFO, logger="jaxserve"):
+        auto = LLM(model, **ENGINE)
+    assert auto.engine.quantization == "gguf"
+    assert "weights: the file's own Q4_0/Q4_1/Q8_0 blocks (quantization='none'" in caplog.text
+    assert LLM(model, quantization="none", **ENGINE).engine.quantization is None
+    assert engine_greedy(model, prompts, "auto") == engine_greedy(model, prompts, "gguf")
+    assert auto_path(model, tensor_parallel_size=2)[0] is None
+    assert "runs on one device" in auto_path(model, tensor_parallel_size=2)[1]
+    moe = dataclasses.replace(model, config=dataclasses.replace(
+        GGUF_TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32))
+    assert auto_path(moe) == (None, "float weights: the file's Q4_0/Q4_1/Q8_0 blocks are "
+                              "dequantized, as a mixture-of-experts model has no gguf path")
+    # A model without blocks (an HF checkpoint, or the blocks dropped) stays float.
+    assert auto_path(dataclasses.replace(model, raw={}))[0] is None
+
+
+def test_a_quantized_checkpoint_is_served_on_its_path_and_refuses_float():
+    qmodel, _ = prepare_model(random_model(TINY, seed=5), "w8a16")
+    assert prepare_model(qmodel, "auto")[1] == "w8a16"
+    with pytest.raises(ValueError, match="holds w8a16 weights; it cannot be served as float"):
+        prepare_model(qmodel, "none")
 
 
 # ---- the real model -----------------------------------------------------------------------
@@ -113,7 +145,7 @@ def chat_prompts(smollm2_fp32):
 
 @pytest.fixture(scope="module")
 def fp32_tokens(smollm2_fp32, chat_prompts):
-    return engine_greedy(smollm2_fp32, chat_prompts, None, **SMOL)
+    return engine_greedy(smollm2_fp32, chat_prompts, "none", **SMOL)
 
 
 # Bounds from measurements (16 prompts x 8 greedy tokens; docs/quantization.md, "Quantized
@@ -132,8 +164,8 @@ BOUNDS = {"gguf": 1.0, "w8a16": 0.75, "w8a8": 0.4, "w4a16": 0.3, "w4a8": 0.25}
 
 @pytest.mark.parametrize("path", list(BOUNDS))
 @pytest.mark.model
-def test_smollm2_greedy_agrees_with_fp32(smollm2_fp32, chat_prompts, fp32_tokens, path):
-    out = engine_greedy(smollm2_fp32, chat_prompts, path, **SMOL)
+def test_smollm2_greedy_agrees_with_fp32(smollm2_gguf, chat_prompts, fp32_tokens, path):
+    out = engine_greedy(smollm2_gguf, chat_prompts, path, **SMOL)
     assert prefix_agreement(fp32_tokens, out) >= BOUNDS[path]
 
 
@@ -142,5 +174,5 @@ def test_smollm2_greedy_agrees_with_fp32(smollm2_fp32, chat_prompts, fp32_tokens
 @pytest.mark.model
 def test_smollm2_broken_scales_fail_the_bound(smollm2_fp32, chat_prompts, fp32_tokens, path,
                                               factor):
-    out = engine_greedy(scaled(smollm2_fp32, path, factor), chat_prompts, None, **SMOL)
+    out = engine_greedy(scaled(smollm2_fp32, path, factor), chat_prompts, "auto", **SMOL)
     assert prefix_agreement(fp32_tokens, out) < BOUNDS[path]

@@ -111,7 +111,7 @@ def build_llm(ctx: Ctx, model, quantization, backend: str | None = None):
                                                                   else 4)
     t0 = time.perf_counter()
     llm = LLM(model, attention_backend=backend, linear_backend=backend,
-              quantization=quantization, max_num_seqs=seqs, max_model_len=p.max_model_len,
+              quantization=quantization or "none", max_num_seqs=seqs, max_model_len=p.max_model_len,
               max_num_batched_tokens=next_pow2(max(512, seqs * (p.prompt_len + 1))),
               kv_cache_memory=int(kv), block_size=p.block_size, warmup=False)
     note = ensure_params_on_device(llm.engine)
