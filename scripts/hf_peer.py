@@ -7,7 +7,8 @@ run by hand, but it can be:
     .venv-ref/bin/python scripts/hf_peer.py --workload w.json --out r.json [--engine llama_cpp]
 
 Workload JSON: {"model_path": ".../x.gguf", "threads": 2, "hf_batch_size": 16,
-"hf_dtypes": ["float32", "bfloat16"], "requests": [{"prompt": [ids], "max_tokens": n}, ...],
+"hf_dtypes": ["float32", "bfloat16"], "throughput_dtypes": ["bfloat16"] (default: hf_dtypes),
+"requests": [{"prompt": [ids], "max_tokens": n}, ...],
 "batch1": {"prompt": [ids], "max_tokens": 128, "dtypes": ["float32"]}}.
 """
 
@@ -97,11 +98,12 @@ def hf_batch1(model, prompt: list[int], new_tokens: int, pad_id: int, repeats: i
     for _ in range(repeats):
         timer = first_token_timer()
         t0 = time.perf_counter()
-        hf_generate(model, [prompt], new_tokens, pad_id, timer)
+        out = hf_generate(model, [prompt], new_tokens, pad_id, timer)
         end = time.perf_counter()
         run = {"seconds": end - t0, "ttft_s": timer.first - t0,
                "tok_s": new_tokens / (end - t0),
-               "decode_tok_s": (new_tokens - 1) / (end - timer.first)}
+               "decode_tok_s": (new_tokens - 1) / (end - timer.first),
+               "token_ids": out[0, len(prompt):].tolist()}
         if best is None or run["seconds"] < best["seconds"]:
             best = run
     return best
@@ -123,7 +125,7 @@ def run_hf(work: dict) -> dict:
         warm = [r["prompt"] for r in work["requests"][:work["hf_batch_size"]]]
         hf_generate(model, warm or [[100 + i for i in range(16)]], 4, pad_id)  # untimed
         result.setdefault("warmup_seconds", {})[dtype] = time.perf_counter() - t0
-        if work["requests"]:
+        if work["requests"] and dtype in work.get("throughput_dtypes", work["hf_dtypes"]):
             result["throughput"][dtype] = hf_throughput(model, work["requests"],
                                                         work["hf_batch_size"], pad_id)
         if b1 and dtype in b1["dtypes"]:

@@ -49,7 +49,10 @@ fi
 .venv/bin/jaxserve download smollm2-135m
 # The native CPU attention kernel, compiled here for this machine (a first use would build it
 # too; without a C++ compiler the engine falls back to XLA attention).
-.venv/bin/python -m jaxserve.native >/dev/null || echo "setup: native CPU kernels not built (see above); XLA attention will serve" >&2
+# This CPU's instruction-set level; with --test every x86-64 level, which the kernel tests run
+# (the lower ones this CPU has) or compile (jaxserve/native/isa.py).
+NATIVE_ALL=$([ "$WITH_TEST" = 1 ] && echo --all || true)
+.venv/bin/python -m jaxserve.native $NATIVE_ALL >/dev/null || echo "setup: native CPU kernels not built (see above); XLA attention will serve" >&2
 
 if [ "$WITH_TEST" = 1 ]; then
   if [ ! -x .venv-ref/bin/python ]; then

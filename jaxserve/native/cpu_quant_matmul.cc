@@ -39,7 +39,6 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int kLimb = 254;     // second-limb scale (linear.py's LIMB)
-constexpr int kRows = 4;       // rows sharing one pass over a tile's codes
 constexpr int kTilesPerItem = 4;
 constexpr int kPrefetch = 4096;  // software prefetch distance on the code stream, bytes
 constexpr int64_t kMinSplitBytes = 96 << 10;  // below: one thread (see Impl)
@@ -125,75 +124,156 @@ void quantize_rows(Problem& p) {
 }
 #pragma GCC pop_options
 
+// The tile loop is written once against 16-lane vectors (simd:: below): one AVX-512 register,
+// or a pair of AVX2 ones. Which build a machine loads is chosen at start-up
+// (jaxserve/native/__init__.py, ISA_BUILDS).
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-constexpr bool kVnni = true;
+#define JAXSERVE_QMM_SIMD 1
+constexpr int kIsa = 2;  // AVX-512 VNNI: vpdpbusd, as llama.cpp
+constexpr int kRows = 4;  // rows sharing one pass over a tile's codes
 
-inline __m512i bcast4(const int8_t* p) {
+namespace simd {
+using I = __m512i;  // 16 int32 lanes (or 64 code bytes)
+using F = __m512;   // 16 float lanes
+inline I izero() { return _mm512_setzero_si512(); }
+inline I load(const uint8_t* p) { return _mm512_loadu_si512(p); }
+inline I low_nibbles(I w) { return _mm512_and_si512(w, _mm512_set1_epi8(0x0F)); }
+inline I high_nibbles(I w) {
+  return _mm512_and_si512(_mm512_srli_epi16(w, 4), _mm512_set1_epi8(0x0F));
+}
+inline I bcast4(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
   return _mm512_set1_epi32(v);
 }
-
-inline __m512 load_scales(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load_scales(const uint16_t* p) {  // float16
+// acc[j] += sum_b w[4 j + b] x[4 j + b], w unsigned bytes, x signed (exact in int32).
+// kSmall: every w < 16 (nibbles); the AVX2 form needs it to stay exact, this one does not.
+template <bool kSmall>
+inline I dot(I acc, I w, I x) { return _mm512_dpbusd_epi32(acc, w, x); }
+inline F fzero() { return _mm512_setzero_ps(); }
+inline F fset1(float v) { return _mm512_set1_ps(v); }
+inline F cvt(I v) { return _mm512_cvtepi32_ps(v); }
+inline F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+inline F fmul(F a, F b) { return _mm512_mul_ps(a, b); }
+inline F fsub(F a, F b) { return _mm512_sub_ps(a, b); }
+inline F load_scales(const float* p) { return _mm512_loadu_ps(p); }
+inline F load_scales(const uint16_t* p) {  // float16
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
+inline void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+}  // namespace simd
 
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define JAXSERVE_QMM_SIMD 1
+constexpr int kIsa = 1;  // AVX2: vpmaddubsw + vpmaddwd for the 4-byte dot products
+constexpr int kRows = 2;  // 16 ymm registers: 2 rows x 2 limbs x 2 halves of accumulators
+
+namespace simd {
+struct I { __m256i lo, hi; };  // output columns 0-7 and 8-15
+struct F { __m256 lo, hi; };
+inline I izero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+inline I load(const uint8_t* p) {
+  return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))};
+}
+inline __m256i low4(__m256i w) { return _mm256_and_si256(w, _mm256_set1_epi8(0x0F)); }
+inline __m256i high4(__m256i w) {
+  return _mm256_and_si256(_mm256_srli_epi16(w, 4), _mm256_set1_epi8(0x0F));
+}
+inline I low_nibbles(I w) { return {low4(w.lo), low4(w.hi)}; }
+inline I high_nibbles(I w) { return {high4(w.lo), high4(w.hi)}; }
+inline I bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  const __m256i b = _mm256_set1_epi32(v);
+  return {b, b};
+}
+// vpmaddubsw saturates its int16 pair sums: exact while w < 16 (2 * 15 * 127 < 32767), so
+// full bytes go through as two nibbles, 16 * dot(high) + dot(low).
+template <bool kSmall>
+inline __m256i dot8(__m256i acc, __m256i w, __m256i x) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  if constexpr (kSmall)
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones));
+  const __m256i hi = _mm256_madd_epi16(_mm256_maddubs_epi16(high4(w), x), _mm256_set1_epi16(16));
+  const __m256i lo = _mm256_madd_epi16(_mm256_maddubs_epi16(low4(w), x), ones);
+  return _mm256_add_epi32(acc, _mm256_add_epi32(hi, lo));
+}
+template <bool kSmall>
+inline I dot(I acc, I w, I x) {
+  return {dot8<kSmall>(acc.lo, w.lo, x.lo), dot8<kSmall>(acc.hi, w.hi, x.hi)};
+}
+inline F fzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline F fset1(float v) { return {_mm256_set1_ps(v), _mm256_set1_ps(v)}; }
+inline F cvt(I v) { return {_mm256_cvtepi32_ps(v.lo), _mm256_cvtepi32_ps(v.hi)}; }
+inline F fmadd(F a, F b, F c) {
+  return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+}
+inline F fmul(F a, F b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline F fsub(F a, F b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
+inline F load_scales(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline F load_scales(const uint16_t* p) {  // float16
+  return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
+}
+inline void store(float* p, F v) {
+  _mm256_storeu_ps(p, v.lo);
+  _mm256_storeu_ps(p + 8, v.hi);
+}
+}  // namespace simd
+#endif
+
+#if defined(JAXSERVE_QMM_SIMD)
 // Rows [r0, r0 + R) against output tile t; LIMBS, BITS, the scale type ST compile-time.
 template <int R, int LIMBS, int BITS, typename ST>
 void tile_rows(const Problem& p, int64_t t, int64_t r0) {
+  using namespace simd;
   const int64_t k = p.k, g = p.group;
   const int64_t chunk_k = BITS == 4 ? 8 : 4;  // inputs per 64-byte chunk
   const uint8_t* codes = p.codes + t * (k / chunk_k) * 64;
   const ST* sc = static_cast<const ST*>(p.scales) + t * p.groups * 16;
   const ST* bs = p.offsets ? static_cast<const ST*>(p.offsets) + t * p.groups * 16 : nullptr;
-  const __m512 shift = _mm512_set1_ps(float(p.shift));
+  const F shift = fset1(float(p.shift));
   const int8_t* xr[R][LIMBS];
   for (int r = 0; r < R; ++r)
     for (int l = 0; l < LIMBS; ++l) xr[r][l] = p.xq.data() + ((r0 + r) * LIMBS + l) * k;
-  __m512 facc[R];
-  for (int r = 0; r < R; ++r) facc[r] = _mm512_setzero_ps();
-  const __m512i nib = _mm512_set1_epi8(0x0F);
-  const __m512 inv_limb = _mm512_set1_ps(1.0f / float(kLimb));
+  F facc[R];
+  for (int r = 0; r < R; ++r) facc[r] = fzero();
+  const F inv_limb = fset1(1.0f / float(kLimb));
   for (int64_t grp = 0; grp < p.groups; ++grp) {
-    __m512i iacc[R][LIMBS];
+    I iacc[R][LIMBS];
     for (int r = 0; r < R; ++r)
-      for (int l = 0; l < LIMBS; ++l) iacc[r][l] = _mm512_setzero_si512();
+      for (int l = 0; l < LIMBS; ++l) iacc[r][l] = izero();
     const int64_t k0 = grp * g;
     for (int64_t kk = k0; kk < k0 + g; kk += chunk_k) {
       const uint8_t* at = codes + (kk / chunk_k) * 64;
       _mm_prefetch(reinterpret_cast<const char*>(at) + kPrefetch, _MM_HINT_T0);
-      const __m512i w = _mm512_loadu_si512(at);
+      const I w = load(at);
       if constexpr (BITS == 4) {
-        const __m512i lo = _mm512_and_si512(w, nib);
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), nib);
+        const I lo = low_nibbles(w), hi = high_nibbles(w);
         for (int r = 0; r < R; ++r)
           for (int l = 0; l < LIMBS; ++l) {
-            iacc[r][l] = _mm512_dpbusd_epi32(iacc[r][l], lo, bcast4(xr[r][l] + kk));
-            iacc[r][l] = _mm512_dpbusd_epi32(iacc[r][l], hi, bcast4(xr[r][l] + kk + 4));
+            iacc[r][l] = dot<true>(iacc[r][l], lo, bcast4(xr[r][l] + kk));
+            iacc[r][l] = dot<true>(iacc[r][l], hi, bcast4(xr[r][l] + kk + 4));
           }
       } else {
         for (int r = 0; r < R; ++r)
           for (int l = 0; l < LIMBS; ++l)
-            iacc[r][l] = _mm512_dpbusd_epi32(iacc[r][l], w, bcast4(xr[r][l] + kk));
+            iacc[r][l] = dot<false>(iacc[r][l], w, bcast4(xr[r][l] + kk));
       }
     }
-    const __m512 s = load_scales(sc + grp * 16);
-    const __m512 b = bs ? _mm512_fmadd_ps(s, shift, load_scales(bs + grp * 16))
-                        : _mm512_setzero_ps();
+    const F s = load_scales(sc + grp * 16);
+    const F b = bs ? fmadd(s, shift, load_scales(bs + grp * 16)) : fzero();
     for (int r = 0; r < R; ++r) {
-      __m512 d = _mm512_cvtepi32_ps(iacc[r][0]);
-      if constexpr (LIMBS == 2)
-        d = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[r][1]), inv_limb, d);
-      const float c = p.corr[(r0 + r) * p.groups + grp];
-      d = _mm512_sub_ps(d, _mm512_set1_ps(c));
-      facc[r] = _mm512_fmadd_ps(s, _mm512_mul_ps(d, _mm512_set1_ps(p.sx[r0 + r])), facc[r]);
-      if (bs) facc[r] = _mm512_fmadd_ps(b, _mm512_set1_ps(p.xsum[(r0 + r) * p.groups + grp]),
-                                        facc[r]);
+      F d = cvt(iacc[r][0]);
+      if constexpr (LIMBS == 2) d = fmadd(cvt(iacc[r][1]), inv_limb, d);
+      d = fsub(d, fset1(p.corr[(r0 + r) * p.groups + grp]));
+      facc[r] = fmadd(s, fmul(d, fset1(p.sx[r0 + r])), facc[r]);
+      if (bs) facc[r] = fmadd(b, fset1(p.xsum[(r0 + r) * p.groups + grp]), facc[r]);
     }
   }
   const int64_t n16 = p.tiles * 16;
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(p.out + (r0 + r) * n16 + t * 16, facc[r]);
+  for (int r = 0; r < R; ++r) store(p.out + (r0 + r) * n16 + t * 16, facc[r]);
 }
 
 template <int LIMBS, int BITS, typename ST>
@@ -210,7 +290,8 @@ void run_tiles(const Problem& p, int64_t t0, int64_t t1) {
   }
 }
 #else
-constexpr bool kVnni = false;
+constexpr int kIsa = 0;
+constexpr int kRows = 1;
 
 inline float scale_at(const float* p, int64_t i) { return p[i]; }
 inline float scale_at(const uint16_t* p, int64_t i) {  // float16 -> float32
@@ -227,7 +308,7 @@ inline float scale_at(const uint16_t* p, int64_t i) {  // float16 -> float32
   return sign ? -v : v;
 }
 
-// Portable loop (machines without AVX-512 VNNI): the same sums, one lane at a time.
+// Portable loop (machines without AVX2): the same sums, one lane at a time.
 template <int LIMBS, int BITS, typename ST>
 void run_tiles(const Problem& p, int64_t t0, int64_t t1) {
   const ST* scales = static_cast<const ST*>(p.scales);
@@ -330,8 +411,9 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::
 
 }  // namespace
 
-// 1 where the library was built with the VNNI loop, 0 for the portable one (ctypes query).
-extern "C" int jaxserve_quant_matmul_vnni() { return kVnni ? 1 : 0; }
+// The tile loop this library was built with (ctypes query): 2 AVX-512 VNNI, 1 AVX2, 0 the
+// portable loop.
+extern "C" int jaxserve_quant_matmul_isa() { return kIsa; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQuantMatmul, Impl,
                               ffi::Ffi::Bind()

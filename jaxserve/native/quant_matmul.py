@@ -12,15 +12,19 @@ from models.quantized import CpuPackedWeight
 LIMB = 254  # as cpu_quant_matmul.cc's kLimb and quantization/linear.py's LIMB
 
 
-def vnni() -> bool:
-    """Whether the loaded library runs the AVX-512 VNNI loop (else its portable one)."""
-    return bool(native.load().jaxserve_quant_matmul_vnni())
+ISA_LOOPS = {2: "AVX-512 VNNI", 1: "AVX2", 0: "portable"}
+
+
+def simd() -> bool:
+    """Whether the loaded library runs a vector tile loop (AVX-512 VNNI or AVX2), else its
+    portable one (slower than XLA's dots)."""
+    return bool(native.load().jaxserve_quant_matmul_isa())
 
 
 def quant_matmul_cpu(x, w: CpuPackedWeight, limbs: int, target: str = "jaxserve_quant_matmul"):
     """x [M, K] -> [M, N] float32 = x @ w, activations int8 per row (`limbs` 1: W4A8 / W8A8;
     2: the 16-bit two-limb fixed point of W8A16). w carries no leading axes. `target`: the
-    FFI target (tests register the portable build under another name)."""
+    FFI target (tests register other levels' builds under other names: native.load_build)."""
     native.load()
     m = x.shape[0]
     n16 = w.codes.shape[0] * 16

@@ -20,7 +20,7 @@ from jaxserve.runtime.attention_backends import (AttentionBackend, CpuAttention,
                                                  XlaAttention)
 from jaxserve.config import BACKENDS
 from jaxserve.native import float_matmul
-from jaxserve.native.quant_matmul import vnni
+from jaxserve.native.quant_matmul import simd
 from jaxserve.quantization.cpu_packed import pack_params, repacks
 from jaxserve.quantization.gpu_format import gpu_params
 from jaxserve.quantization.linear import ACTIVATION_BITS, quantized_linear
@@ -52,9 +52,9 @@ def resolve(kind: str, attention: bool = False) -> str:
             return "pallas"
         if jax.default_backend() == "cpu":
             why = native.unavailable_reason()
-            if why is None and not attention and not vnni():
+            if why is None and not attention and not simd():
                 # The portable loop is correct but slower than XLA's dots.
-                why = "built without AVX-512 VNNI"
+                why = "this CPU has neither AVX-512 VNNI nor AVX2"
             if why is None:
                 return "cpu"
             log.warning("native CPU %s unavailable (%s): using XLA", what, why)

@@ -99,8 +99,8 @@ def test_rejects_what_it_cannot_run():
 def test_auto_picks_the_kernel_or_falls_back(monkeypatch, caplog):
     assert native.unavailable_reason() is None  # scripts/setup.sh's build ran
     assert backends.resolve("auto", attention=True) == "cpu"
-    # Linears: the native quantized matmul where it has its VNNI loop (test_cpu_quant_matmul).
-    assert backends.resolve("auto") == ("cpu" if backends.vnni() else "xla")
+    # Linears: the native quantized matmul where it has a vector loop (test_cpu_quant_matmul).
+    assert backends.resolve("auto") == ("cpu" if backends.simd() else "xla")
     monkeypatch.setattr(native, "unavailable_reason", lambda: "no C++ compiler found")
     with caplog.at_level(logging.WARNING, logger="jaxserve"):
         assert backends.resolve("auto", attention=True) == "xla"

@@ -11,15 +11,13 @@
 
 from __future__ import annotations
 
-import ctypes
-import subprocess
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxserve import LLM, native
+from jaxserve.native import isa
 from jaxserve.native.float_matmul import error_bound, float_matmul_cpu, float_matmul_reference
 from jaxserve.runtime import backends
 from models.random_init import random_model
@@ -75,19 +73,14 @@ def test_bad_weights_are_refused():
 
 
 @pytest.fixture(scope="module")
-def portable_target(tmp_path_factory):
-    """The float matmul built without AVX-512 (its portable loop), under its own target."""
-    out = tmp_path_factory.mktemp("portable") / "libportable_float.so"
-    src = [s for s in native.SOURCES if s.name == "cpu_float_matmul.cc"]
-    res = subprocess.run([native._compiler(), *native.FLAGS, "-mno-avx512f", "-I",
-                          jax.ffi.include_dir(), *map(str, src), "-o", str(out)],
-                         capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr[-2000:]
-    lib = ctypes.cdll.LoadLibrary(str(out))
-    assert lib.jaxserve_float_matmul_avx512() == 0
-    jax.ffi.register_ffi_target("jaxserve_float_matmul_portable",
-                                jax.ffi.pycapsule(lib.JaxserveFloatMatmul), platform="cpu")
-    return "jaxserve_float_matmul_portable"
+def portable_target():
+    """The float matmul's portable loop: the AVX2 build (jaxserve/native/isa.py) has no AVX-512
+    loop, so it runs that one, registered under its own target name."""
+    build = isa.BY_NAME["avx2"]
+    if not build.needs <= isa.cpu_flags():
+        pytest.skip("this CPU does not run the avx2 build")
+    assert native.load_build(build, "avx2").jaxserve_float_matmul_avx512() == 0
+    return "jaxserve_float_matmul_avx2"
 
 
 @pytest.mark.parametrize("m,dtype,transposed", [(1, "float32", False), (9, "bfloat16", False),
@@ -131,6 +124,6 @@ def test_engine_on_native_float_path_equals_dense_oracle():
     llm = LLM(model, linear_backend="cpu", **ENGINE)
     assert not llm.engine.runner.unroll_layers  # float weights keep the scan (start-up time)
     want = [dense_greedy(model, model.params, backends.linear_backend("xla"), p) for p in PROMPTS]
-    got = engine_greedy(model, PROMPTS, None, linear_backend="cpu")
+    got = engine_greedy(model, PROMPTS, "none", linear_backend="cpu")
     assert got == want
-    assert engine_greedy(model, PROMPTS, None, linear_backend="cpu", layer_loop="unrolled") == want
+    assert engine_greedy(model, PROMPTS, "none", linear_backend="cpu", layer_loop="unrolled") == want

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import logging
+import platform
 
 import gguf
 import jax
@@ -20,7 +21,7 @@ import pytest
 
 from compile_guard import count_compiles
 from jaxserve import EngineConfig, LLMEngine, SamplingParams, native
-from jaxserve.native import quant_matmul
+from jaxserve.native import isa, quant_matmul
 from jaxserve.native.quant_matmul import quant_matmul_cpu, quant_matmul_reference
 from jaxserve.quantization import dequantize_weight
 from jaxserve.quantization.cpu_packed import pack_params, pack_weight
@@ -96,10 +97,34 @@ SHAPES = [(1, 64, 48, 32), (2, 128, 80, 64), (3, 256, 16, 128), (5, 96, 112, 32)
           (7, 128, 37, 64), (16, 256, 48, 128), (33, 64, 80, 32), (64, 128, 48, 64)]
 
 
+# Each instruction-set level's loop (jaxserve/native/isa.py): this machine's build as loaded,
+# and the lower levels this CPU also runs, built beside it under their own target names.
+LEVELS = {"avx2": 1, "x86-64": 0}
+
+
+@pytest.fixture(scope="module")
+def level_targets():
+    """{level: the quantized matmul's FFI target in that level's build}, for the levels below
+    this machine's that it can run."""
+    flags = isa.cpu_flags()
+    out = {}
+    for name, loop in LEVELS.items():
+        build = isa.BY_NAME[name]
+        if build.needs <= flags and platform.machine() in ("x86_64", "AMD64"):
+            suffix = name.replace("-", "_")
+            assert native.load_build(build, suffix).jaxserve_quant_matmul_isa() == loop
+            out[name] = f"jaxserve_quant_matmul_{suffix}"
+    return out
+
+
 @pytest.mark.parametrize("limbs", [1, 2])
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("m,k,n,g", SHAPES)
-def test_kernel_matches_numpy_reference(m, k, n, g, bits, limbs):
+@pytest.mark.parametrize("level", ["loaded", "avx2"])
+def test_kernel_matches_numpy_reference(m, k, n, g, bits, limbs, level, level_targets):
+    if level != "loaded" and level not in level_targets:
+        pytest.skip(f"this CPU does not run the {level} build")
+    target = level_targets.get(level, "jaxserve_quant_matmul")
     rng = np.random.default_rng(m * 1000 + k + n)
     w = random_weight(bits, k, n, g, offsets=(m + bits) % 2 == 1, rng=rng, f16=m % 2 == 0)
     x = rng.standard_normal((m, k)).astype(np.float32)
@@ -107,44 +132,23 @@ def test_kernel_matches_numpy_reference(m, k, n, g, bits, limbs):
     cw = pack_weight(w)
     assert cw.scales.dtype == (jnp.float16 if m % 2 == 0 else jnp.float32)
     u, s, b = decode(cw)
-    y = np.asarray(quant_matmul_cpu(jnp.asarray(x), cw, limbs))
+    y = np.asarray(quant_matmul_cpu(jnp.asarray(x), cw, limbs, target=target))
     assert y.shape == (m, n) and y.dtype == np.float32
     ref = quant_matmul_reference(x, u, s, b, cw.zero, limbs)
     # Integer dots exact; float32 only in the per-group scaling and sums.
     np.testing.assert_allclose(y, ref, rtol=2e-6, atol=2e-6 * np.abs(ref).max())
-    # ...and the float matmul within the activations' rounding: |x - x_hat| <= sx / 2 (one
-    # limb) or sx / 508 (two), against the part of the weight that meets them, s (u - z).
-    exact = x.astype(np.float64) @ np.asarray(dequantize_weight(w), np.float64)
-    step = np.abs(x).max(axis=1, keepdims=True) / 127 / (2 if limbs == 1 else 2 * 254)
-    w_sym = np.abs(np.repeat(s, g, 0) * (u - cw.zero)).sum(axis=0)  # [N]
-    assert np.all(np.abs(y - exact) <= step * w_sym * 1.001 + 1e-5 * np.abs(exact).max())
-
-
-@pytest.fixture(scope="module")
-def portable_target(tmp_path_factory):
-    """The library built without AVX-512 VNNI (its portable loop), under its own target."""
-    import ctypes
-    import subprocess
-    out = tmp_path_factory.mktemp("portable") / "libportable.so"
-    src = [s for s in native.SOURCES if s.name == "cpu_quant_matmul.cc"]
-    res = subprocess.run([native._compiler(), *native.FLAGS, "-mno-avx512vnni", "-I",
-                          jax.ffi.include_dir(), *map(str, src), "-o", str(out)],
-                         capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr[-2000:]
-    lib = ctypes.cdll.LoadLibrary(str(out))
-    assert lib.jaxserve_quant_matmul_vnni() == 0
-    jax.ffi.register_ffi_target("jaxserve_quant_matmul_portable",
-                                jax.ffi.pycapsule(lib.JaxserveQuantMatmul), platform="cpu")
-    return "jaxserve_quant_matmul_portable"
 
 
 @pytest.mark.parametrize("bits,limbs,m,f16", [(4, 1, 5, False), (4, 2, 2, True),
                                               (8, 2, 3, False), (8, 1, 1, True)])
-def test_portable_loop_matches_numpy_reference(portable_target, bits, limbs, m, f16):
+def test_portable_loop_matches_numpy_reference(level_targets, bits, limbs, m, f16):
+    if "x86-64" not in level_targets:
+        pytest.skip("not an x86-64 CPU")
     rng = np.random.default_rng(bits + m)
     cw = pack_weight(random_weight(bits, 128, 37, 32, offsets=True, rng=rng, f16=f16))
     x = rng.standard_normal((m, 128)).astype(np.float32)
-    y = np.asarray(quant_matmul_cpu(jnp.asarray(x), cw, limbs, target=portable_target))
+    y = np.asarray(quant_matmul_cpu(jnp.asarray(x), cw, limbs,
+                                 target=level_targets["x86-64"]))
     u, s, b = decode(cw)
     ref = quant_matmul_reference(x, u, s, b, cw.zero, limbs)
     np.testing.assert_allclose(y, ref, rtol=2e-6, atol=2e-6 * np.abs(ref).max())
@@ -214,7 +218,7 @@ def test_engine_on_native_path_equals_dense_oracle(path):
     got = engine_greedy(model, prompts, path, linear_backend="cpu")
     assert got == want
     if path == "gguf":  # the file's weights, as the float engine on the dequantized ones
-        assert got == engine_greedy(model, prompts, None)
+        assert got == engine_greedy(model, prompts, "none")
 
 
 def test_native_path_compiles_nothing_after_warmup():
@@ -250,6 +254,6 @@ def test_fallback_to_xla_without_the_native_library(monkeypatch, caplog):
 
 
 def test_portable_build_is_not_picked_for_linears(monkeypatch):
-    monkeypatch.setattr(backends, "vnni", lambda: False)
+    monkeypatch.setattr(backends, "simd", lambda: False)
     assert backends.resolve("auto") == "xla"
     assert backends.resolve("auto", attention=True) == "cpu"
