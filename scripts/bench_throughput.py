@@ -54,8 +54,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true",
                     help="16 requests, prompts 32-128, outputs 16-64, batch-1 64 new tokens, "
                          "2 rounds")
-    ap.add_argument("--rounds", type=int, default=3,
-                    help="every side runs once per round, in turn (medians and ranges over them)")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="every side runs once per round, in turn (medians and ranges over "
+                         "them); default 3 (--quick: 2)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                     help="jaxserve dtype of the --quantization sides")
@@ -98,7 +99,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.quick:
         args.num_requests, args.prompt_len, args.output_len = 16, (32, 128), (16, 64)
-        args.batch1_new_tokens, args.rounds = 64, 2
+        args.batch1_new_tokens = 64
+    if args.rounds is None:
+        args.rounds = 2 if args.quick else 3
     if args.rounds < 1:
         ap.error("--rounds must be >= 1")
     return args
@@ -231,7 +234,10 @@ def run_hf(args, workload: list[dict], b1_prompt: list[int], model_path: str) ->
     """One HF pass: the workload in each --hf-dtypes, batch 1 in float32 and bfloat16."""
     work = {"model_path": model_path, "threads": args.threads,
             "hf_batch_size": args.hf_batch_size,
-            "hf_dtypes": sorted({*[d for d in args.hf_dtypes.split(",") if d], "float32"}),
+            # float32 first: the model is cast in place, and float32 after bfloat16 would run
+            # bf16-rounded weights.
+            "hf_dtypes": ["float32", *[d for d in args.hf_dtypes.split(",") if d and
+                                       d != "float32"]],
             "throughput_dtypes": [d for d in args.hf_dtypes.split(",") if d],
             "requests": workload,
             "batch1": {"prompt": b1_prompt, "max_tokens": args.batch1_new_tokens,
