@@ -30,7 +30,7 @@ def main(argv: list[str]) -> None:
     kv = argv[1] if len(argv) > 1 else "auto"
     args = bt.parse_args(["--num-requests", "48", "--prompt-len", "32", "256", "--output-len",
                           "32", "128", "--dtype", "float32", "--kv-cache-dtype", kv])
-    llm, _ = bt.build_llm(args, "float32", None if quant == "none" else quant)
+    llm, _ = bt.build_llm(args, "float32", quant)
     workload = make_workload(args.seed, args.num_requests, args.prompt_len, args.output_len)
     engine = llm.engine
     for rnd in range(2):
