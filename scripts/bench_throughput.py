@@ -133,14 +133,19 @@ class Side:
     defaults: bool = False  # LLM(model) as a user first builds it
 
 
+def tuned_kwargs(args) -> dict:
+    """The benchmark's engine settings (every side but LLM(model)'s defaults)."""
+    return dict(block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
+                kv_cache_dtype=args.kv_cache_dtype,
+                **({} if args.layer_loop == "auto" else {"layer_loop": args.layer_loop}),
+                **({} if args.async_scheduling == "default" else
+                   {"async_scheduling": args.async_scheduling == "on"}))
+
+
 def jaxserve_sides(args) -> list[Side]:
-    tuned = dict(block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                 max_num_batched_tokens=args.max_num_batched_tokens,
-                 max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
-                 kv_cache_dtype=args.kv_cache_dtype,
-                 **({} if args.layer_loop == "auto" else {"layer_loop": args.layer_loop}),
-                 **({} if args.async_scheduling == "default" else
-                    {"async_scheduling": args.async_scheduling == "on"}))
+    tuned = tuned_kwargs(args)
     sides = [Side("jaxserve LLM(model) defaults", {}, defaults=True)] if args.defaults else []
     for quant in [q for q in args.quantization.split(",") if q]:
         sides.append(Side(f"jaxserve {args.dtype} {quant}",
@@ -152,10 +157,8 @@ def jaxserve_sides(args) -> list[Side]:
 
 def build_llm(args, dtype: str, quantization: str = "none"):
     """An engine with the benchmark's settings (scripts/throughput_step_times.py uses it)."""
-    side = next(s for s in jaxserve_sides(dataclasses.replace(
-        args, quantization=quantization, dtype=dtype, defaults=False, also_dtypes=""))
-        if s.kwargs["quantization"] == quantization)
-    return build(args, side)
+    return build(args, Side(f"jaxserve {dtype} {quantization}",
+                            dict(tuned_kwargs(args), dtype=dtype, quantization=quantization)))
 
 
 def build(args, side: Side):

@@ -12,9 +12,6 @@ from models.quantized import CpuPackedWeight
 LIMB = 254  # as cpu_quant_matmul.cc's kLimb and quantization/linear.py's LIMB
 
 
-ISA_LOOPS = {2: "AVX-512 VNNI", 1: "AVX2", 0: "portable"}
-
-
 def simd() -> bool:
     """Whether the loaded library runs a vector tile loop (AVX-512 VNNI or AVX2), else its
     portable one (slower than XLA's dots)."""
