@@ -42,9 +42,8 @@ def cuda_compiler_available() -> str | None:
 
 
 def _h200_topology():
-    from jax.experimental import topologies
-    return topologies.get_topology_desc(platform="cuda", target_config=H200_TARGET_CONFIG,
-                                        topology="1x1x1")
+    from jaxserve.tools.deviceless import h200_topology
+    return h200_topology()
 
 
 def compile_for_h200(fn, *args):

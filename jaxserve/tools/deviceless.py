@@ -8,6 +8,7 @@ directory. See docs/gpu.md: neither a launch failure nor a wrong result shows he
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import importlib.util
 import os
@@ -78,8 +79,25 @@ exit $rc
 """
 
 
+def load_mosaic_gpu_runtime() -> None:
+    """Makes the plugin's Mosaic GPU runtime (its TMA-descriptor and launch functions) visible
+    to the host code XLA links for a `plgpu.kernel` call. A GPU client loads it; without one,
+    a deviceless compile of a Mosaic GPU kernel fails with "Symbols not found:
+    mosaic_gpu_launch_kernel" unless it is loaded first, globally. No-op when absent."""
+    spec = importlib.util.find_spec("jax_plugins.xla_cuda13")
+    if spec is None or not spec.submodule_search_locations:
+        return
+    for location in spec.submodule_search_locations:
+        found = sorted(pathlib.Path(location).parents[1].glob(
+            "jax_cuda13_plugin/libmosaic_gpu_runtime.so"))
+        if found:
+            ctypes.CDLL(str(found[0]), mode=ctypes.RTLD_GLOBAL)
+            return
+
+
 def h200_topology(num_devices: int = 1):
     from jax.experimental import topologies
+    load_mosaic_gpu_runtime()
     return topologies.get_topology_desc(platform="cuda", target_config=H200_TARGET_CONFIG,
                                         topology=f"1x1x{num_devices}")
 
