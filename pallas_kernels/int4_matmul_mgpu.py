@@ -101,7 +101,8 @@ def pick_split(m: int, k: int, n: int, block_m: int | None = None) -> int:
 
 def cost(m: int, k: int, n: int, group_size: int) -> dict:
     """HBM bytes (read + written), FLOPs and launches of one call at the default tiling, with
-    the engine's bf16 activations, scales and offsets."""
+    the engine's bf16 activations, scales and offsets (offsets counted; symmetric reads less).
+    Split-K partials are counted written and read once, although at decode they stay in L2."""
     bm = _block_m(m)
     mp = -(-m // bm) * bm
     split = pick_split(m, k, n, bm)
@@ -109,7 +110,8 @@ def cost(m: int, k: int, n: int, group_size: int) -> dict:
     groups = k // group_size
     weights = m_blocks * (k * n // 2 + 2 * 2 * groups * n)  # each M block re-reads them
     prep = 2 * m * k + 2 * mp * k + 4 * groups * mp          # read x, write padded x and sums
-    kernel_x = (n // _BLOCK_N) * split * (2 * mp * k // split + 4 * groups * mp // split)
+    # Every 64-column block re-reads x and its sums, from the 50 MB L2: HBM sees them once.
+    kernel_x = 2 * mp * k + 4 * groups * mp
     partials = 4 * split * n * mp
     epilogue = partials + 2 * m * n
     return dict(bytes=weights + prep + kernel_x + partials + epilogue, flops=2 * m * k * n,
