@@ -118,7 +118,7 @@ def cost(m: int, k: int, n: int, group_size: int) -> dict:
                 launches=3)
 
 
-def _kernel(*refs, group_size, block_m, tiles_per_split, symmetric, dtype):
+def int4_matmul_mgpu_kernel(*refs, group_size, block_m, tiles_per_split, symmetric, dtype):
     if symmetric:
         x_ref, xs_ref, p_ref, s_ref, out_ref, w_smem, out_smem = refs
         o_ref = None
@@ -224,7 +224,7 @@ def int4_matmul_mgpu(x, packed, scales, offsets, *, group_size: int, block_m=Non
     symmetric = offsets is None
     swizzle = g
     w_tr = (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
-    kernel = functools.partial(_kernel, group_size=g, block_m=bm,
+    kernel = functools.partial(int4_matmul_mgpu_kernel, group_size=g, block_m=bm,
                                tiles_per_split=k // _TILE_K // split, symmetric=symmetric,
                                dtype=x.dtype)
     call = plgpu.kernel(
