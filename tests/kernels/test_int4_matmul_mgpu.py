@@ -4,8 +4,10 @@ refused shapes, and deviceless sm_90a lowering and compiles of the engine's shap
 
 Tolerances: pallas_kernels/cases.py INT4_TOLERANCE, as for the Triton kernel. Grid: every
 (K, N) x group size x {symmetric, asymmetric} at M = 16 in bf16 with bf16 scales (the shapes
-differ from the Triton grid's: K must be a multiple of 128); every M in {1, 7, 16, 64} x
-symmetry at one shape; f16 activations once; M = 70 (two M blocks) once.
+differ from the Triton grid's); every M in {1, 7, 16, 64} x symmetry at one shape; f16
+activations once; M = 70 (two M blocks) once; 4 K tiles in one split. K % 128 == 64 (a
+half-tile tail, one split of its own): SmolLM2's three K = 576 GEMMs x g in {32, 64} x M in
+{1 (symmetric), 16 (asymmetric)}, and the tail beside a split of 4 tiles.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ RACES = plgpu.InterpretGPUParams(detect_races=True)
 SHAPES = [(256, 512), (512, 128), (1536, 64)]
 GROUPS = [32, 64, 128]
 SHAPE_GRID = [(k, n, g) for k, n in SHAPES for g in GROUPS]
+TAIL_GRID = [(k, n, g) for k, n in [(576, 576), (576, 192), (576, 1536)] for g in (32, 64)]
 
 
 def _run(capfd, m, k, n, g, symmetric, dtype=jnp.bfloat16, **blocks):
@@ -53,6 +56,22 @@ def _bound(ref, dtype):
 @pytest.mark.parametrize("k,n,g", SHAPE_GRID)
 def test_matches_reference_shapes(k, n, g, symmetric, capfd):
     _run(capfd, 16, k, n, g, symmetric)
+
+
+@pytest.mark.parametrize("m,symmetric", [(1, True), (16, False)])
+@pytest.mark.parametrize("k,n,g", TAIL_GRID)
+def test_matches_reference_k_tail(m, k, n, g, symmetric, capfd):
+    """SmolLM2's d_model: 4 full K tiles in 4 splits, and the last 64 rows as a fifth."""
+    _run(capfd, m, k, n, g, symmetric)
+
+
+def test_multi_tile_splits_and_k_tail(capfd):
+    """The grids above give every split 1 or 2 K tiles; from 3 the pipeline refills a slot read
+    two steps before (a race if a read of it is not fenced), so 4 tiles in one split, with and
+    without the tail beside it."""
+    _run(capfd, 5, 512, 64, 32, True, split_k=1)
+    _run(capfd, 5, 576, 64, 32, False, split_k=1)
+    _run(capfd, 3, 192, 64, 64, True)  # one full tile: the tail re-reads all of its second half
 
 
 @pytest.mark.parametrize("symmetric", [False, True])
@@ -85,14 +104,16 @@ def test_race_detector_catches_a_racy_kernel(capfd):
 
 
 @pytest.mark.parametrize("m,k,n,g,dtype,match", [
-    (1, 576, 1536, 64, jnp.bfloat16, "multiple of 128"),   # SmolLM2's d_model
-    (1, 512, 96, 64, jnp.bfloat16, "multiple of 64"),
+    (1, 576, 1536, 128, jnp.bfloat16, "multiple of group_size"),
+    (1, 608, 128, 32, jnp.bfloat16, "K=608 must be a multiple of 64"),
+    (1, 64, 128, 32, jnp.bfloat16, "at least 128"),  # no full tile for the tail to end
+    (1, 512, 96, 64, jnp.bfloat16, "N=96 must be a multiple of 64"),
     (1, 512, 128, 16, jnp.bfloat16, "group_size"),
     (1, 512, 128, 64, jnp.float32, "bfloat16 or float16"),
 ])
 def test_refused_shapes_raise(m, k, n, g, dtype, match):
     assert match in unsupported(m, k, n, g, dtype)
-    packed, scales, offsets = int4_weights(k, n, g, False)
+    packed, scales, offsets = int4_weights(k, n, g if k % g == 0 else 32, False)
     with pytest.raises(ValueError, match=match):
         int4_matmul_mgpu(int4_activations(m, k, dtype), packed, scales, offsets, group_size=g)
 
@@ -108,6 +129,8 @@ def test_invalid_arguments_raise():
         int4_matmul_mgpu(x, packed, scales[:4], offsets, group_size=64)
     with pytest.raises(ValueError, match="packed"):
         int4_matmul_mgpu(x, packed[:128], scales, offsets, group_size=64)
+    with pytest.raises(ValueError, match="split_k"):
+        int4_matmul_mgpu(x, packed, scales, offsets, group_size=64, split_k=3)  # of 4 tiles
 
 
 ENGINE_SHAPES = [kn for model in ("smollm2", "llama3_8b") for kn in INT4_MODEL_SHAPES[model]]
@@ -115,10 +138,22 @@ SUPPORTED = [(k, n) for k, n in ENGINE_SHAPES
              if unsupported(1, k, n, int4_group_size(k), jnp.bfloat16) is None]
 
 
-def test_engine_shapes_supported_and_refused():
-    """Only SmolLM2's K = 576 GEMMs are refused (K not a multiple of 128)."""
-    refused = sorted(set(ENGINE_SHAPES) - set(SUPPORTED))
-    assert refused == [(576, 192), (576, 576), (576, 1536)]
+def test_engine_shapes_all_supported():
+    """SmolLM2's K = 576 GEMMs included (a half-tile tail), at the engine's group size."""
+    assert SUPPORTED == ENGINE_SHAPES
+
+
+@pytest.mark.parametrize("n", [192, 576, 1536])
+def test_smollm2_k_tail_split_and_cost(n):
+    """K = 576: the 4 full tiles split 4 ways (too few blocks for 132 programs) and the tail
+    is a fifth split; the cost counts its partials written and read, not its L2 re-read."""
+    assert pick_split(1, 576, n) == 4
+    c = cost(1, 576, n, 64)
+    assert c["flops"] == 2 * 576 * n and c["launches"] == 3
+    weights = 576 * n // 2 + 2 * 2 * 9 * n        # packed, bf16 scales and offsets [9, N]
+    partials = 2 * 4 * 5 * n * 8                  # [5, N, 8] f32, written then read
+    x = 2 * 576 + 2 * (2 * 8 * 576 + 4 * 9 * 8)   # x read; padded x and sums written, read
+    assert c["bytes"] == weights + partials + x + 2 * n  # + the [1, N] bf16 output
 
 
 @pytest.mark.parametrize("k,n", INT4_MODEL_SHAPES["llama3_8b"])
