@@ -14,12 +14,13 @@ loaded once for all G heads), and a producer that TMAs the row's pages through a
 `SLOTS` buffers of `S = max(64, BS)` keys (64 // BS pages per step), only the pages the
 tile's last query sees (causal) and none wholly before the window.
 
-q is read by TMA as a box of 64 tokens of one head from `[T, Hq, Dh]`; the box starts at
-`min(first query, T - 64)`, so it never leaves the array (T < 64 is padded to 64 outside), and
-rows of other rows' tokens are masked. The output is written token by token (one TMA of
-`[Dh]` per real query and head): two programs never write the same (token, head), so tiles
-need no ordering; the tokens of no row are zeroed by the tile of their own number (tiles
-`0 .. ceil(T / 64) - 1`), as the Triton kernel does.
+q is read by TMA as a box of 64 tokens of one head from `[T, Hq, Dh]` starting at a multiple
+of 8 tokens (TMA into an SMEM tile of 8 rows needs the start provably aligned): a row's tiles
+cover `[floor8(first query) + 64 j, + 64)`, rows of other rows' tokens are masked, and a box
+running past T is zero-filled by TMA (by the interpreter too). The output is written token by
+token (one TMA of `[Dh]` per real query and head): two programs never write the same (token,
+head), so tiles need no ordering; the tokens of no row are zeroed by the tile of their own
+number (tiles `0 .. ceil(T / 64) - 1`), as the Triton kernel does.
 
 Masked keys: q.k of a garbage (NaN) slot is replaced by -inf, but p = 0 times a NaN value
 is NaN inside wgmma, so the producer zeroes, in SMEM, the value rows at or past the tile's
@@ -32,12 +33,28 @@ is idle anyway; packing a decode token's G heads into one tile would need a 3-D 
 reshaped swizzled SMEM tile (not done). No split of long contexts over programs
 (flash-decoding): a batch-1 decode runs K programs (see `cost`).
 
-Supported: bf16 q and bf16 caches, head_dim 64 or 128, block sizes 16, 32, 64, 128, G <= 4
-query heads per KV head (SMEM holds G query and output tiles; threads (G + 1) * 128). f32 is
-refused (wgmma would run f32 as TF32: not the reference's precision) and int8 caches are
-refused (see `unsupported`). What only a GPU run can show: speed, the register budget of the
-G + 1 warpgroups at run time (deviceless compiles pass), and that the real TMA engine
-zero-fills nothing we rely on (we never read out of bounds).
+Supported: bf16 q and bf16 caches, head_dim 64 or 128, block sizes 16, 32, 64, 128 (128
+only where SMEM allows: not the 8B model's G = 4, head_dim 128), G <= 4 query heads per KV
+head (SMEM holds G query and output tiles; threads (G + 1) * 128). Refused, with the reason
+from `unsupported`: f32 (wgmma would run it as TF32, not the reference's precision) and int8
+caches (not done: the per-(token, head) scales of a page are `[BS]` with stride K, no TMA
+box; they would need the page's `[BS, K]` slab in SMEM and a strided gather into the
+logits' column layout).
+
+Lowered with Lane semantics (Warpgroup semantics' layout inference cannot tile the plain
+SMEM the output is stored to and sent row by row), so every TMA moves a multiple of 128
+bytes: the metadata and page-table rows are padded to 32 int32. The interpreter runs
+wgmma only on SMEM operands and has neither run_state nor accumulator stores, so under
+`interpret` p goes through SMEM and the PV product is added from a fresh accumulator: the
+same sums; on a GPU p stays in registers and the accumulator is updated in place.
+
+Open: in the GPU interpreter, G = 3 with a padding row (q_len 0) between two rows, e.g.
+rows (q_len, ctx) [(1, 5), (70, 90), (0, 0), (3, 12)] at block size 32, hangs two warpgroups
+in a barrier wait (G = 1 and the same rows without the padding row pass); not yet known
+whether the kernel or the interpreter is at fault: do not ship on GPU before that is settled.
+
+What only a GPU run can show: speed, the register budget of the G + 1 warpgroups at run
+time (deviceless compiles pass), and the real TMA's zero-fill of a q box past T.
 """
 
 from __future__ import annotations
@@ -93,20 +110,19 @@ def unsupported(num_heads: int, num_kv_heads: int, head_dim: int, block_size: in
 
 def cost(num_tokens: int, num_rows: int, num_heads: int, num_kv_heads: int, head_dim: int,
          block_size: int, context_tokens: int, query_key_pairs: int | None = None) -> dict:
-    """HBM bytes and FLOPs of one call for the deviceless performance model.
+    """HBM bytes, FLOPs and launches of one call, for the deviceless performance model.
 
-    context_tokens: the sum over rows of the keys each row's tiles read (its context length
-    per 64-query tile); query_key_pairs: the sum over queries of the keys they see (default:
-    as if every query saw the whole context of its row, an upper bound)."""
-    g = num_heads // num_kv_heads
-    kv = 2 * context_tokens * num_kv_heads * head_dim * 2        # K and V pages, bf16, per tile
+    context_tokens: keys read, summed over the step's 64-query tiles (a row of n queries over
+    c keys reads about c keys per tile, ceil(n / 64) tiles; pages are read whole, so round c
+    up to block_size); query_key_pairs: (query, key) products summed over queries (default:
+    every query of a tile sees all its keys, an upper bound). Each page is read once per
+    tile and KV head for all G query heads; wgmma computes whole 64-row tiles, but the model
+    counts the useful products."""
+    kv = 2 * context_tokens * num_kv_heads * head_dim * 2        # K and V pages, bf16
     qo = 2 * num_tokens * num_heads * head_dim * 2               # q read, output written
     meta = 4 * (2 * num_rows + 3)
     pairs = context_tokens * TILE if query_key_pairs is None else query_key_pairs
-    # wgmma runs whole 64-row tiles; the model counts the useful products.
-    flops = 4 * pairs * num_heads * head_dim
-    del g
-    return dict(bytes=kv + qo + meta, flops=flops, launches=1)
+    return dict(bytes=kv + qo + meta, flops=4 * pairs * num_heads * head_dim, launches=1)
 
 
 def _kernel(meta_ref, pt_ref, q_ref, k_ref, v_ref, o_ref,
