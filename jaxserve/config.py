@@ -37,8 +37,12 @@ Quantization = Literal[QuantizationMode, QuantizationPath, QuantizationAlias]
 # (jaxserve/runtime/kv_quant.py).
 KVCacheDtype = Literal["auto", Dtype, "int8"]
 LayerLoop = Literal["auto", "scan", "unrolled"]
+# Which Pallas GPU backend the attention and int4 kernels lower through: Mosaic GPU (Hopper
+# and later: TMA, wgmma) or Triton (any CUDA GPU; deprecated by JAX for Hopper and later).
+GpuKernels = Literal["auto", "mosaic", "triton"]
 
 BACKENDS = get_args(Backend)
+GPU_KERNELS = get_args(GpuKernels)
 QUANTIZATION_PATHS = get_args(QuantizationPath)
 QUANTIZATION_MODES = get_args(QuantizationMode)
 QUANTIZATIONS = get_args(Quantization)
@@ -98,6 +102,10 @@ class EngineConfig:
     linear_backend: Backend = dataclasses.field(default="auto", metadata=_help(
         "quantized linears: pallas (int4 GPU kernel), cpu (native int4/int8 CPU kernel), xla, "
         "pallas-interpret; auto: pallas on GPU, cpu on CPU where it builds, else xla"))
+    gpu_kernels: GpuKernels = dataclasses.field(default="auto", metadata=_help(
+        "which Pallas backend the GPU attention and int4 kernels use: mosaic (Mosaic GPU, "
+        "compute capability >= 9.0), triton (any CUDA GPU); auto: mosaic on compute "
+        "capability >= 9.0, triton below and when interpreted on CPU"))
     quantization: Quantization = dataclasses.field(default="auto", metadata=_help(
         "w8a16, w4a16 (alias int4), w8a8, w4a8: int8/int4 weights by round-to-nearest, int8 "
         "activations per token (w8a8, w4a8); gguf: a .gguf file's own Q4_0/Q4_1/Q8_0 blocks; "

@@ -125,7 +125,7 @@ def cost(num_tokens: int, num_rows: int, num_heads: int, num_kv_heads: int, head
     return dict(bytes=kv + qo + meta, flops=4 * pairs * num_heads * head_dim, launches=1)
 
 
-def _kernel(meta_ref, pt_ref, q_ref, k_ref, v_ref, o_ref,
+def ragged_paged_attention_mgpu_kernel(meta_ref, pt_ref, q_ref, k_ref, v_ref, o_ref,
             meta_smem, pt_smem, q_smem, o_smem, zero_smem, k_smem, v_smem, p_smem,
             meta_bar, pt_bar, q_bar, k_bar, v_bar, v_ready, k_free, v_free, *,
             group: int, num_rows: int, num_tokens: int, block_size: int, pages_per_step: int,
@@ -369,8 +369,8 @@ def ragged_paged_attention_mgpu(q, k_cache, v_cache, layer, page_table, query_st
     num_tiles = num_tokens // TILE + num_rows
     tr = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     kernel = functools.partial(
-        _kernel, group=group, num_rows=num_rows, num_tokens=num_tokens, block_size=block_size,
-        pages_per_step=pages_per_step,
+        ragged_paged_attention_mgpu_kernel, group=group, num_rows=num_rows,
+        num_tokens=num_tokens, block_size=block_size, pages_per_step=pages_per_step,
         sm_scale=1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale, softcap=softcap,
         interpreted=bool(interpret))
     bf16 = jnp.bfloat16

@@ -32,6 +32,9 @@ import jax.numpy as jnp
 from jaxserve.native.quant_matmul import quant_matmul_cpu
 from models.quantized import CpuPackedWeight, Int4Weight, Int8Weight, QuantizedWeight
 from pallas_kernels.int4_matmul import dequantize_int4, int4_matmul, int4_matmul_reference
+from pallas_kernels.int4_matmul_mgpu import int4_matmul_mgpu
+from pallas_kernels.int4_matmul_mgpu import unsupported as mosaic_int4_unsupported
+from pallas_kernels.mosaic_interpret import mosaic_interpret
 
 ACTIVATION_BITS = (16, 8)
 LIMB = 254  # second-limb scale: the residual in [-0.5, 0.5] -> [-127, 127]
@@ -113,11 +116,14 @@ def int4_w4a8_reference(x, w: Int4Weight):
     return y
 
 
-def int4_linear(x, w: Int4Weight, kind: str, activation_bits: int = 16):
+def int4_linear(x, w: Int4Weight, kind: str, activation_bits: int = 16,
+                gpu_kernels: str = "triton"):
     """x [M, K] @ Int4Weight(packed [K/2, N], scales [K/g, N], offsets?) -> [M, N].
 
     The kernel and its reference take the plain arrays. W4A8 (`activation_bits` 8) runs its
-    XLA reference on any backend (the Pallas kernel takes float activations).
+    XLA reference on any backend (the Pallas kernel takes float activations). gpu_kernels
+    "mosaic": the Mosaic GPU kernel where it takes the shape and dtype (static, at trace
+    time), else the Triton one.
     """
     if activation_bits == 8:
         return int4_w4a8_reference(x, w)
@@ -125,11 +131,15 @@ def int4_linear(x, w: Int4Weight, kind: str, activation_bits: int = 16):
     args = (x, w.packed, w.scales, w.offsets)
     if kind == "xla":
         return int4_matmul_reference(*args, group_size=group)
-    return int4_matmul(*args, group_size=group, interpret=kind == "pallas-interpret")
+    interpret = kind == "pallas-interpret"
+    (m, k), n = x.shape, w.packed.shape[1]
+    if gpu_kernels == "mosaic" and mosaic_int4_unsupported(m, k, n, group, x.dtype) is None:
+        return int4_matmul_mgpu(*args, group_size=group, interpret=mosaic_interpret(interpret))
+    return int4_matmul(*args, group_size=group, interpret=interpret)
 
 
 def quantized_linear(x, w: QuantizedWeight, kind: str = "xla", activation_bits: int = 16,
-                     limbs: bool | None = None):
+                     limbs: bool | None = None, gpu_kernels: str = "triton"):
     """x [..., K] @ a quantized weight -> [..., N] float32, by the weight's type.
 
     `limbs` (int8 W8A16 only): None picks the limb path on CPU, the exact convert elsewhere.
@@ -141,7 +151,7 @@ def quantized_linear(x, w: QuantizedWeight, kind: str = "xla", activation_bits: 
     if isinstance(w, CpuPackedWeight):
         y = quant_matmul_cpu(x2, w, limbs=1 if activation_bits == 8 else 2)
     elif isinstance(w, Int4Weight):
-        y = int4_linear(x2, w, kind, activation_bits)
+        y = int4_linear(x2, w, kind, activation_bits, gpu_kernels)
     elif isinstance(w, Int8Weight):
         y = int8_linear(x2, w, activation_bits, limbs)
     else:

@@ -24,8 +24,11 @@ from jaxserve.runtime.attention import ragged_attention_xla, write_kv
 from jaxserve.runtime.kv_cache import KVCache, PagedMeta
 from models.config import ModelConfig
 from pallas_kernels.kv_write import write_kv_cache
+from pallas_kernels.mosaic_interpret import mosaic_interpret
 from pallas_kernels.ragged_paged_attention import (ragged_paged_attention,
                                                    ragged_paged_attention_write)
+from pallas_kernels.ragged_paged_attention_mgpu import ragged_paged_attention_mgpu
+from pallas_kernels.ragged_paged_attention_mgpu import unsupported as mosaic_attention_unsupported
 
 Layout = Literal["ragged", "page_table"]
 AttentionFn = Callable[..., tuple]  # (q, k, v, cache, layer, meta) -> (out, cache)
@@ -142,10 +145,18 @@ class CpuAttention(AttentionBackend):
 class PallasAttention(AttentionBackend):
     """The Pallas ragged paged-attention kernel: the whole step, decodes and chunks, in one.
 
-    It reads each row's page-table row, query span and context length.
+    It reads each row's page-table row, query span and context length. `kernels` picks its
+    Pallas backend (EngineConfig.gpu_kernels, resolved): "triton"
+    (pallas_kernels/ragged_paged_attention.py, the step's keys and values written by the
+    kernel itself) or "mosaic" (pallas_kernels/ragged_paged_attention_mgpu.py, Hopper and
+    later; the keys and values written first by an XLA scatter into the donated cache).
     """
 
     interpret: bool = False  # the Pallas interpreter: the kernel on CPU, for tests
+    kernels: Literal["triton", "mosaic"] = "triton"
+    # The cache's element type: what the Mosaic kernel is asked whether it can read (the
+    # Triton kernel reads every float and int8 cache).
+    kv_dtype: str = "bfloat16"
     layout: ClassVar[Layout] = "page_table"
     per_shard: ClassVar[bool] = True
 
@@ -154,6 +165,9 @@ class PallasAttention(AttentionBackend):
         return "pallas-interpret" if self.interpret else "pallas"
 
     def attend(self, q, k, v, cache, layer, meta, *, window=None, softcap=None, scale=None):
+        if self.kernels == "mosaic":
+            return self._attend_mosaic(q, k, v, cache, layer, meta, window=window,
+                                       softcap=softcap, scale=scale)
         kw = dict(window=window, softcap=softcap, sm_scale=scale, interpret=self.interpret)
         if cache.quantized:  # the codes are written, q is read in its own dtype
             (kc, ks), (vc, vs) = kv_quant.quantize(k[0]), kv_quant.quantize(v[0])
@@ -183,7 +197,26 @@ class PallasAttention(AttentionBackend):
                                                        **kw)  # [T, H, Dh]
         return out[None].astype(q.dtype), KVCache(k=kc, v=vc)
 
+    def _attend_mosaic(self, q, k, v, cache, layer, meta, *, window, softcap, scale):
+        # XLA scatters the step's keys and values (an int8 cache: quantized) into the donated
+        # cache, in place; the kernel then reads them with the rest of the context.
+        cache = write_kv(cache, layer, k, v, meta.slots)
+        # q in the cache's dtype, as the Triton path reads it (bf16: what the kernel takes).
+        dtype = q.dtype if cache.quantized else cache.k.dtype
+        out = ragged_paged_attention_mgpu(
+            q[0].astype(dtype), cache.k, cache.v, layer, meta.page_table,
+            meta.query_start, meta.context_lens, k_scale=cache.k_scale, v_scale=cache.v_scale,
+            window=window, softcap=softcap, sm_scale=scale,
+            interpret=mosaic_interpret(self.interpret))  # [T, H, Dh]
+        return out[None].astype(q.dtype), cache
+
     def supports(self, config: ModelConfig, block_size: int) -> tuple[str, ...]:
+        if self.kernels == "mosaic":
+            why = mosaic_attention_unsupported(config.num_heads, config.num_kv_heads,
+                                               config.head_dim, block_size, self.kv_dtype,
+                                               kv_dtype=self.kv_dtype)
+            return (f"the Mosaic GPU kernel: {why} (gpu_kernels='triton' runs the Triton "
+                    "kernel)",) if why else ()
         reasons = []
         if config.head_dim not in KERNEL_HEAD_DIMS:
             reasons.append(f"head_dim {config.head_dim} (kernel: {KERNEL_HEAD_DIMS})")

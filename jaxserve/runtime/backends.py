@@ -18,7 +18,7 @@ import jax
 from jaxserve import native
 from jaxserve.runtime.attention_backends import (AttentionBackend, CpuAttention, PallasAttention,
                                                  XlaAttention)
-from jaxserve.config import BACKENDS
+from jaxserve.config import BACKENDS, GPU_KERNELS
 from jaxserve.native import float_matmul
 from jaxserve.native.quant_matmul import simd
 from jaxserve.quantization.cpu_packed import pack_params, repacks
@@ -60,6 +60,30 @@ def resolve(kind: str, attention: bool = False) -> str:
             log.warning("native CPU %s unavailable (%s): using XLA", what, why)
         return "xla"
     return kind
+
+
+# Mosaic GPU kernels use TMA and wgmma: Hopper (sm_90) and later.
+MOSAIC_MIN_CAPABILITY = (9, 0)
+
+
+def gpu_kernels(requested: str, device=None) -> str:
+    """EngineConfig.gpu_kernels resolved for `device` (default: jax's first): "mosaic" or
+    "triton". auto: Mosaic GPU on a CUDA device of compute capability >= 9.0, Triton on older
+    ones (Ampere, Ada), on other platforms, and where the kernels are interpreted on CPU (the
+    Triton interpreter is the older, faster one; tests ask for "mosaic" by name)."""
+    if requested not in GPU_KERNELS:
+        raise ValueError(f"gpu_kernels must be one of {GPU_KERNELS}, got {requested!r}")
+    if requested != "auto":
+        return requested
+    device = device if device is not None else jax.devices()[0]
+    capability = getattr(device, "compute_capability", None)  # "9.0" on a CUDA device
+    if device.platform != "gpu" or not capability:
+        return "triton"
+    major, _, minor = str(capability).partition(".")
+    if not (major.isdigit() and (minor or "0").isdigit()):  # e.g. ROCm's "gfx90a"
+        return "triton"
+    found = (int(major), int(minor or 0))
+    return "mosaic" if found >= MOSAIC_MIN_CAPABILITY else "triton"
 
 
 def prepare_params(kind: str, model):
@@ -146,13 +170,24 @@ def fine_decode_buckets() -> bool:
 
 
 def attention_backend(kind: str, config: ModelConfig, block_size: int,
-                      requested: str) -> AttentionBackend:
-    """The attention backend for `kind` (resolved); falls back to XLA where the kernel cannot run."""
+                      requested: str, gpu_kernels: str = "triton",
+                      kv_dtype: str = "bfloat16",
+                      gpu_kernels_fallback: bool = False) -> AttentionBackend:
+    """The attention backend for `kind` (resolved); falls back to XLA where the kernel cannot
+    run. gpu_kernels, kv_dtype: the Pallas kernel's backend (StepProgram.gpu_kernels) and the
+    cache's element type it will read; gpu_kernels_fallback: the Triton kernel where the
+    Mosaic GPU one cannot run (gpu_kernels "auto"), before any fallback to XLA."""
     if kind == "xla":
         return XlaAttention()
     backend = (CpuAttention() if kind == "cpu"
-               else PallasAttention(interpret=kind == "pallas-interpret"))
+               else PallasAttention(interpret=kind == "pallas-interpret", kernels=gpu_kernels,
+                                    kv_dtype=kv_dtype))
     unsupported = backend.supports(config, block_size)
+    if unsupported and isinstance(backend, PallasAttention) and backend.kernels == "mosaic" \
+            and gpu_kernels_fallback:
+        log.info("%s: using the Triton attention kernel", "; ".join(unsupported))
+        backend = dataclasses.replace(backend, kernels="triton")
+        unsupported = backend.supports(config, block_size)
     if unsupported:
         if requested != "auto":
             raise ValueError(f"attention_backend={requested!r} cannot run {', '.join(unsupported)}"
@@ -163,14 +198,15 @@ def attention_backend(kind: str, config: ModelConfig, block_size: int,
     return backend
 
 
-def linear_backend(kind: str, activation_bits: int = 16):
+def linear_backend(kind: str, activation_bits: int = 16, gpu_kernels: str = "triton"):
     """`linear(x, w, parallel)`: x @ w, w a float kernel or a quantized one (models/quantized.py).
 
     Int4Weight runs the Pallas kernel (pallas*) or the XLA reference; Int8Weight runs integer
     dots in XLA, with int8 activations when `activation_bits` is 8 (W8A8); CpuPackedWeight
     (`prepare_params` for `cpu`) runs the native kernel; a float32 / bfloat16 kernel runs the
     native float matmul at up to NATIVE_FLOAT_ROWS rows on `cpu` (the step's static row
-    count), XLA's dot otherwise. `parallel`, the layer's declared
+    count), XLA's dot otherwise. gpu_kernels: the int4 kernel's Pallas backend on pallas*
+    (StepProgram.gpu_kernels). `parallel`, the layer's declared
     role, is for the tensor-parallel wrapper (TensorParallel.linear).
     """
     if activation_bits not in ACTIVATION_BITS:
@@ -185,7 +221,8 @@ def linear_backend(kind: str, activation_bits: int = 16):
                 return float_matmul.float_matmul_cpu(x, w)
             return dense_linear(x, w, parallel)
         # The XLA and Pallas linears see kind "xla" for what the native kernel does not take.
-        return quantized_linear(x, w, "xla" if kind == "cpu" else kind, activation_bits)
+        return quantized_linear(x, w, "xla" if kind == "cpu" else kind, activation_bits,
+                                gpu_kernels=gpu_kernels)
 
     return linear
 

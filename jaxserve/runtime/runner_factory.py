@@ -59,8 +59,10 @@ def build_runner(model: Model, spec: RunnerSpec, *, tp: TensorParallel | None = 
     if attention is None:
         attention = backends.attention_backend(
             program.attention_backend, mc, spec.block_size,
-            "auto" if program.attention_fallback else program.attention_backend)
-    linear = backends.linear_backend(kind, activation_bits(quantization))
+            "auto" if program.attention_fallback else program.attention_backend,
+            gpu_kernels=program.gpu_kernels, kv_dtype=program.kv_dtype(model).name,
+            gpu_kernels_fallback=program.gpu_kernels_fallback)
+    linear = backends.linear_backend(kind, activation_bits(quantization), program.gpu_kernels)
     # The MoE experts follow the linear backend: the Pallas kernel on GPU, XLA on CPU.
     gmm = grouped_matmul_backend(kind) if mc.num_experts else None
     if tp is not None and kind != "xla":  # the kernels run per shard

@@ -27,10 +27,12 @@ from jaxserve.runtime import backends
 
 # A backend as the step runs it: config.Backend without "auto".
 ResolvedBackend = Literal["xla", "cpu", "pallas", "pallas-interpret"]
+# EngineConfig.gpu_kernels resolved: the Pallas backend of the attention and int4 kernels.
+GpuKernelsResolved = Literal["mosaic", "triton"]
 # The sampler: XLA's (sampler.py), or the GPU step's kernel (sampler_kernel.py; interpreted).
 SamplerBackend = Literal["xla", "pallas", "pallas-interpret"]
 
-_FLAGS = ("attention_fallback", "unroll_layers", "branch_free_sampling", "fine_decode_buckets",
+_FLAGS = ("attention_fallback", "gpu_kernels_fallback", "unroll_layers", "branch_free_sampling", "fine_decode_buckets",
           "structured_outputs", "poison_rows")
 
 
@@ -81,6 +83,12 @@ class StepProgram:
     # (backends.attention_backend), instead of an error.
     attention_fallback: bool = False
     linear_backend: ResolvedBackend = "xla"
+    # Which Pallas backend the pallas* attention and int4 kernels lower through (the other
+    # kernels are Triton's either way).
+    gpu_kernels: GpuKernelsResolved = "triton"
+    # EngineConfig asked for gpu_kernels "auto": the Triton attention kernel where the Mosaic
+    # GPU one cannot run the model (backends.attention_backend), instead of an error.
+    gpu_kernels_fallback: bool = False
     # One block per layer over per-layer weights (no weight slice copied per step), else a
     # lax.scan over the stacked weights (compile time flat in depth).
     unroll_layers: bool = False
@@ -100,6 +108,13 @@ class StepProgram:
                 raise ValueError(f"{name} must be resolved for this machine, got 'auto'; build "
                                  "the program with StepProgram.from_config(config)")
         check_choices(self)  # the backends and kv_cache_dtype
+        if self.gpu_kernels == "mosaic" and not self.unroll_layers and "pallas-interpret" in (
+                self.attention_backend, self.linear_backend):
+            # JAX's GPU interpret mode inside flax's layer scan fails in tracing ("broadcasted
+            # variable has a data dependency on the scan body"); compiled, the scan is fine.
+            raise ValueError("the Mosaic GPU kernels run interpreted in the unrolled (GPU) "
+                             "layer loop only: set layer_loop='unrolled', or "
+                             "gpu_kernels='triton'")
         if self.sampler_backend != "xla" and not self.branch_free_sampling:
             raise ValueError(f"sampler_backend={self.sampler_backend!r} is the branch-free "
                              "sampler's kernel: set branch_free_sampling=True, or use "
@@ -133,6 +148,8 @@ class StepProgram:
             attention_backend=backends.resolve(config.attention_backend, attention=True),
             attention_fallback=config.attention_backend == "auto",
             linear_backend=linear,
+            gpu_kernels=backends.gpu_kernels(config.gpu_kernels),
+            gpu_kernels_fallback=config.gpu_kernels == "auto",
             unroll_layers=backends.unroll_layers(config.layer_loop, tensor_parallel,
                                                  params=params, linear_kind=linear),
             branch_free_sampling=backends.gpu_step(),

@@ -47,7 +47,7 @@ def test_from_config_takes_explicit_choices_and_the_shapes():
     program = StepProgram.from_config(c, poison_rows=True)
     assert program == StepProgram(
         attention_backend="xla", attention_fallback=False, linear_backend="xla",
-        unroll_layers=True, branch_free_sampling=False, fine_decode_buckets=True,
+        gpu_kernels="triton", gpu_kernels_fallback=True, unroll_layers=True, branch_free_sampling=False, fine_decode_buckets=True,
         kv_cache_dtype="bfloat16", structured_outputs=True, poison_rows=True,
         num_speculative_tokens=3)
     spec = RunnerSpec.from_config(c, num_blocks=9, max_model_len=48, eos_ids={7, 2},
@@ -61,6 +61,7 @@ def test_from_config_resolves_auto_for_a_gpu(machine):
     program = StepProgram.from_config(config())
     assert program == StepProgram(
         attention_backend="pallas", attention_fallback=True, linear_backend="pallas",
+        gpu_kernels="triton", gpu_kernels_fallback=True,  # this CPU has no capability 9.0
         unroll_layers=True, branch_free_sampling=True, sampler_backend="pallas",
         fine_decode_buckets=False, kv_cache_dtype="auto", structured_outputs=True)
     # Tensor parallel keeps the layer loop; a model without a tokenizer has no grammars; a
