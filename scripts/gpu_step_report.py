@@ -10,8 +10,9 @@ seconds (jaxserve/tools/gpu_step.py), and for decode steps the performance model
 H200 step time, tokens/s and MBU at `--context-len` tokens per sequence
 (jaxserve/tools/perf_model.py, docs/perf_model.md).
 
-Variants: `gpu` is what the engine runs on a GPU (unrolled layers over per-layer weights, a
-branch-free sampler); `loop` is the step as the CPU runs it (layer loop, lax.cond sampler);
+Variants: `gpu` is what the engine runs on an H200 (unrolled layers over per-layer weights, a
+branch-free sampler, attention and int4 matmul on Mosaic GPU); `gpu-triton` is the same with
+those two kernels on Triton (what GPUs before Hopper run); `loop` is the step as the CPU runs it (layer loop, lax.cond sampler);
 `loop-cublas-dsf` is `loop` with XLA's dynamic-slice fusion into cuBLAS GEMMs; `loop-cmdbuf`
 asks XLA to capture loops and conditionals in CUDA graphs too.
 
@@ -43,7 +44,10 @@ STEPS = {"decode1": 1, "decode": 64, "mixed": 512}
 PALLAS = ("ragged_paged_attention", "int4_matmul", "paged_attention",  # ptxas entry names
           "lora_sgmv", "sample_rows")  # the LoRA kernel, once a step carries adapters
 VARIANTS = {
+    # What an H200 runs: attention and int4 matmul on Mosaic GPU (gpu_kernels="auto").
     "gpu": dict(unroll_layers=True, branch_free_sampling=True),
+    # The same program with those kernels on Triton (gpu_kernels="triton"; older GPUs).
+    "gpu-triton": dict(unroll_layers=True, branch_free_sampling=True, gpu_kernels="triton"),
     # The GPU program with the branch-free sampler in XLA (candidates' top-k and two unrolled
     # bisections) instead of the sampling kernel.
     "gpu-xla-sampler": dict(unroll_layers=True, branch_free_sampling=True,
@@ -150,7 +154,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--steps", default="decode1,decode,mixed")
     ap.add_argument("--context-len", type=int, default=1024,
                     help="tokens of context per live sequence, for the predicted figures")
-    ap.add_argument("--variants", default="loop,gpu", help=f"of {sorted(VARIANTS)}")
+    ap.add_argument("--variants", default="loop,gpu-triton,gpu", help=f"of {sorted(VARIANTS)}")
     ap.add_argument("--json", action="store_true", help="print JSON instead of the table")
     ap.add_argument("--md", type=pathlib.Path, help="also write the table here")
     ap.add_argument("--out", type=pathlib.Path, help="also write the JSON here")

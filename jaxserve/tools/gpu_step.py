@@ -49,11 +49,17 @@ class StepSpec:
     branch_free_sampling: bool = True  # the GPU default (ModelRunner.branch_free_sampling)
     # The GPU default: the branch-free sampler's kernel ("pallas"); "xla": its XLA form.
     sampler_backend: Literal["xla", "pallas"] = "pallas"
+    # The attention and int4 kernels' Pallas backend: an H200's default (gpu_kernels="auto" on
+    # compute capability 9.0) is Mosaic GPU; "triton" is what older GPUs run.
+    gpu_kernels: Literal["mosaic", "triton"] = "mosaic"
     compiler_options: tuple = ()     # extra XLA options, as (name, value) pairs
     lora: LoRASlots | None = None    # adapter slots: every adapted linear runs the LoRA kernel
     context_len: int = 1024          # the performance model's context per live row
 
     def __post_init__(self):
+        if self.gpu_kernels not in ("mosaic", "triton"):
+            raise ValueError(f"gpu_kernels must be 'mosaic' or 'triton', got "
+                             f"{self.gpu_kernels!r}")
         if self.weights not in ("bf16", "int4"):
             raise ValueError(f"weights must be 'bf16' or 'int4', got {self.weights!r}")
         if self.tokens < 1 or self.tokens > self.max_model_len * self.max_num_seqs:
@@ -91,6 +97,7 @@ def _runner(spec: StepSpec, params) -> ModelRunner:
         max_num_batched_tokens=max(spec.tokens, spec.max_num_seqs),
         block_size=spec.block_size, num_blocks=2, max_model_len=spec.max_model_len,
         program=StepProgram(attention_backend="pallas", linear_backend="pallas",
+                            gpu_kernels=spec.gpu_kernels,
                             unroll_layers=spec.unroll_layers,
                             branch_free_sampling=spec.branch_free_sampling,
                             sampler_backend=(spec.sampler_backend if spec.branch_free_sampling

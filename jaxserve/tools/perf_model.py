@@ -29,6 +29,10 @@ from jaxserve.tools.hlo_costs import HloModule, type_bytes
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _TRITON = "__gpu$xla.gpu.triton"
+# A plgpu.kernel call: its thunk is a bare kCustomCall, named here by its body function, the
+# op_name component before the kernel's "mpmd_map".
+_MOSAIC = 'custom_call_target="mosaic_gpu'
+_MOSAIC_NAME = re.compile(r'op_name="[^"]*?([\w.\-]+)/mpmd_map')
 _FLOATS = ("bf16", "f16", "f32")
 
 
@@ -237,6 +241,8 @@ def _cost(t: thunks.Thunk, hm: HloModule, ctx: int, rows: int) -> KernelCost:
                           scope=scope)
     if ins.opcode == "custom-call" and _TRITON in ins.line:
         return _pallas_cost(name, ins, hm, ctx, rows, scope)
+    if ins.opcode == "custom-call" and _MOSAIC in ins.line:
+        return _pallas_cost(mosaic_kernel_name(ins.line), ins, hm, ctx, rows, scope)
     if ins.opcode == "custom-call" and "cublas" in ins.line:
         moved = sum(map(type_bytes, hm.operand_types(ins.name))) + type_bytes(ins.result[0])
         return KernelCost(name, ins.name, "gemm", moved, hlo_costs.cublas_flops(hm, ins),
@@ -248,6 +254,12 @@ def _cost(t: thunks.Thunk, hm: HloModule, ctx: int, rows: int) -> KernelCost:
                           scope=scope)
     moved, flops = hlo_costs.plain_cost(hm, ins.name)
     return KernelCost(name, ins.name, "other", moved, flops, scope=scope)
+
+
+def mosaic_kernel_name(line: str) -> str:
+    """A Mosaic GPU custom call's kernel (its body function's name) from its HLO line."""
+    m = _MOSAIC_NAME.search(line)
+    return m.group(1) if m else "mosaic_gpu"
 
 
 def _pallas_cost(name, ins, hm, ctx, rows, scope) -> KernelCost:

@@ -23,13 +23,21 @@ LAYERS = 8
 MAX_LAUNCHES = LAYERS // 2
 
 
-@pytest.fixture(scope="module", params=["bf16", "int4"])
+# (weights, the attention and int4 kernels' Pallas backend): an H200 runs Mosaic GPU, older
+# GPUs Triton (EngineConfig.gpu_kernels).
+PROGRAMS = [("bf16", "mosaic"), ("int4", "mosaic"), ("bf16", "triton"), ("int4", "triton")]
+
+
+@pytest.fixture(scope="module", params=PROGRAMS, ids=["-".join(p) for p in PROGRAMS])
 def report(request):
     why = deviceless.unavailable_reason()
     if why:
         pytest.skip(why)
     config = dataclasses.replace(gpu_step.model_shapes()["smollm2"], num_layers=LAYERS)
-    return gpu_step.step_report(gpu_step.StepSpec(config=config, weights=request.param))
+    weights, kernels = request.param
+    r, extra = gpu_step.step_report(gpu_step.StepSpec(config=config, weights=weights,
+                                                      gpu_kernels=kernels))
+    return r, {**extra, "gpu_kernels": kernels, "weights": weights}
 
 
 def test_no_layer_weight_is_copied(report):
@@ -59,8 +67,11 @@ def test_pallas_kernels_do_not_spill(report):
         pytest.skip(f"no ptxas report: {extra['ptxas_note']}")
     pallas = {n: k for n, k in r.kernels.items()
               if n.startswith(("ragged_paged_attention", "int4_matmul", "sample_rows"))}
-    # the report did read the kernels: attention's and the sampler's
-    assert {"ragged_paged_attention", "sample_rows"} <= set(pallas), pallas
+    # the report did read the Triton kernels: attention's (unless on Mosaic GPU, which
+    # compiles its own cubins, outside ptxas' report) and the sampler's
+    triton = {"sample_rows"} | ({"ragged_paged_attention"}
+                                if extra["gpu_kernels"] == "triton" else set())
+    assert triton <= set(pallas), pallas
     assert all(k["registers"] for k in pallas.values()), pallas
     assert all(k["spill_bytes"] == 0 for k in pallas.values()), pallas
 
@@ -76,6 +87,12 @@ def test_performance_model_reads_every_kernel(report):
     assert sum(c.kind != "copy" for c in costs) == r.kernels_per_step
     attention = [c for c in costs if c.kind == "attention"]
     assert len(attention) == LAYERS
+    mosaic = extra["gpu_kernels"] == "mosaic"
+    assert all(("_mgpu" in c.name) == mosaic for c in attention), attention
+    if extra["weights"] == "int4":
+        int4 = [c for c in costs if c.kind == "int4_matmul"]
+        # Mosaic GPU where it takes the shape (not K = 576: Triton runs those), else Triton.
+        assert int4 and any("_mgpu" in c.name for c in int4) == mosaic, int4
     assert all(c.kv_bytes == 64 * 1024 * 3 * 64 * 2 * 2 for c in attention), attention[0]
     layer_weights = extra["weight_bytes"] - 49152 * 576 * 2 - 576 * 2  # less embedding, norm
     linears = sum(c.bytes for c in costs if c.kind in ("gemm", "int4_matmul")
