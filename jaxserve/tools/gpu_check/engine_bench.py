@@ -101,17 +101,19 @@ def build_llm(ctx: Ctx, model, quantization, backend: str | None = None):
     """An engine sized for the benchmark: a token budget that admits every prompt in the first
     step (so decode runs at one batch bucket and only a few programs compile), a KV cache for
     max_num_seqs full-length sequences, and no warm-up (the first run compiles what it uses).
-    backend: attention and linear backend both (default: the profile's Pallas one)."""
+    backend: attention and linear backend both (default: the profile's Pallas one); a
+    "/triton" or "/mosaic" suffix forces the Pallas kernels' backend (EngineConfig.gpu_kernels;
+    otherwise "auto": Mosaic GPU on the H200)."""
     from jaxserve import LLM
     p = ctx.prof
-    backend = backend or p.backend
+    backend, _, kernels = (backend or p.backend).partition("/")
     seqs = max(p.e2e_batches)
     pages = seqs * -(-p.max_model_len // p.block_size) + 2
     kv = pages * p.block_size * model.config.kv_bytes_per_token(2 if model.dtype == "bfloat16"
                                                                   else 4)
     t0 = time.perf_counter()
     llm = LLM(model, attention_backend=backend, linear_backend=backend,
-              quantization=quantization or "none", max_num_seqs=seqs, max_model_len=p.max_model_len,
+              gpu_kernels=kernels or "auto", quantization=quantization or "none", max_num_seqs=seqs, max_model_len=p.max_model_len,
               max_num_batched_tokens=next_pow2(max(512, seqs * (p.prompt_len + 1))),
               kv_cache_memory=int(kv), block_size=p.block_size, warmup=False)
     note = ensure_params_on_device(llm.engine)

@@ -1,6 +1,9 @@
-"""The int4 matmul in section `kernel_timings`: the Pallas kernel beside real XLA baselines on
-the same weights, all from the engine's format (packed codes, per-group scales and offsets):
+"""The int4 matmul in section `kernel_timings`: the Pallas Triton kernel beside the Mosaic GPU
+one and real XLA baselines on the same weights, all from the engine's format (packed codes,
+per-group scales and offsets):
 
+  mosaic_kernel     the Mosaic GPU kernel (pallas_kernels/int4_matmul_mgpu.py), where it takes
+                    the shape: `kernel_over_mosaic_kernel` is Triton's time over Mosaic's
   xla_bf16_dequant  unpack and dequantize to bf16, then a default-precision bf16 dot: what
                     XLA does with the engine's int4 weights without the kernel
   xla_native_int4   the codes stored as `jnp.int4` [K, N] (XLA's own int4 type, half a byte
@@ -58,7 +61,9 @@ def native_int4_matmul(group_size: int):
 
 
 def time_int4(ctx: Ctx, model: str, k: int, n: int, m: int) -> dict:
+    from pallas_kernels import int4_matmul_mgpu as mgpu
     from pallas_kernels.int4_matmul import int4_matmul, pick_blocks
+    from pallas_kernels.mosaic_interpret import mosaic_interpret
     c = int4_case(ctx, model, k, n, m)
     p, g, x = ctx.prof, c["group_size"], c["x"]
     sets = [(x, *w) for w in c["weights"]]
@@ -69,11 +74,18 @@ def time_int4(ctx: Ctx, model: str, k: int, n: int, m: int) -> dict:
     def kernel(*a):
         return int4_matmul(*a, group_size=g, interpret=p.interpret)
 
+    def mosaic(*a):
+        return mgpu.int4_matmul_mgpu(*a, group_size=g, interpret=mosaic_interpret(p.interpret))
+
     row = {**c["desc"], "bytes_per_call": c["bytes_per_call"],
            "blocks_mnk_split": list(pick_blocks(m, k, n, g))}
     dense = [(x, w) for w in c["dense"]]
+    why = mgpu.unsupported(m, k, n, g, x.dtype)
+    if why is not None:
+        row["mosaic_kernel_unsupported"] = why
     for name, fn, args, nbytes in (
             ("kernel", kernel, sets, c["bytes_per_call"]),
+            *([("mosaic_kernel", mosaic, sets, c["bytes_per_call"])] if why is None else []),
             ("xla_bf16_dequant", bf16_dequant_matmul(g), sets, c["bytes_per_call"]),
             ("xla_native_int4", native_int4_matmul(g), native, native_bytes),
             ("dense_bf16_xla", _dense(), dense, 2 * k * n)):
@@ -83,7 +95,7 @@ def time_int4(ctx: Ctx, model: str, k: int, n: int, m: int) -> dict:
         t = time_calls(fn, args, p.iters, p.reps)
         row[name] = {**rates(ctx, t["median_s"], nbytes, flops),
                      "first_call_s": t["first_call_s"], "bytes_per_call": nbytes}
-    for name in ("xla_bf16_dequant", "xla_native_int4", "dense_bf16_xla"):
+    for name in ("mosaic_kernel", "xla_bf16_dequant", "xla_native_int4", "dense_bf16_xla"):
         if name in row:
             row[f"kernel_over_{name}"] = row["kernel"]["median_s"] / row[name]["median_s"]
     return row
@@ -101,7 +113,8 @@ def md_int4_row(row: dict, fmt) -> str:
     x = row.get("xla_bf16_dequant", {})
     extra = "; ".join(f"{label} {row[n]['median_s'] * 1e6:.1f} us "
                       f"({row[f'kernel_over_{n}']:.2f}x)"
-                      for n, label in (("xla_native_int4", "jnp.int4"),
+                      for n, label in (("mosaic_kernel", "Mosaic GPU"),
+                                       ("xla_native_int4", "jnp.int4"),
                                        ("dense_bf16_xla", "dense bf16")) if n in row)
     return (f"| int4_matmul | {row['model']} {row['K']}->{row['N']} M{row['M']} | "
             f"{row['bytes_per_call'] / 1e6:.2f} | {k['median_s'] * 1e6:.1f} | "

@@ -1,5 +1,6 @@
 """Section `kernel_correctness`: paged attention (decode and ragged), the int4 matmul and the
-multi-LoRA kernel on the device against their jax.numpy references, within the kernel tests'
+multi-LoRA kernel on the device against their jax.numpy references (the ragged attention and
+int4 cases on both Pallas backends, Triton and Mosaic GPU, where Mosaic takes the case), within the kernel tests'
 tolerances; plus an f32 ragged step and one over a > 4 GiB cache (Pallas indexes it with 64-bit
 offsets); plus every check a kernel registers in `pallas_kernels.cases.GPU_CHECK_CASES`.
 
@@ -39,49 +40,82 @@ def check_attention(ctx: Ctx, model: str, block: int, batch: int) -> dict:
 
 def check_ragged(ctx: Ctx, model: str, block: int, max_ctx: int, decode: int,
                  dtype: str = "bfloat16", cache_gib: float = 0.0) -> dict:
-    """The kernel vs its reference on one step; cache_gib > 0 builds a cache over that size
-    (Pallas indexes it with 64-bit offsets above 4 GiB) and frees it afterwards."""
+    """The Triton kernel, and the Mosaic GPU one where it takes the case (`mosaic`), vs the
+    reference on one step; within_tol holds for both. cache_gib > 0 builds a cache over that
+    size (Pallas indexes it with 64-bit offsets above 4 GiB) and frees it afterwards."""
     import jax.numpy as jnp
     import numpy as np
+    from pallas_kernels import ragged_paged_attention_mgpu as mgpu
+    from pallas_kernels.mosaic_interpret import mosaic_interpret
     from pallas_kernels.ragged_paged_attention import (ragged_paged_attention,
                                                        ragged_paged_attention_reference)
     c = ragged_step_case(ctx, model, block, max_ctx, decode, dtype, cache_gib)
     q, k, v, table, qs, lens = c["args"]
     args = (q, k, v, jnp.int32(c["layers"] - 1), table, qs, lens)
-    out = np.asarray(ragged_paged_attention(*args, interpret=ctx.prof.interpret), np.float32)
     ref = np.asarray(ragged_paged_attention_reference(*args), np.float32)
-    ragged_desc = c["desc"]
-    del c, q, k, v, args
     tol = ATTENTION_TOLERANCE[dtype]
-    err = np.abs(out - ref)
-    finite = bool(np.isfinite(out).all())
-    ok = finite and bool(np.all(err <= tol["atol"] + tol["rtol"] * np.abs(ref)))
-    return {**ragged_desc, "dtype": dtype, "finite": finite,
-            "max_abs_err": float(np.nanmax(err)) if finite else float("nan"),
-            "max_rel_err": float(np.nanmax(err / np.maximum(np.abs(ref), tol["atol"]))),
-            "max_abs_ref": float(np.max(np.abs(ref))), "tolerance": tol, "within_tol": ok}
+
+    def judged(out) -> dict:
+        out = np.asarray(out, np.float32)
+        err = np.abs(out - ref)
+        finite = bool(np.isfinite(out).all())
+        return {"finite": finite,
+                "max_abs_err": float(np.nanmax(err)) if finite else float("nan"),
+                "max_rel_err": float(np.nanmax(err / np.maximum(np.abs(ref), tol["atol"]))),
+                "within_tol": finite and bool(np.all(err <= tol["atol"]
+                                                     + tol["rtol"] * np.abs(ref)))}
+
+    row = {**c["desc"], "dtype": dtype,
+           **judged(ragged_paged_attention(*args, interpret=ctx.prof.interpret)),
+           "max_abs_ref": float(np.max(np.abs(ref))), "tolerance": tol}
+    why = mgpu.unsupported(q.shape[1], k.shape[3], q.shape[2], k.shape[2], q.dtype,
+                           kv_dtype=k.dtype)
+    if why is None:
+        row["mosaic"] = judged(mgpu.ragged_paged_attention_mgpu(
+            *args, interpret=mosaic_interpret(ctx.prof.interpret)))
+        row["within_tol"] = row["within_tol"] and row["mosaic"]["within_tol"]
+    else:
+        row["mosaic"] = {"unsupported": why}
+    return row
 
 
 def check_int4(ctx: Ctx, model: str, k: int, n: int, m: int) -> dict:
+    """The Triton kernel, and the Mosaic GPU one where it takes the shape (`mosaic`), against
+    the f32 reference; within_tol holds for both."""
     import jax.numpy as jnp
     import numpy as np
+    from pallas_kernels import int4_matmul_mgpu as mgpu
     from pallas_kernels.int4_matmul import int4_matmul, int4_matmul_reference
     from pallas_kernels.cases import int4_error_bound
+    from pallas_kernels.mosaic_interpret import mosaic_interpret
     c = int4_case(ctx, model, k, n, m)
     packed, scales, offsets = c["weights"][0]
     g = c["group_size"]
-    y = np.asarray(int4_matmul(c["x"], packed, scales, offsets, group_size=g,
-                               interpret=ctx.prof.interpret).astype(jnp.float32))
     ref = np.asarray(int4_matmul_reference(c["x"].astype(jnp.float32), packed, scales, offsets,
                                            group_size=g))
     tol = INT4_TOLERANCE["bfloat16"]
     scale = float(np.max(np.abs(ref)))
-    err = np.abs(y - ref)
-    finite = bool(np.isfinite(y).all())
-    ok = finite and bool(np.all(err < int4_error_bound(ref, jnp.bfloat16)))
-    return {**c["desc"], "dtype": "bfloat16", "finite": finite,
-            "max_abs_err": float(err.max()), "max_rel_err": float(err.max() / scale),
-            "rel_err_note": "normalised by max|reference|", "tolerance": tol, "within_tol": ok}
+
+    def judged(y) -> dict:
+        y = np.asarray(y.astype(jnp.float32))
+        err = np.abs(y - ref)
+        finite = bool(np.isfinite(y).all())
+        return {"finite": finite, "max_abs_err": float(err.max()),
+                "max_rel_err": float(err.max() / scale),
+                "within_tol": finite and bool(np.all(err < int4_error_bound(ref, jnp.bfloat16)))}
+
+    row = {**c["desc"], "dtype": "bfloat16", **judged(int4_matmul(
+        c["x"], packed, scales, offsets, group_size=g, interpret=ctx.prof.interpret)),
+           "rel_err_note": "normalised by max|reference|", "tolerance": tol}
+    why = mgpu.unsupported(m, k, n, g, c["x"].dtype)
+    if why is None:
+        row["mosaic"] = judged(mgpu.int4_matmul_mgpu(
+            c["x"], packed, scales, offsets, group_size=g,
+            interpret=mosaic_interpret(ctx.prof.interpret)))
+        row["within_tol"] = row["within_tol"] and row["mosaic"]["within_tol"]
+    else:
+        row["mosaic"] = {"unsupported": why}
+    return row
 
 
 REGISTRY = "GPU_CHECK_CASES"  # in pallas_kernels.cases, see the module docstring

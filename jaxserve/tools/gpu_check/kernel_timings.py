@@ -1,5 +1,7 @@
 """Section `kernel_timings`: the kernel cases timed (warm, median) against the nominal and the
-measured bandwidth, side by side with the XLA paths the engine runs on the same inputs (its XLA
+measured bandwidth, side by side with the Mosaic GPU versions of the ragged attention and int4
+kernels where they take the case (`mosaic_kernel`, `kernel_over_mosaic_kernel`: Triton's time
+over Mosaic's), the XLA paths the engine runs on the same inputs (its XLA
 ragged attention over the same rows and pages, laid out by step_layout.build; for int4 a bf16
 dequantize-then-matmul and XLA's native `jnp.int4` dot, int4_timing.py; the LoRA kernel's
 tiling in XLA) and the jitted f32 references."""
@@ -114,11 +116,13 @@ def time_attention(ctx: Ctx, model: str, block: int, batch: int) -> dict:
 
 
 def time_ragged(ctx: Ctx, model: str, block: int, max_ctx: int, decode: int) -> dict:
-    """The kernel against the engine's XLA path on the same rows and pages (laid out as the
-    engine lays out a step for it) and the jitted f32 reference; bytes = each visible page
-    read once."""
+    """The Triton kernel against the Mosaic GPU one, the engine's XLA path on the same rows
+    and pages (laid out as the engine lays out a step for it) and the jitted f32 reference;
+    bytes = each visible page read once."""
     import jax
     import jax.numpy as jnp
+    from pallas_kernels import ragged_paged_attention_mgpu as mgpu
+    from pallas_kernels.mosaic_interpret import mosaic_interpret
     from pallas_kernels.ragged_paged_attention import (ragged_paged_attention,
                                                        ragged_paged_attention_reference)
     c = ragged_step_case(ctx, model, block, max_ctx, decode)
@@ -130,15 +134,25 @@ def time_ragged(ctx: Ctx, model: str, block: int, max_ctx: int, decode: int) -> 
     def kernel(*a):
         return ragged_paged_attention(*a, interpret=ctx.prof.interpret)
 
+    def mosaic(*a):
+        return mgpu.ragged_paged_attention_mgpu(*a,
+                                                interpret=mosaic_interpret(ctx.prof.interpret))
+
     row = {**c["desc"], "bytes_per_call": c["bytes_per_call"], "layers_cycled": c["layers"],
            "xla_pairs": in_use, "xla_flat_tokens": int(meta.positions.shape[1])}
     impls = {"kernel": (kernel, sets), "xla_engine_path": (xla_engine_attention(), xla_sets),
              "reference_f32": (jax.jit(ragged_paged_attention_reference), sets)}
+    why = mgpu.unsupported(q.shape[1], k.shape[3], q.shape[2], k.shape[2], q.dtype,
+                           kv_dtype=k.dtype)
+    if why is None:  # the Mosaic GPU kernel beside the Triton one ("kernel")
+        impls["mosaic_kernel"] = (mosaic, sets)
+    else:
+        row["mosaic_kernel_unsupported"] = why
     for name, (fn, args) in impls.items():
         t = time_calls(fn, args, ctx.prof.iters, ctx.prof.reps)
         row[name] = {**rates(ctx, t["median_s"], c["bytes_per_call"]),
                      "first_call_s": t["first_call_s"]}
-    for name in ("xla_engine_path", "reference_f32"):
+    for name in ("xla_engine_path", "reference_f32", "mosaic_kernel")[:2 + (why is None)]:
         row[f"kernel_over_{name}"] = row["kernel"]["median_s"] / row[name]["median_s"]
     return row
 

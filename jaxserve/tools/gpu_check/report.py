@@ -56,6 +56,11 @@ def md_correctness(r: dict) -> list[str]:
                     f"{row['model']} {row['K']}->{row['N']} M{row['M']} g{row['group_size']}")
             out.append(f"| {kind} | {case} | {fmt(row['max_abs_err'])} | "
                        f"{fmt(row['max_rel_err'])} | {'yes' if row['within_tol'] else 'NO'} |")
+            mosaic = row.get("mosaic", {})
+            if "max_abs_err" in mosaic:  # the Mosaic GPU kernel on the same case
+                out.append(f"| {kind} (Mosaic GPU) | {case} | {fmt(mosaic['max_abs_err'])} | "
+                           f"{fmt(mosaic['max_rel_err'])} | "
+                           f"{'yes' if mosaic['within_tol'] else 'NO'} |")
     return out
 
 
@@ -110,7 +115,10 @@ def md_timings(r: dict) -> list[str]:
                    f"{k['vs_nominal_bw']:.2f} | {fmt(k.get('vs_measured_copy_bw'), '.2f')} | "
                    f"{fmt(k.get('vs_measured_read_bw'), '.2f')} | {x['median_s'] * 1e6:.1f} | "
                    f"{row['kernel_over_xla_engine_path']:.2f} | f32 ref "
-                   f"{ref['median_s'] * 1e6:.1f} us ({row['kernel_over_reference_f32']:.2f}x) |")
+                   f"{ref['median_s'] * 1e6:.1f} us ({row['kernel_over_reference_f32']:.2f}x)"
+                   + (f"; Mosaic GPU {row['mosaic_kernel']['median_s'] * 1e6:.1f} us "
+                      f"({row['kernel_over_mosaic_kernel']:.2f}x)" if "mosaic_kernel" in row
+                      else "") + " |")
     out += [md_lora_timing(row) for row in r.get("lora_sgmv", [])]
     return out
 
