@@ -275,6 +275,8 @@ def int4_matmul_mgpu(x, packed, scales, offsets, *, group_size: int, block_m=Non
     kernel = functools.partial(int4_matmul_mgpu_kernel, group_size=g, block_m=bm,
                                tiles_per_split=k // _TILE_K // split, splits=split, tail=tail,
                                symmetric=symmetric, dtype=x.dtype)
+    # The compiled program names the custom call by its body (a partial is 'anonymous').
+    kernel.__name__ = kernel.func.__name__
     call = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((split + tail, n, mp), jnp.float32),

@@ -373,6 +373,8 @@ def ragged_paged_attention_mgpu(q, k_cache, v_cache, layer, page_table, query_st
         num_tokens=num_tokens, block_size=block_size, pages_per_step=pages_per_step,
         sm_scale=1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale, softcap=softcap,
         interpreted=bool(interpret))
+    # The compiled program names the custom call by its body (a partial is 'anonymous').
+    kernel.__name__ = kernel.func.__name__
     bf16 = jnp.bfloat16
     out = plgpu.kernel(
         kernel,
