@@ -27,19 +27,24 @@ def prompts():
     return [rng.integers(1, 256, n).tolist() for n in (3, 17, 40, 9)]
 
 
-def greedy(model, prompts, **kw):
+def greedy_outputs(model, prompts, logprobs=None, **kw):
+    """Each prompt's finished CompletionOutput: 8 greedy tokens (and top logprobs)."""
     engine = LLMEngine(EngineConfig(model="tiny", block_size=16, max_num_seqs=4,
                                     max_model_len=128, max_num_batched_tokens=64,
                                     warmup=False, **kw), model=model)
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=logprobs)
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, params)
     done = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
+                done[out.request_id] = out.outputs[0]
     return [done[str(i)] for i in range(len(prompts))]
+
+
+def greedy(model, prompts, **kw):
+    return [out.token_ids for out in greedy_outputs(model, prompts, **kw)]
 
 
 def test_pallas_attention_matches_xla(model, prompts):
@@ -60,18 +65,8 @@ def test_int4_kernel_engine_matches_int4_xla(model, prompts):
 
 def greedy_top2(model, prompts, **kw):
     """Greedy tokens, and each step's top-2 logprobs {id: logprob}, per prompt."""
-    engine = LLMEngine(EngineConfig(model="tiny", block_size=16, max_num_seqs=4,
-                                    max_model_len=128, max_num_batched_tokens=64,
-                                    warmup=False, **kw), model=model)
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, params)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0]
-    return [(done[str(i)].token_ids, done[str(i)].logprobs) for i in range(len(prompts))]
+    return [(out.token_ids, out.logprobs)
+            for out in greedy_outputs(model, prompts, logprobs=2, **kw)]
 
 
 # bf16 steps round activations where XLA's and the kernel's steps differ in summation order:
