@@ -23,6 +23,25 @@ ATTENTION_TOLERANCE = {"float32": dict(rtol=1e-5, atol=1e-5),
 ATTENTION_MODELS = {"smollm2": (3, 3, 64, 30), "llama3_8b": (8, 4, 128, 32)}
 
 
+# Engine-sized ragged attention steps for lowering and compile tests: (tokens, rows) of a
+# decode-shaped step, a mixed prefill step (short rows, then the others) and one decode row.
+RAGGED_ENGINE_STEPS = {"decode": (64, 64), "mixed": (512, 16), "batch1": (1, 1)}
+
+
+def ragged_engine_shapes(model: str, block_size: int, dtype, step: str, num_blocks: int = 1024,
+                         num_pages: int = 64) -> tuple:
+    """ShapeDtypeStructs of ragged_paged_attention's positional arguments (q, k/v caches,
+    layer, page table, query_start, context_lens) for `model`'s heads at an engine step."""
+    import jax
+    import jax.numpy as jnp
+    kv_heads, group, head_dim, layers = ATTENTION_MODELS[model]
+    tokens, rows = RAGGED_ENGINE_STEPS[step]
+    s = jax.ShapeDtypeStruct
+    cache = s((layers, num_blocks, block_size, kv_heads, head_dim), dtype)
+    return (s((tokens, kv_heads * group, head_dim), dtype), cache, cache, s((), jnp.int32),
+            s((rows, num_pages), jnp.int32), s((rows + 1,), jnp.int32), s((rows,), jnp.int32))
+
+
 def attention_tolerance(dtype) -> dict:
     """assert_allclose keywords for kernel vs reference at activation `dtype`."""
     import jax.numpy as jnp

@@ -15,7 +15,8 @@ from pallas_kernels.ragged_attention_kernel import split_pages
 from pallas_kernels.ragged_paged_attention import (ragged_paged_attention,
                                                    ragged_paged_attention_reference)
 from tests.cuda_lowering import compile_for_h200, cuda_compiler_available, lower_for_h200
-from pallas_kernels.cases import ATTENTION_MODELS, attention_tolerance, ragged_case
+from pallas_kernels.cases import (ATTENTION_MODELS, RAGGED_ENGINE_STEPS, attention_tolerance,
+                                  ragged_case, ragged_engine_shapes)
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
@@ -320,16 +321,8 @@ def test_rejects_tiles_too_small_for_the_gpu_dot():
 
 # (tokens, rows) buckets: decode-shaped (one token per row), a mixed prefill step (two calls:
 # short rows, then the others) and one decode row (16 splits and their combine).
-STEPS = {"decode": (64, 64), "mixed": (512, 16), "batch1": (1, 1)}
-
-
-def engine_shapes(model, block_size, dtype, step, num_blocks=1024, num_pages=64):
-    kv_heads, group, head_dim, layers = ATTENTION_MODELS[model]
-    tokens, rows = STEPS[step]
-    s = jax.ShapeDtypeStruct
-    cache = s((layers, num_blocks, block_size, kv_heads, head_dim), dtype)
-    return (s((tokens, kv_heads * group, head_dim), dtype), cache, cache, s((), jnp.int32),
-            s((rows, num_pages), jnp.int32), s((rows + 1,), jnp.int32), s((rows,), jnp.int32))
+STEPS = RAGGED_ENGINE_STEPS
+engine_shapes = ragged_engine_shapes
 
 
 @pytest.mark.parametrize("step", sorted(STEPS))

@@ -13,7 +13,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import numpy as np
 import pytest
 
-from pallas_kernels.cases import ATTENTION_MODELS, attention_tolerance
+from pallas_kernels.cases import (ATTENTION_MODELS, RAGGED_ENGINE_STEPS, attention_tolerance,
+                                  ragged_engine_shapes)
 from pallas_kernels.ragged_paged_attention_mgpu import (cost, ragged_paged_attention_mgpu,
                                                         unsupported)
 from pallas_kernels.ragged_paged_attention_reference import ragged_paged_attention_reference
@@ -164,16 +165,11 @@ def test_cost_counts_pages_and_queries():
 
 
 # (tokens, rows): decode-shaped, a mixed prefill step, one decode row.
-STEPS = {"decode": (64, 64), "mixed": (512, 16), "batch1": (1, 1)}
+STEPS = RAGGED_ENGINE_STEPS
 
 
-def engine_shapes(model, block_size, step, num_blocks=1024, num_pages=64):
-    kv_heads, group, head_dim, layers = ATTENTION_MODELS[model]
-    tokens, rows = STEPS[step]
-    s = jax.ShapeDtypeStruct
-    cache = s((layers, num_blocks, block_size, kv_heads, head_dim), BF16)
-    return (s((tokens, kv_heads * group, head_dim), BF16), cache, cache, s((), jnp.int32),
-            s((rows, num_pages), jnp.int32), s((rows + 1,), jnp.int32), s((rows,), jnp.int32))
+def engine_shapes(model, block_size, step, **kw):
+    return ragged_engine_shapes(model, block_size, BF16, step, **kw)
 
 
 @pytest.mark.parametrize("step", sorted(STEPS))
