@@ -22,14 +22,25 @@ MODELS = [
         BASE, num_attention_heads=6, num_key_value_heads=2, head_dim=64, rope_theta=1e6,
         rms_norm_eps=1e-6, tie_word_embeddings=True)},
 ]
+# bf16, for the Mosaic GPU kernels (bf16 only): weights drawn 20x wider than HF's default make
+# logits peaked enough (smallest top-2 gap 0.24 along the greedy tokens) that the bf16 step's
+# rounding cannot flip them; the engine's bf16 XLA path checks that in the same test.
+# 2 queries per KV head: JAX's GPU interpreter runs a program's G + 1 warpgroups as threads,
+# and with 4 (G = 3) it can stall on this 2-core machine before the producer warpgroup's first
+# instruction (docs/gpu.md); G = 3 is covered by the kernel tests' mixes that do not stall.
+BF16_MODEL = {"name": "qwen3_hd64_peaked", "model_type": "qwen3", "seed": 26, "greedy": True,
+              "config": dict(BASE, num_attention_heads=6, num_key_value_heads=3, head_dim=64,
+                             rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                             initializer_range=2.0)}
 # fp32 vs fp32: logits agree to summation order; a top-2 gap over this cannot flip.
 MIN_MARGIN = 4e-4
+BF16_MIN_MARGIN = 0.1
 
 
 @pytest.fixture(scope="module")
 def reference():
     return run_reference("ref_families", {
-        "models": MODELS, "prompts": [], "greedy_prompts": GREEDY_PROMPTS,
+        "models": MODELS + [BF16_MODEL], "prompts": [], "greedy_prompts": GREEDY_PROMPTS,
         "greedy_tokens": GREEDY_TOKENS})
 
 
@@ -50,3 +61,40 @@ def test_gpu_program_greedy_matches_hf(reference, name, monkeypatch):
     assert runner.attention.name.startswith("pallas")
     for i, got in enumerate(engine_greedy(engine)):
         assert got == reference[f"{name}/greedy/{i}"].tolist(), (name, i)
+
+
+def test_gpu_program_on_mosaic_gpu_kernels_greedy_matches_hf(reference, monkeypatch):
+    """The GPU program with the Mosaic GPU attention kernel (Hopper's, gpu_kernels="mosaic")
+    in JAX's GPU interpret mode, bf16, against HF's float32 greedy tokens: prefill chunks of
+    16 tokens over cached pages beside decodes, 2 queries per KV head. The engine's bf16 XLA
+    path runs first, the control that bf16 alone flips nothing on this model."""
+    from jaxserve import EngineConfig, LLMEngine, SamplingParams
+    from jaxserve.runtime import backends
+    from models import load_model
+    name = BF16_MODEL["name"]
+    assert reference["json"]["margins"][name] > BF16_MIN_MARGIN
+    monkeypatch.setattr(backends, "gpu_step", lambda: True)
+    model = load_model(reference["workdir"] / name, dtype="bfloat16")
+    # Two prompts, 5 and 19 tokens, two at a time: the 19 are two chunks (the second over a
+    # cached page) while the other row decodes. Four tokens each: the interpreter runs every
+    # warpgroup of every program as a thread (minutes per prompt on 2 cores).
+    prompts, new = (0, 3), 4
+    want = [reference[f"{name}/greedy/{i}"].tolist()[:new] for i in prompts]
+    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+    for attention, kernels in (("xla", "auto"), ("pallas-interpret", "mosaic")):
+        engine = LLMEngine(EngineConfig(
+            model=model.source, dtype="bfloat16", warmup=False, block_size=16, max_num_seqs=2,
+            max_num_batched_tokens=16, max_model_len=64, attention_backend=attention,
+            linear_backend="xla", gpu_kernels=kernels), model=model)
+        runner = engine.runner
+        assert runner.unroll_layers and runner.branch_free_sampling
+        assert runner.attention.name == attention
+        if attention != "xla":
+            assert runner.attention.kernels == "mosaic"
+        for i in prompts:
+            engine.add_request(f"r{i}", GREEDY_PROMPTS[i], params)
+        got = {}
+        while engine.has_unfinished_requests():
+            got.update({o.request_id: list(o.outputs[0].token_ids) for o in engine.step()
+                        if o.finished})
+        assert [got[f"r{i}"] for i in prompts] == want, attention
