@@ -95,6 +95,53 @@ def _compile_template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
+# Appended to the last message's content for continue_final_message: where it shows in the
+# rendered text, that message's content ends (HF transformers' way, so both cut alike).
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def _tag_final_message(messages: list[dict], template: str) -> tuple[list[dict], str]:
+    """A copy of `messages` whose last content ends in _CONTINUE_TAG, and that content."""
+    if not messages:
+        raise ValueError("continue_final_message is set but the conversation is empty!")
+    final = messages[-1].get("content")
+    if final is None:
+        raise ValueError('continue_final_message is set but the final message has no '
+                         '"content" to continue!')
+    if "content" not in template:
+        raise ValueError('continue_final_message is set to "content" but this is not an '
+                         'accepted field in the chat_template')
+    last = dict(messages[-1])
+    if isinstance(final, (list, tuple)):  # content parts: the last text part is continued
+        parts = [dict(p) for p in final]
+        texts = [p for p in parts if "text" in p]
+        if not texts:
+            raise ValueError("continue_final_message is set but we could not find any text "
+                             "to continue in the final message!")
+        final = texts[-1]["text"]
+        texts[-1]["text"] = final + _CONTINUE_TAG
+        last["content"] = parts
+    else:
+        last["content"] = final + _CONTINUE_TAG
+    return [*messages[:-1], last], final
+
+
+def _cut_at_tag(text: str, final: str) -> str:
+    tag = _CONTINUE_TAG.strip()
+    if final.strip() not in text or tag not in text:
+        raise ValueError(
+            "continue_final_message is set but the final message does not appear in the chat "
+            "after applying the chat template! This can happen if the chat template deletes "
+            "portions of the final message. Please verify the chat template and final message "
+            f"in your chat to ensure they are compatible.Final message to continue: "
+            f"{final.strip()}\nRendered chat:\n{text}")
+    at = text.rindex(tag)
+    # A template that keeps the content's spacing keeps the tag's space too; one that trims
+    # the content trimmed whatever followed the continued text.
+    return text[:at] if text[at:at + len(_CONTINUE_TAG)] == _CONTINUE_TAG else \
+        text[:at].rstrip()
+
+
 class Tokenizer:
     """Text <-> token ids for one model, plus its chat template and stop tokens."""
 
@@ -229,19 +276,31 @@ class Tokenizer:
         return other
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            **extra) -> str:
-        """Renders `messages` into the prompt text the model was trained on."""
+                            continue_final_message: bool = False, **extra) -> str:
+        """Renders `messages` into the prompt text the model was trained on.
+
+        `continue_final_message` (HF's): the text ends inside the last message, after its
+        content, so the model continues that message (a prefilled reply) instead of starting
+        a new one; it cannot be combined with `add_generation_prompt`.
+        """
         if not self.chat_template:
             raise ValueError(f"{self.source}: the tokenizer has no chat template; "
                              "pass a raw prompt instead")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both "
+                             "be set")
         if self._template is None:
             self._template = _compile_template(self.chat_template)
         variables = dict(tools=None, documents=None, bos_token=self._token_text(self.bos_token_id),
                          eos_token=self._token_text(self.eos_token_id),
                          pad_token=self._token_text(self.pad_token_id))
         variables.update(extra)
-        return self._template.render(messages=messages,
+        final = None
+        if continue_final_message:
+            messages, final = _tag_final_message(messages, self.chat_template)
+        text = self._template.render(messages=messages,
                                      add_generation_prompt=add_generation_prompt, **variables)
+        return _cut_at_tag(text, final) if continue_final_message else text
 
 
 class IncrementalDetokenizer:

@@ -1,6 +1,8 @@
 """models/tokenizer.py against HF transformers' tokenizer built from the same GGUF, plus
 facts that need no reference (UTF-8 boundaries, regex splits, error messages)."""
 
+import re
+
 import pytest
 
 from hf_reference import run_reference
@@ -56,6 +58,14 @@ CONVERSATIONS = [
                   {"role": "user", "content": "héllo"},
                   {"role": "assistant", "content": "  bonjour  "}],
      "add_generation_prompt": False},
+    # A prefilled reply the model continues: the text ends inside the last message.
+    {"messages": [{"role": "user", "content": "What is 2+2?"},
+                  {"role": "assistant", "content": "The answer is"}],
+     "add_generation_prompt": False, "continue_final_message": True},
+    {"messages": [{"role": "system", "content": "Be brief."},
+                  {"role": "user", "content": "héllo"},
+                  {"role": "assistant", "content": "  bonjour  "}],
+     "add_generation_prompt": False, "continue_final_message": True},
 ]
 
 # Templates exercising what HF's renderer adds to plain Jinja: trim_blocks/lstrip_blocks, its
@@ -70,6 +80,11 @@ CUSTOM_TEMPLATES = [
     "{% endif %}{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}"
     "{% endfor %}{{ ns.n }} turns {{ strftime_now('x') }}",
 ]
+
+def chat_args(conv: dict) -> tuple:
+    return (conv["messages"], conv["add_generation_prompt"],
+            conv.get("continue_final_message", False))
+
 
 @pytest.fixture(scope="module")
 def hf(smollm2_path):
@@ -146,9 +161,8 @@ def test_token_ids_and_stops_match_hf(tok, hf):
 @pytest.mark.hf_ref
 def test_chat_template_matches_hf(tok, hf):
     for conv, ref in zip(CONVERSATIONS, hf["chats"]):
-        got = tok.apply_chat_template(conv["messages"],
-                                      add_generation_prompt=conv["add_generation_prompt"])
-        assert got == ref
+        assert tok.apply_chat_template(*chat_args(conv)) == ref
+    assert hf["chats"][-2].endswith("<|im_start|>assistant\nThe answer is")  # no <|im_end|>
     # Independent facts of SmolLM2's template: a default system prompt when none is given.
     assert hf["chats"][0].startswith("<|im_start|>system\nYou are a helpful AI assistant")
     assert hf["chats"][0].endswith("<|im_start|>assistant\n")
@@ -160,9 +174,9 @@ def test_chat_template_matches_hf(tok, hf):
 def test_custom_templates_match_hf(tok, hf, index):
     custom = tok.with_chat_template(CUSTOM_TEMPLATES[index])
     for conv, ref in zip(CONVERSATIONS, hf["custom"][index]):
-        args = conv["messages"], conv["add_generation_prompt"]
+        args = chat_args(conv)
         if isinstance(ref, dict):
-            with pytest.raises(Exception, match=ref["error"]):
+            with pytest.raises(Exception, match=re.escape(ref["error"])):
                 custom.apply_chat_template(*args)
         else:
             assert custom.apply_chat_template(*args) == ref

@@ -1,7 +1,7 @@
 """HF reference for tests/test_tokenizer.py: transformers' own tokenizer built from the GGUF.
 
 Request: {"gguf": path, "strings": [...], "conversations": [{"messages": [...],
-"add_generation_prompt": bool}, ...], "digit_strings": [...],
+"add_generation_prompt": bool, "continue_final_message"?: bool}, ...], "digit_strings": [...],
 "custom_templates": [...], "workdir": dir}  (workdir is added by tests/hf_reference.py).
 Writes a JSON payload with HF's ids, decodes and rendered chat templates, and saves the tokenizer
 (tokenizer.json + tokenizer_config.json) to workdir/saved for the test to load as an HF directory.
@@ -23,7 +23,9 @@ from common import load_request, save
 def _render(tok, template, conv):
     try:
         return tok.apply_chat_template(conv["messages"], chat_template=template, tokenize=False,
-                                       add_generation_prompt=conv["add_generation_prompt"])
+                                       add_generation_prompt=conv["add_generation_prompt"],
+                                       continue_final_message=conv.get("continue_final_message",
+                                                                       False))
     except Exception as e:  # the test checks that we raise the same message
         return {"error": str(e)}
 
@@ -44,9 +46,7 @@ def main():
         "ids": ids,
         "decoded": [tok.decode(i) for i in ids],
         "decoded_skip": [tok.decode(i, skip_special_tokens=True) for i in ids],
-        "chats": [tok.apply_chat_template(c["messages"], tokenize=False,
-                                          add_generation_prompt=c["add_generation_prompt"])
-                  for c in req["conversations"]],
+        "chats": [_render(tok, None, c) for c in req["conversations"]],
         "custom": [[_render(tok, t, c) for c in req["conversations"]]
                    for t in req["custom_templates"]],
         "bos_token_id": tok.bos_token_id,
