@@ -182,7 +182,8 @@ def _cmd_serve(args) -> int:
         config = ServerConfig(served_model_name=args.served_model_name or args.model,
                               api_key=args.api_key, threads=args.threads,
                               **_admission(engine_config),
-                              watchdog_timeout_s=args.watchdog_timeout)
+                              watchdog_timeout_s=args.watchdog_timeout,
+                              enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint)
         modules = args.lora_modules or []
         check_lora_flags(modules, enable_lora=engine_config.enable_lora,
                          served_name=config.served_model_name,
@@ -406,6 +407,9 @@ def _add_serve_parser(sub) -> None:
     p.add_argument("--watchdog-timeout", type=float, default=None, metavar="SECONDS",
                    help="mark the engine failed (health 503, exit 1) when it has unfinished "
                         "work and makes no progress for this long (default: off)")
+    p.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                   help="serve GET /tokenizer_info (the tokenizer's special tokens and chat "
+                        "template; lm-eval's tokenizer_backend=remote reads it)")
     g = p.add_argument_group("replicas (Ray Serve; pip install 'jaxserve[ray]')")
     g.add_argument("--data-parallel-size", type=int, default=None, metavar="N",
                    help="serve N engine replicas as Ray Serve deployments behind this "

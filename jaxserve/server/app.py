@@ -29,6 +29,7 @@ from jaxserve.server.protocol import ModelInfo, parse_chat, parse_completion
 from jaxserve.server.responses import Responder
 from jaxserve.server.served_models import ServedModels
 from jaxserve.server.structured import check_compiles
+from jaxserve.server.tokenize_routes import register_tokenize_routes
 from jaxserve.server.ui_routes import register_ui_routes
 
 log = logging.getLogger("jaxserve.server")
@@ -196,9 +197,13 @@ def _register_errors(app: Flask, state: ServerState) -> None:
     @app.errorhandler(HTTPException)
     def http_error(err: HTTPException):
         code = err.code or 500
+        # Werkzeug's own headers, but for its HTML content type: a 405's `Allow` (RFC 9110
+        # requires it), a 416's Content-Range.
+        headers = {k: v for k, v in err.get_headers() if k.lower() != "content-type"}
         return _error_response(ApiError(code, err.description or err.name,
                                         type=HTTP_ERROR_TYPES.get(code, "invalid_request_error"),
-                                        code=err.name.lower().replace(" ", "_")), state)
+                                        code=err.name.lower().replace(" ", "_"),
+                                        headers=headers), state)
 
     @app.errorhandler(Exception)
     def internal_error(err: Exception):
@@ -218,6 +223,7 @@ def create_app(backend: Backend, config: ServerConfig | None = None) -> Flask:
     _register_routes(app, state)
     register_profile_routes(app, state)
     register_lora_routes(app, state)
+    register_tokenize_routes(app, state)
     register_ui_routes(app, state)
     register_openapi_routes(app, state)
     _register_errors(app, state)

@@ -39,6 +39,9 @@ class ServerConfig:
     drain_timeout_s: float = 60.0
     # How often a handler waiting for tokens checks that its client is still connected.
     disconnect_poll_s: float = 0.5
+    # GET /tokenizer_info (vLLM's flag): off by default, as in vLLM, since it shows the chat
+    # template; lm-evaluation-harness's remote tokenizer needs it.
+    enable_tokenizer_info_endpoint: bool = False
 
     def __post_init__(self):
         if not isinstance(self.served_model_name, str) or not self.served_model_name:
@@ -65,6 +68,9 @@ class ServerConfig:
                 self.max_stop_string_chars > MAX_STOP_STRING_CHARS:
             raise ValueError(f"the engine allows at most {MAX_STOP_STRINGS} stop strings of "
                              f"{MAX_STOP_STRING_CHARS} characters")
+        if not isinstance(self.enable_tokenizer_info_endpoint, bool):
+            raise ValueError("enable_tokenizer_info_endpoint must be a boolean, got "
+                             f"{self.enable_tokenizer_info_endpoint!r}")
         for name in ("drain_timeout_s", "disconnect_poll_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:

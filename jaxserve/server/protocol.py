@@ -266,8 +266,10 @@ def _message_tool_calls(i: int, calls) -> list[dict]:
     return out
 
 
-def parse_chat(body, config: ServerConfig, info: ModelInfo) -> GenerationRequest:
-    f = _check_body(body)
+def chat_prompt(f: Fields, info: ModelInfo, *, add_generation_prompt: bool = True,
+                continue_final_message: bool = False) -> tuple[str, tool_calls.Tools | None]:
+    """The prompt text of a chat body's `messages` (and `tools`) under the model's chat
+    template, and its tools; /v1/chat/completions and POST /tokenize render alike."""
     messages = f.raw("messages")
     if not isinstance(messages, list) or not messages:
         raise invalid("'messages' must be a non-empty list", "messages")
@@ -281,11 +283,18 @@ def parse_chat(body, config: ServerConfig, info: ModelInfo) -> GenerationRequest
         if native and tools is not None else {}
     try:
         text = info.tokenizer.apply_chat_template(
-            tool_calls.render_messages(clean, tools, native), add_generation_prompt=True,
-            **extra)
+            tool_calls.render_messages(clean, tools, native),
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, **extra)
     except Exception as e:  # noqa: BLE001 - template errors are the client's conversation
         raise invalid(f"the chat template rejected the messages: {str(e)[:200]}",
                       "messages") from e
+    return text, tools
+
+
+def parse_chat(body, config: ServerConfig, info: ModelInfo) -> GenerationRequest:
+    f = _check_body(body)
+    text, tools = chat_prompt(f, info)
     want = f.boolean("logprobs")
     top = f.integer("top_logprobs", None, 0, config.max_logprobs)
     if top is not None and not want:
@@ -294,4 +303,5 @@ def parse_chat(body, config: ServerConfig, info: ModelInfo) -> GenerationRequest
                   top_logprobs=(top or 0) if want else None, echo=False, tools=tools)
 
 
-__all__ = ["ApiError", "GenerationRequest", "ModelInfo", "parse_chat", "parse_completion"]
+__all__ = ["ApiError", "GenerationRequest", "ModelInfo", "chat_prompt", "parse_chat",
+           "parse_completion"]

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, RootModel
 
 from jaxserve.core.sampling_params import MAX_LOGPROBS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
+from jaxserve.core.structured_outputs import MAX_CHOICES, MAX_SPEC_CHARS
 from jaxserve.server.lora_routes import MAX_NAME_CHARS, MAX_PATH_CHARS
 from jaxserve.server.protocol import CHAT_ROLES, MAX_PROMPTS
+from jaxserve.server.tools import MAX_TOOLS, NAME_RE
 
 TokenId = Annotated[int, Field(ge=0)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
@@ -28,6 +30,11 @@ Stop = Union[StopString, Annotated[list[StopString], Field(max_length=MAX_STOP_S
 Unsupported = Union[Literal["", "none"], Annotated[list[Any], Field(max_length=0)],
                     Annotated[dict[str, Any], Field(max_length=0)], None]
 Logprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
+
+
+class ModelName(RootModel[str]):
+    """A model this server serves (GET /v1/models): the base model or a loaded LoRA adapter.
+    The served /openapi.json lists the names (`enum`); any other name is a 404."""
 
 
 class StreamOptions(BaseModel):
@@ -39,7 +46,7 @@ class _Sampling(BaseModel):
     """Fields both generation routes share (ranges are SamplingParams')."""
 
     model_config = ConfigDict(extra="allow")
-    model: str = Field(description="the served model's name (GET /v1/models)")
+    model: ModelName = Field(description="the served model's name (GET /v1/models)")
     n: Annotated[int, Field(ge=1)] | None = Field(
         None, description="choices per prompt; at most the server's max_n")
     temperature: Annotated[float, Field(ge=0)] | None = None
@@ -61,8 +68,8 @@ class _Sampling(BaseModel):
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
     guided_json: Any = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
+    guided_regex: Annotated[str, Field(min_length=1, max_length=MAX_SPEC_CHARS)] | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1, max_length=MAX_CHOICES)] | None = None
     guided_grammar: str | None = None
     functions: Unsupported = None
     function_call: Unsupported = None
@@ -98,12 +105,77 @@ class TextPart(BaseModel):
     text: str
 
 
-class ChatMessage(BaseModel):
+Content = Union[str, list[TextPart]]
+
+
+class FunctionDefinition(BaseModel):
     model_config = ConfigDict(extra="allow")
-    role: Literal[CHAT_ROLES]  # type: ignore[valid-type]
-    content: str | list[TextPart] | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    name: Annotated[str, Field(pattern=NAME_RE.pattern)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="a JSON schema object")
+    strict: bool = False
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class SystemMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer"]
+    content: Content
+
+
+class UserMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["user"]
+    content: Content
+
+
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str
+    arguments: str | dict[str, Any] = Field("", description="JSON text, or the object")
+
+
+class ToolCall(BaseModel):
+    """A call an earlier assistant turn made, as OpenAI returned it."""
+
+    model_config = ConfigDict(extra="allow")
+    id: str | None = None
+    type: str | None = None
+    function: ToolCallFunction
+
+
+class AssistantMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["assistant"]
+    content: Content
+
+
+class AssistantToolCallMessage(BaseModel):
+    """An assistant turn that called tools: its content may be null."""
+
+    model_config = ConfigDict(extra="allow")
+    role: Literal["assistant"]
+    content: Content | None = None
+    tool_calls: Annotated[list[ToolCall], Field(min_length=1)]
+
+
+class ToolMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["tool"]
+    content: Content
     tool_call_id: str | None = None
+
+
+# OpenAI's message shapes, by role (content is null only in an assistant turn that calls tools).
+ChatMessage = Union[SystemMessage, UserMessage, AssistantMessage, AssistantToolCallMessage,
+                    ToolMessage]
+assert {r for m in ChatMessage.__args__ for r in m.model_fields["role"].annotation.__args__} \
+    == set(CHAT_ROLES)  # every role the validator takes has a shape here
 
 
 class ChatCompletionRequest(_Sampling):
@@ -113,8 +185,9 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool | None = None
     top_logprobs: Logprobs | None = Field(None, description="needs logprobs: true")
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = Field(
+        None, description="names must be unique")
+    tool_choice: str | dict[str, Any] | None = Field(None, description="needs tools")
     parallel_tool_calls: bool | None = None
 
 
@@ -212,6 +285,109 @@ class Health(BaseModel):
     status: Literal["ok"]
 
 
+class TokenizeCompletionRequest(BaseModel):
+    """POST /tokenize with text (vLLM's TokenizeCompletionRequest)."""
+
+    model_config = ConfigDict(extra="allow")
+    model: ModelName | None = None
+    prompt: str
+    add_special_tokens: bool | None = Field(
+        None, description="add the model's BOS when it has one, as /v1/completions does "
+                          "(default true)")
+    return_token_strs: bool | None = Field(None, description="also answer the tokens' strings")
+
+
+class TokenizeChatRequest(BaseModel):
+    """POST /tokenize with a chat, rendered by the model's chat template as
+    /v1/chat/completions renders it (vLLM's TokenizeChatRequest)."""
+
+    model_config = ConfigDict(extra="allow")
+    model: ModelName | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    add_generation_prompt: bool | None = Field(
+        None, description="end with the assistant turn's opening (default true)")
+    continue_final_message: bool | None = Field(
+        None, description="end inside the last message, to continue it; needs "
+                          "add_generation_prompt: false")
+    add_special_tokens: bool | None = Field(
+        None, description="add BOS on top of what the template writes (default false)")
+    return_token_strs: bool | None = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = Field(
+        None, description="names must be unique")
+    tool_choice: str | dict[str, Any] | None = Field(None, description="needs tools")
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[TokenId]
+    token_strs: list[str] | None
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize. Ids must also be below the vocabulary size, at most max_model_len."""
+
+    model_config = ConfigDict(extra="allow")
+    model: ModelName | None = None
+    tokens: list[TokenId]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class TokenizerInfo(BaseModel):
+    """GET /tokenizer_info (vLLM's): tokenizer_config.json's fields for a client that
+    tokenizes and templates on its own."""
+
+    model_config = ConfigDict(extra="allow")
+    tokenizer_class: str
+    bos_token: str | None
+    eos_token: str | None
+    pad_token: str | None
+    chat_template: str | None
+    model_max_length: int
+
+
+class EngineState(BaseModel):
+    """GET /v1/engine/state: the web page's view of the engine (server/engine_state.py)."""
+
+    model_config = ConfigDict(extra="allow")
+    version: int
+    time: float
+    age_s: float
+    model: str
+    config: dict[str, Any]
+    slots: list[dict[str, Any]]
+    waiting: list[dict[str, Any]]
+    blocks: dict[str, Any]
+    gauges: dict[str, float]
+    counters: dict[str, float]
+    server: dict[str, Any]
+
+
+class StartProfileRequest(BaseModel):
+    """Optional body of POST /start_profile; captures go to the server's --profile-dir."""
+
+    model_config = ConfigDict(extra="forbid")
+    num_steps: Annotated[int, Field(ge=1)] | None = Field(
+        None, description="stop by itself after this many engine steps")
+
+
+class ProfileStarted(BaseModel):
+    status: Literal["started"]
+    directory: str
+    num_steps: int | None
+
+
+class ProfileStopped(BaseModel):
+    status: Literal["stopped"]
+    trace_dir: str
+    files: list[str]
+
+
 SCHEMAS = (CompletionRequest, ChatCompletionRequest, ErrorResponse, CompletionResponse,
            ChatCompletionResponse, ModelList, Health, LoadLoRAAdapterRequest,
-           UnloadLoRAAdapterRequest)
+           UnloadLoRAAdapterRequest, TokenizeCompletionRequest, TokenizeChatRequest,
+           TokenizeResponse, DetokenizeRequest, DetokenizeResponse, TokenizerInfo, EngineState,
+           StartProfileRequest, ProfileStarted, ProfileStopped)

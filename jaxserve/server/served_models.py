@@ -37,12 +37,16 @@ class ServedModels:
             return None  # a missing or non-string model is the validator's 400
         adapter = self._model.adapter(name)
         if adapter is None:
-            names = [self.base_name] + [a.lora_name for a in self._adapters()]
+            names = self.names()
             listed = ", ".join(repr(n) for n in names[:8]) + (" ..." if len(names) > 8 else "")
             raise ApiError(404, f"model {shown(name)} does not exist; this server serves "
                                 f"{listed} (GET /v1/models)",
                            type="not_found_error", param="model", code="model_not_found")
         return adapter
+
+    def names(self) -> list[str]:
+        """What a request's `model` may say now: the base model, then each adapter."""
+        return [self.base_name] + [a.lora_name for a in self._adapters()]
 
     def cards(self, max_model_len: int) -> list[dict]:
         """GET /v1/models' entries, vLLM's shape: the base model, then each adapter with its

@@ -1,9 +1,13 @@
-"""GET /openapi.json: the spec is generated (jaxserve/server/schemas.py), agrees with the hand
-validator (server/protocol.py) on the bad-input table, and survives a schemathesis fuzz.
+"""GET /openapi.json: the spec is generated (jaxserve/server/schemas.py), describes every route
+the app serves (the url_map walk: a route added without a schema fails here), agrees with the
+hand validator (server/protocol.py) on the bad-input table, answers a wrong method with a 405
+and its Allow header, and survives a schemathesis fuzz.
 
 The fuzz runs in process against the Flask app (WSGI) on the tiny random chat model, with a
-bounded, derandomized number of examples per operation: no response is a 5xx, and every
-response's status, content type and body are ones the spec declares.
+bounded, derandomized number of examples per operation, on the document the server serves
+(`model` is an enum of the served names, so generated requests reach the engine): no response
+is a 5xx, every response's status, content type and body are ones the spec declares, and every
+operation the server runs answered 200 at least a few times.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import collections
 import ctypes
 import ctypes.util
 import json
+import re
 
 import jsonschema
 import pytest
@@ -26,13 +31,13 @@ from schemathesis.specs.openapi.checks import (content_type_conformance,
 
 from jaxserve import EngineConfig, LLMEngine
 from jaxserve.server import EngineLoop, ServerConfig, create_app
-from jaxserve.server.openapi import openapi_document
+from jaxserve.server.openapi import openapi_document, served_document
 from test_server import CASES, C, H, MODEL
 from jaxserve.testing.tiny_chat import tiny_chat_model
 
 MAX_MODEL_LEN = 64  # short generations: the fuzz spends its time on requests, not decoding
 MAX_NUM_SEQS = 4
-FUZZ_EXAMPLES = 25  # per operation (6 operations)
+FUZZ_EXAMPLES = 25  # per operation
 # No 5xx; status, content type and body as declared; a schema-invalid body gets a 4xx. Not
 # positive_data_acceptance: a schema-valid body may still be a 400 (SEMANTIC_ONLY below, and
 # e.g. a random string that is no grammar).
@@ -43,14 +48,14 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 # context), on two fields together, or on the body's bytes before it is JSON. The validator
 # alone refuses these; each is still a 4xx (tests/server/test_server.py::test_validation).
 SEMANTIC_ONLY = {
-    "bad-json": "not JSON at all", "unknown-model": "the served model's name",
+    "bad-json": "not JSON at all",
     "token-id-over-vocab": "the vocabulary size", "prompt-too-long": "the context length",
     "prompt-plus-max-tokens": "the context length",
     "temperature-nan": "NaN/Infinity are not JSON",
     "temperature-inf": "NaN/Infinity are not JSON",
     "n-over-limit": "the server's max_n", "stream-options-without-stream": "two fields",
     "min-tokens-over-max": "two fields", "top-logprobs-without-logprobs": "two fields",
-    "echo-with-logprobs": "two fields", "tool-without-name": "tool schemas are free-form",
+    "echo-with-logprobs": "two fields",
     "body-too-large": "the server's body limit",
 }
 GOOD = [("/v1/completions", C()), ("/v1/completions", C(prompt=[1, 2, 3], n=2, logprobs=3,
@@ -62,12 +67,21 @@ GOOD = [("/v1/completions", C()), ("/v1/completions", C(prompt=[1, 2, 3], n=2, l
                                    max_completion_tokens=3, extra_field="ignored")),
         ("/v1/chat/completions", H(messages=[{"role": "user", "content": [
             {"type": "text", "text": "hi"}]}]))]
+LABELS = {f"{m} {p}" for m, p in [
+    ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
+    ("POST", "/v1/load_lora_adapter"), ("POST", "/v1/unload_lora_adapter"),
+    ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/tokenizer_info"),
+    ("GET", "/v1/engine/state"), ("POST", "/start_profile"), ("POST", "/stop_profile"),
+    ("GET", "/health"), ("GET", "/metrics"), ("GET", "/openapi.json")]}
+# Off on the fuzzed server: no --enable-lora, no --profile-dir, no tokenizer info.
+OFF_HERE = {"POST /v1/load_lora_adapter", "POST /v1/unload_lora_adapter", "POST /start_profile",
+            "POST /stop_profile", "GET /tokenizer_info"}
 ROUTE_SCHEMA = {"/v1/completions": "CompletionRequest",
                 "/v1/chat/completions": "ChatCompletionRequest"}
 
 
 def request_validator(path: str) -> jsonschema.Draft202012Validator:
-    doc = openapi_document()
+    doc = served_document(openapi_document(), [MODEL])
     root = {**doc, "$ref": f"#/components/schemas/{ROUTE_SCHEMA[path]}"}
     return jsonschema.Draft202012Validator(root)
 
@@ -82,7 +96,8 @@ def test_document_is_generated_and_valid_openapi():
     for path in ROUTE_SCHEMA:
         assert {"400", "503"} <= set(doc["paths"][path]["post"]["responses"])
     from schemathesis.openapi import from_dict
-    assert len(list(from_dict(doc).get_all_operations())) == 6  # schemathesis accepts it
+    labels = {result.ok().label for result in from_dict(doc).get_all_operations()}
+    assert labels == LABELS  # schemathesis reads every operation
     unload = doc["paths"]["/v1/unload_lora_adapter"]["post"]["responses"]
     assert {"200", "400", "401", "404", "409"} <= set(unload)
     assert set(unload["200"]["content"]) == {"text/plain"}  # vLLM's one-line answer
@@ -138,12 +153,21 @@ def test_openapi_fuzz(app):
     default_float_environment()
     schema = schemathesis.openapi.from_wsgi("/openapi.json", app)
     operations = [result.ok() for result in schema.get_all_operations()]
-    assert len(operations) == 6  # the LoRA routes answer 400 here: no --enable-lora
-    statuses = collections.Counter()
+    # The LoRA routes answer 400 here (no --enable-lora), the profiling ones 404 (no
+    # --profile-dir); the others reach the engine or the tokenizer. Schemathesis leaves out
+    # the document's own path.
+    assert {op.label for op in operations} == LABELS - {"GET /openapi.json"}
+    statuses = {op.label: collections.Counter() for op in operations}
     for operation in operations:
-        fuzz_operation(operation, statuses)
-    # The fuzz reached both generation and refusal (not only 404s for a wrong model name).
-    assert statuses[200] >= 10 and statuses[400] >= 10, statuses
+        fuzz_operation(operation, statuses[operation.label])
+    print({label: dict(c) for label, c in statuses.items()})
+    # Every operation the server runs here was reached, not only refused (say with a 404
+    # for a model name the document did not give).
+    for label, counts in statuses.items():
+        wanted = 0 if label in OFF_HERE else min(3, sum(counts.values()))  # GETs run once
+        assert counts[200] >= wanted, (label, counts)
+    total = sum(statuses.values(), collections.Counter())
+    assert total[400] >= 10, total  # and the validator refused some schema-valid bodies
 
 
 def fuzz_operation(operation, statuses: collections.Counter) -> None:
@@ -151,8 +175,49 @@ def fuzz_operation(operation, statuses: collections.Counter) -> None:
     @settings(max_examples=FUZZ_EXAMPLES, derandomize=True, deadline=None, database=None,
               suppress_health_check=list(HealthCheck))
     def run(case):
-        if isinstance(case.body, dict) and "model" in case.body:
-            case.body["model"] = MODEL  # mostly reach the validator, not the unknown-model 404
         statuses[case.call_and_validate(checks=CHECKS).status_code] += 1
 
     run()
+
+
+# ---- every route is documented; a wrong method is a 405 that says which are right -----------
+
+# Routes the document leaves out on purpose, with the reason.
+UNDOCUMENTED = {"/": "the web page itself (HTML, not an API)",
+                "/ui/<path:name>": "the web page's static files (JS, CSS)"}
+METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE")
+
+
+def openapi_path(rule: str) -> str:
+    """werkzeug's /a/<conv:name> as OpenAPI's /a/{name}."""
+    return re.sub(r"<(?:[^:<>]+:)?([^<>]+)>", r"{\1}", rule)
+
+
+def test_document_describes_every_route(app):
+    """A route added without a schema fails here (so does a documented path nobody serves)."""
+    paths = openapi_document()["paths"]
+    served = {}
+    for rule in app.url_map.iter_rules():
+        if rule.rule in UNDOCUMENTED:
+            continue
+        methods = {m.lower() for m in rule.methods - {"HEAD", "OPTIONS"}}
+        served.setdefault(openapi_path(rule.rule), set()).update(methods)
+    undocumented = {p: sorted(m - set(paths.get(p, {}))) for p, m in served.items()
+                    if not m <= set(paths.get(p, {}))}
+    assert not undocumented, f"routes missing from /openapi.json: {undocumented}"
+    assert set(paths) == set(served), f"documented but not served: {set(paths) - set(served)}"
+    for path, ops in paths.items():
+        assert set(ops) == served[path], path
+
+
+def test_wrong_method_is_405_with_allow_header(app):
+    """RFC 9110: a 405 lists the methods the resource supports (schemathesis' ST204)."""
+    client = app.test_client()
+    for path, ops in openapi_document()["paths"].items():
+        declared = {m.upper() for m in ops}
+        for method in sorted(set(METHODS) - declared):
+            r = client.open(path, method=method)
+            assert r.status_code == 405, (method, path, r.status_code)
+            assert r.get_json()["error"]["code"] == "method_not_allowed"
+            allow = {m.strip() for m in r.headers.get("Allow", "").split(",") if m.strip()}
+            assert allow - {"HEAD", "OPTIONS"} == declared, (method, path, allow)
