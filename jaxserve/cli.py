@@ -182,7 +182,8 @@ def _cmd_serve(args) -> int:
         config = ServerConfig(served_model_name=args.served_model_name or args.model,
                               api_key=args.api_key, threads=args.threads,
                               **_admission(engine_config),
-                              watchdog_timeout_s=args.watchdog_timeout)
+                              watchdog_timeout_s=args.watchdog_timeout,
+                              reasoning_parser=args.reasoning_parser)
         modules = args.lora_modules or []
         check_lora_flags(modules, enable_lora=engine_config.enable_lora,
                          served_name=config.served_model_name,
@@ -406,6 +407,12 @@ def _add_serve_parser(sub) -> None:
     p.add_argument("--watchdog-timeout", type=float, default=None, metavar="SECONDS",
                    help="mark the engine failed (health 503, exit 1) when it has unfinished "
                         "work and makes no progress for this long (default: off)")
+    # Checked by ServerConfig (importing the server's list here would start JAX for every
+    # command), which names the choices.
+    p.add_argument("--reasoning-parser", default="none", metavar="{none,qwen3,deepseek_r1}",
+                   help="return a <think>...</think> model's thinking as reasoning_content "
+                        "(chat) / reasoning items (responses), apart from its answer; qwen3 and "
+                        "deepseek_r1 (vLLM's names) read the same format (default: none)")
     g = p.add_argument_group("replicas (Ray Serve; pip install 'jaxserve[ray]')")
     g.add_argument("--data-parallel-size", type=int, default=None, metavar="N",
                    help="serve N engine replicas as Ray Serve deployments behind this "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxserve.core.sampling_params import MAX_LOGPROBS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
+from jaxserve.server.reasoning import check_parser_name
 
 
 def _positive_int(name: str, value) -> None:
@@ -39,6 +40,9 @@ class ServerConfig:
     drain_timeout_s: float = 60.0
     # How often a handler waiting for tokens checks that its client is still connected.
     disconnect_poll_s: float = 0.5
+    # Chat outputs' <think>...</think> part as reasoning_content (server/reasoning.py):
+    # "none", or vLLM's names of that format, "qwen3" / "deepseek_r1".
+    reasoning_parser: str = "none"
 
     def __post_init__(self):
         if not isinstance(self.served_model_name, str) or not self.served_model_name:
@@ -65,6 +69,7 @@ class ServerConfig:
                 self.max_stop_string_chars > MAX_STOP_STRING_CHARS:
             raise ValueError(f"the engine allows at most {MAX_STOP_STRINGS} stop strings of "
                              f"{MAX_STOP_STRING_CHARS} characters")
+        check_parser_name(self.reasoning_parser)
         for name in ("drain_timeout_s", "disconnect_poll_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
