@@ -64,13 +64,23 @@ def _get(summary: str, response, *errors: str) -> dict:
                         **_errors(*errors)}}}
 
 
+def _stored_response() -> dict:
+    op = _get("get response", schemas.ResponsesResponse, "401", "404", "500")
+    op["get"]["parameters"] = [{"name": "response_id", "in": "path", "required": True,
+                                "schema": {"type": "string"}}]
+    op["get"]["description"] = ("a response kept with store: true (404 when it was not, was "
+                                "dropped, or the server keeps none)")
+    return op
+
+
 def openapi_document(title: str = "jaxserve", version: str = "0.1.0") -> dict:
     _, defs = models_json_schema([(m, "validation") for m in schemas.SCHEMAS],
                                  ref_template=REF)
     return {
         "openapi": "3.1.0",
         "info": {"title": title, "version": version,
-                 "description": "OpenAI-compatible completions and chat completions. Bodies "
+                 "description": "OpenAI-compatible completions, chat completions and "
+                                "responses. Bodies "
                                 "are checked by the server beyond these schemas (prompt "
                                 "length, token ids, cross-field rules); those are 400s."},
         "paths": {
@@ -79,6 +89,9 @@ def openapi_document(title: str = "jaxserve", version: str = "0.1.0") -> dict:
             "/v1/chat/completions": _generation("create chat completion",
                                                 schemas.ChatCompletionRequest,
                                                 schemas.ChatCompletionResponse),
+            "/v1/responses": _generation("create response", schemas.ResponsesRequest,
+                                         schemas.ResponsesResponse),
+            "/v1/responses/{response_id}": _stored_response(),
             "/v1/models": _get("list models", schemas.ModelList, "401", "500"),
             # 400 also when the server was started without --enable-lora.
             "/v1/load_lora_adapter": _lora_admin("load lora adapter",

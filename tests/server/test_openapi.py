@@ -32,7 +32,7 @@ from jaxserve.testing.tiny_chat import tiny_chat_model
 
 MAX_MODEL_LEN = 64  # short generations: the fuzz spends its time on requests, not decoding
 MAX_NUM_SEQS = 4
-FUZZ_EXAMPLES = 25  # per operation (6 operations)
+FUZZ_EXAMPLES = 25  # per operation (8 operations)
 # No 5xx; status, content type and body as declared; a schema-invalid body gets a 4xx. Not
 # positive_data_acceptance: a schema-valid body may still be a 400 (SEMANTIC_ONLY below, and
 # e.g. a random string that is no grammar).
@@ -63,7 +63,19 @@ GOOD = [("/v1/completions", C()), ("/v1/completions", C(prompt=[1, 2, 3], n=2, l
         ("/v1/chat/completions", H(messages=[{"role": "user", "content": [
             {"type": "text", "text": "hi"}]}]))]
 ROUTE_SCHEMA = {"/v1/completions": "CompletionRequest",
-                "/v1/chat/completions": "ChatCompletionRequest"}
+                "/v1/chat/completions": "ChatCompletionRequest",
+                "/v1/responses": "ResponsesRequest"}
+GOOD += [("/v1/responses", {"model": MODEL, "input": "hi", "max_output_tokens": 4}),
+         ("/v1/responses", {"model": MODEL, "instructions": "Be brief.", "store": False,
+                            "input": [{"role": "user", "content": [
+                                {"type": "input_text", "text": "hi"}]},
+                                {"type": "function_call", "call_id": "c", "name": "f",
+                                 "arguments": "{}"},
+                                {"type": "function_call_output", "call_id": "c",
+                                 "output": "ok"}],
+                            "tools": [{"type": "function", "name": "f"}],
+                            "text": {"format": {"type": "json_object"}},
+                            "truncation": "disabled", "metadata": {"k": "v"}})]
 
 
 def request_validator(path: str) -> jsonschema.Draft202012Validator:
@@ -82,7 +94,7 @@ def test_document_is_generated_and_valid_openapi():
     for path in ROUTE_SCHEMA:
         assert {"400", "503"} <= set(doc["paths"][path]["post"]["responses"])
     from schemathesis.openapi import from_dict
-    assert len(list(from_dict(doc).get_all_operations())) == 6  # schemathesis accepts it
+    assert len(list(from_dict(doc).get_all_operations())) == 8  # schemathesis accepts it
     unload = doc["paths"]["/v1/unload_lora_adapter"]["post"]["responses"]
     assert {"200", "400", "401", "404", "409"} <= set(unload)
     assert set(unload["200"]["content"]) == {"text/plain"}  # vLLM's one-line answer
@@ -138,7 +150,7 @@ def test_openapi_fuzz(app):
     default_float_environment()
     schema = schemathesis.openapi.from_wsgi("/openapi.json", app)
     operations = [result.ok() for result in schema.get_all_operations()]
-    assert len(operations) == 6  # the LoRA routes answer 400 here: no --enable-lora
+    assert len(operations) == 8  # the LoRA routes answer 400 here: no --enable-lora
     statuses = collections.Counter()
     for operation in operations:
         fuzz_operation(operation, statuses)
