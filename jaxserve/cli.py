@@ -183,7 +183,9 @@ def _cmd_serve(args) -> int:
                               api_key=args.api_key, threads=args.threads,
                               **_admission(engine_config),
                               watchdog_timeout_s=args.watchdog_timeout,
-                              enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint)
+                              enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
+                              reasoning_parser=args.reasoning_parser,
+                              max_stored_responses=args.max_stored_responses)
         modules = args.lora_modules or []
         check_lora_flags(modules, enable_lora=engine_config.enable_lora,
                          served_name=config.served_model_name,
@@ -410,6 +412,16 @@ def _add_serve_parser(sub) -> None:
     p.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                    help="serve GET /tokenizer_info (the tokenizer's special tokens and chat "
                         "template; lm-eval's tokenizer_backend=remote reads it)")
+    # Checked by ServerConfig (importing the server's list here would start JAX for every
+    # command), which names the choices.
+    p.add_argument("--reasoning-parser", default="none", metavar="{none,qwen3,deepseek_r1}",
+                   help="return a <think>...</think> model's thinking as reasoning_content "
+                        "(chat) / reasoning items (responses), apart from its answer; qwen3 and "
+                        "deepseek_r1 (vLLM's names) read the same format (default: none)")
+    p.add_argument("--max-stored-responses", type=int, default=0, metavar="N",
+                   help="keep the last N /v1/responses results with store: true in memory "
+                        "for previous_response_id and GET /v1/responses/{id} (default 0: "
+                        "none; store: true is answered as store: false)")
     g = p.add_argument_group("replicas (Ray Serve; pip install 'jaxserve[ray]')")
     g.add_argument("--data-parallel-size", type=int, default=None, metavar="N",
                    help="serve N engine replicas as Ray Serve deployments behind this "

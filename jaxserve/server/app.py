@@ -27,6 +27,7 @@ from jaxserve.server.openapi import register_openapi_routes
 from jaxserve.server.profile_routes import register_profile_routes
 from jaxserve.server.protocol import ModelInfo, parse_chat, parse_completion
 from jaxserve.server.responses import Responder
+from jaxserve.server.responses_routes import register_responses_routes
 from jaxserve.server.served_models import ServedModels
 from jaxserve.server.structured import check_compiles
 from jaxserve.server.tokenize_routes import register_tokenize_routes
@@ -101,6 +102,12 @@ def _generate(state: ServerState, chat: bool) -> Response:
     body = _json_body()
     adapter = state.models.resolve(body.get("model") if isinstance(body, dict) else None)
     req = (parse_chat if chat else parse_completion)(body, state.config, state.info)
+    return _serve(state, req, adapter, lambda gen, name: Responder(gen, name, state.decode))
+
+
+def _serve(state: ServerState, req, adapter, make) -> Response:
+    """Runs `req` and answers with `make(generation, model name)`'s full() as JSON, or with
+    its stream() as server-sent events when the request streams."""
     slots = state.loop.model.max_num_seqs
     if req.n > slots:  # each branch holds a batch slot for the whole request
         raise invalid(f"'n' must be at most {slots} on this server (the sequences it runs at "
@@ -116,7 +123,7 @@ def _generate(state: ServerState, chat: bool) -> Response:
     try:
         gen.wait_accepted()
         name = adapter.lora_name if adapter is not None else state.config.served_model_name
-        responder = Responder(gen, name, state.decode)
+        responder = make(gen, name)
         replica = {REPLICA_HEADER: gen.replica} if gen.replica is not None else {}
         if not req.stream:
             response = jsonify(responder.full())
@@ -135,9 +142,10 @@ def _generate(state: ServerState, chat: bool) -> Response:
 
 class _Stream:
     """The SSE body. A class, not a generator: the WSGI server calls close() even when it
-    never started iterating, and that must still abort the request and end the count."""
+    never started iterating, and that must still abort the request and end the count.
+    `responder` is a Responder or a ResponseFormatter (its `gen` and `stream()`)."""
 
-    def __init__(self, responder: Responder, state: ServerState):
+    def __init__(self, responder, state: ServerState):
         self._responder, self._state = responder, state
         self._chunks = responder.stream()
         self._closed = False
@@ -226,5 +234,6 @@ def create_app(backend: Backend, config: ServerConfig | None = None) -> Flask:
     register_tokenize_routes(app, state)
     register_ui_routes(app, state)
     register_openapi_routes(app, state)
+    register_responses_routes(app, state, lambda *args: _serve(state, *args))
     _register_errors(app, state)
     return app

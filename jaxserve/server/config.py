@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxserve.core.sampling_params import MAX_LOGPROBS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
+from jaxserve.server.reasoning import check_parser_name
 
 
 def _positive_int(name: str, value) -> None:
@@ -42,6 +43,13 @@ class ServerConfig:
     # GET /tokenizer_info (vLLM's flag): off by default, as in vLLM, since it shows the chat
     # template; lm-evaluation-harness's remote tokenizer needs it.
     enable_tokenizer_info_endpoint: bool = False
+    # Chat outputs' <think>...</think> part as reasoning_content (server/reasoning.py):
+    # "none", or vLLM's names of that format, "qwen3" / "deepseek_r1".
+    reasoning_parser: str = "none"
+    # POST /v1/responses with store: true keeps this many responses in memory (least recently
+    # used first out) for previous_response_id and GET /v1/responses/{id}; 0: none (vLLM's
+    # default: store: true is then answered as store: false).
+    max_stored_responses: int = 0
 
     def __post_init__(self):
         if not isinstance(self.served_model_name, str) or not self.served_model_name:
@@ -71,6 +79,10 @@ class ServerConfig:
         if not isinstance(self.enable_tokenizer_info_endpoint, bool):
             raise ValueError("enable_tokenizer_info_endpoint must be a boolean, got "
                              f"{self.enable_tokenizer_info_endpoint!r}")
+        check_parser_name(self.reasoning_parser)
+        m = self.max_stored_responses
+        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+            raise ValueError(f"max_stored_responses must be an integer >= 0, got {m!r}")
         for name in ("drain_timeout_s", "disconnect_poll_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:

@@ -80,6 +80,9 @@ def _paths() -> dict:
                                        s.CompletionResponse),
         "/v1/chat/completions": _generation("create chat completion", s.ChatCompletionRequest,
                                             s.ChatCompletionResponse),
+        "/v1/responses": _generation("create response", s.ResponsesRequest,
+                                     s.ResponsesResponse),
+        "/v1/responses/{response_id}": _stored_response(),
         "/v1/models": _get("list models", s.ModelList, "401", "500"),
         # 400 also when the server was started without --enable-lora.
         "/v1/load_lora_adapter": _lora_admin("load lora adapter", s.LoadLoRAAdapterRequest),
@@ -107,6 +110,15 @@ def _paths() -> dict:
     }
 
 
+def _stored_response() -> dict:
+    op = _get("get response", schemas.ResponsesResponse, "401", "404", "500")
+    op["get"]["parameters"] = [{"name": "response_id", "in": "path", "required": True,
+                                "schema": {"type": "string"}}]
+    op["get"]["description"] = ("a response kept with store: true (404 when it was not, was "
+                                "dropped, or the server keeps none)")
+    return op
+
+
 def openapi_document(title: str = "jaxserve", version: str = "0.1.0") -> dict:
     """The document, with `model` any string; the served one names the models
     (`served_document`)."""
@@ -115,7 +127,8 @@ def openapi_document(title: str = "jaxserve", version: str = "0.1.0") -> dict:
     return {
         "openapi": "3.1.0",
         "info": {"title": title, "version": version,
-                 "description": "OpenAI-compatible completions and chat completions, and "
+                 "description": "OpenAI-compatible completions, chat completions and "
+                                "responses, and "
                                 "vLLM's tokenizer, LoRA and profiling routes. Bodies are "
                                 "checked by the server beyond these schemas (prompt length, "
                                 "token ids, cross-field rules); those are 400s."},

@@ -10,6 +10,7 @@ import dataclasses
 
 from jaxserve.core.sampling_params import SamplingParamError, SamplingParams
 from jaxserve.core.structured_outputs import StructuredOutputs
+from jaxserve.server import reasoning
 from jaxserve.server import tools as tool_calls
 from jaxserve.server.config import ServerConfig
 from jaxserve.server.errors import ApiError, invalid, shown
@@ -40,6 +41,9 @@ class GenerationRequest:
     constraint_param: str | None = None  # the field params.structured_outputs came from
     tools: tool_calls.Tools | None = None  # chat: parse the output into tool_calls
     priority: int = 0                 # lower runs first, FCFS within (vLLM's field)
+    # chat with a reasoning parser: whether the output starts inside thinking (unless it opens
+    # with <think>; server/reasoning.py); None: no reasoning parser
+    reasoning: bool | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -299,8 +303,12 @@ def parse_chat(body, config: ServerConfig, info: ModelInfo) -> GenerationRequest
     top = f.integer("top_logprobs", None, 0, config.max_logprobs)
     if top is not None and not want:
         raise invalid("'top_logprobs' needs 'logprobs' set to true", "top_logprobs")
-    return _build(f, config, info, chat=True, prompts=[info.encode(text)], texts=[text],
-                  top_logprobs=(top or 0) if want else None, echo=False, tools=tools)
+    req = _build(f, config, info, chat=True, prompts=[info.encode(text)], texts=[text],
+                 top_logprobs=(top or 0) if want else None, echo=False, tools=tools)
+    if config.reasoning_parser == "none":
+        return req
+    constrained = req.params.structured_outputs is not None
+    return dataclasses.replace(req, reasoning=reasoning.starts_in_reasoning(text, constrained))
 
 
 __all__ = ["ApiError", "GenerationRequest", "ModelInfo", "chat_prompt", "parse_chat",

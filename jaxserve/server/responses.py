@@ -7,7 +7,7 @@ import time
 from typing import Iterator
 
 from jaxserve.server import formatting as fmt
-from jaxserve.server import tool_parser
+from jaxserve.server import reasoning, tool_parser
 from jaxserve.server.errors import ApiError
 from jaxserve.server.generation import ClientGone, Delta, Generation
 
@@ -25,6 +25,7 @@ class Responder:
         tools = self.req.tools if self.chat else None
         self.tool_names = tools.names if tools is not None else None
         self._parsers: dict[int, tool_parser.ToolCallParser] = {}  # stream: per choice
+        self._thinking: dict[int, reasoning.ReasoningParser] = {}  # the same, for reasoning
 
     def _usage(self) -> dict:
         return fmt.usage(self.gen.prompt_tokens, self.gen.completion_tokens)
@@ -61,12 +62,16 @@ class Responder:
         return self._body(choices, self._usage(), chunk=False)
 
     def _message(self, text: str, finish: str | None) -> tuple[dict, str | None]:
-        if self.tool_names is None:
-            return {"role": "assistant", "content": text}, finish
-        content, calls = tool_parser.parse_tool_calls(text, self.tool_names)
+        thinking = {}
+        if self.req.reasoning is not None:  # tool calls are read from the answer alone
+            reasoning_text, text = reasoning.split(text, self.req.reasoning)
+            thinking = {"reasoning_content": reasoning_text}
+        calls = []
+        if self.tool_names is not None and text:
+            content, calls = tool_parser.parse_tool_calls(text, self.tool_names)
         if not calls:
-            return {"role": "assistant", "content": text}, finish
-        return ({"role": "assistant", "content": content, "tool_calls": calls},
+            return {"role": "assistant", "content": text, **thinking}, finish
+        return ({"role": "assistant", "content": content, **thinking, "tool_calls": calls},
                 "tool_calls" if finish == "stop" else finish)
 
     # ---- stream ---------------------------------------------------------------------------
@@ -83,12 +88,22 @@ class Responder:
                 continue
             yield fmt.sse(self._body([choice], None, chunk=True))
 
-    def _tool_delta(self, d: Delta) -> tuple[dict, str | None]:
+    def _reasoning_delta(self, d: Delta) -> tuple[str, str]:
+        """(reasoning, answer) parts of a delta's text (all answer without a reasoning parser)."""
+        if self.req.reasoning is None:
+            return "", d.text
+        parser = self._thinking.setdefault(d.index, reasoning.ReasoningParser(self.req.reasoning))
+        thought, text = parser.feed(d.text)
+        if d.finish_reason is not None:
+            more_thought, more_text = parser.finish()
+            thought, text = thought + more_thought, text + more_text
+        return thought, text
+
+    def _tool_delta(self, index: int, text: str, finish: str | None) -> tuple[dict, str | None]:
         """A chat delta with tool calls parsed out of the text: a call's name as soon as it is
         known, then its argument fragments as they are generated."""
-        parser = self._parsers.setdefault(d.index, tool_parser.ToolCallParser(self.tool_names))
-        text, calls = parser.feed(d.text)
-        finish = d.finish_reason
+        parser = self._parsers.setdefault(index, tool_parser.ToolCallParser(self.tool_names))
+        text, calls = parser.feed(text)
         if finish is not None:
             more_text, more_calls = parser.finish()
             text, calls = text + more_text, calls + more_calls
@@ -104,12 +119,15 @@ class Responder:
             return None  # text held back (it may become a stop string): nothing to say yet
         lps = self._logprobs(d.token_ids, d.logprobs, offset) if d.token_ids else None
         if self.chat:
+            thought, text = self._reasoning_delta(d)
             if self.tool_names is not None:
-                delta, finish = self._tool_delta(d)
-                if not delta and finish is None and not lps:
-                    return None
+                delta, finish = self._tool_delta(d.index, text, d.finish_reason)
             else:
-                delta, finish = ({"content": d.text} if d.text else {}), d.finish_reason
+                delta, finish = ({"content": text} if text else {}), d.finish_reason
+            if thought:
+                delta = {"reasoning_content": thought, **delta}
+            if not delta and finish is None and not lps:
+                return None
             choice = {"index": d.index, "delta": delta, "logprobs": lps,
                       "finish_reason": finish}
         else:

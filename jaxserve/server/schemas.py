@@ -191,6 +191,56 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: bool | None = None
 
 
+class ResponsesRequest(BaseModel):
+    """POST /v1/responses (OpenAI's Responses API). Input items: messages (text parts),
+    function_call, function_call_output, reasoning (dropped); tools: function tools. vLLM's
+    sampling extras (seed, top_k, min_p, repetition_penalty, stop, guided_*, ...) are taken as
+    on chat completions."""
+
+    model_config = ConfigDict(extra="allow")
+    model: ModelName = Field(description="the served model's name (GET /v1/models)")
+    input: str | list[dict[str, Any]]
+    instructions: str | None = Field(None, description="a system message ahead of the input")
+    max_output_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = Field(None, description="{'format': text | json_object | "
+                                                          "json_schema}")
+    stream: bool | None = None
+    store: bool | None = Field(None, description="kept only with --max-stored-responses N > 0")
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    reasoning: dict[str, Any] | None = Field(None, description="repeated, not acted on")
+    user: str | None = None
+    include: list[str] | None = Field(None, description="only reasoning.encrypted_content "
+                                                        "(ignored)")
+    truncation: Literal["disabled"] | None = None
+    # Refused (400 unsupported) unless absent, null, false, 0 or empty.
+    background: Any = None
+    conversation: Any = None
+    prompt: Any = None
+    context_management: Any = None
+    moderation: Any = None
+    top_logprobs: Any = None
+
+
+class ResponsesResponse(BaseModel):
+    """A Response object (stream: its typed events, the last response.completed or
+    response.incomplete)."""
+
+    model_config = ConfigDict(extra="allow")
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["completed", "incomplete", "in_progress"]
+    model: str
+    output: list[dict[str, Any]]
+    usage: dict[str, Any] | None = None
+
+
 class ErrorDetail(BaseModel):
     message: str
     type: str
@@ -388,6 +438,7 @@ class ProfileStopped(BaseModel):
 
 SCHEMAS = (CompletionRequest, ChatCompletionRequest, ErrorResponse, CompletionResponse,
            ChatCompletionResponse, ModelList, Health, LoadLoRAAdapterRequest,
-           UnloadLoRAAdapterRequest, TokenizeCompletionRequest, TokenizeChatRequest,
-           TokenizeResponse, DetokenizeRequest, DetokenizeResponse, TokenizerInfo, EngineState,
-           StartProfileRequest, ProfileStarted, ProfileStopped)
+            UnloadLoRAAdapterRequest, TokenizeCompletionRequest, TokenizeChatRequest,
+            TokenizeResponse, DetokenizeRequest, DetokenizeResponse, TokenizerInfo, EngineState,
+            StartProfileRequest, ProfileStarted, ProfileStopped, ResponsesRequest,
+            ResponsesResponse)

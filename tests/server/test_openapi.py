@@ -68,16 +68,30 @@ GOOD = [("/v1/completions", C()), ("/v1/completions", C(prompt=[1, 2, 3], n=2, l
         ("/v1/chat/completions", H(messages=[{"role": "user", "content": [
             {"type": "text", "text": "hi"}]}]))]
 LABELS = {f"{m} {p}" for m, p in [
-    ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
+    ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
+    ("POST", "/v1/responses"), ("GET", "/v1/responses/{response_id}"), ("GET", "/v1/models"),
     ("POST", "/v1/load_lora_adapter"), ("POST", "/v1/unload_lora_adapter"),
     ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/tokenizer_info"),
     ("GET", "/v1/engine/state"), ("POST", "/start_profile"), ("POST", "/stop_profile"),
     ("GET", "/health"), ("GET", "/metrics"), ("GET", "/openapi.json")]}
-# Off on the fuzzed server: no --enable-lora, no --profile-dir, no tokenizer info.
+# Off on the fuzzed server: no --enable-lora, no --profile-dir, no tokenizer info, no stored
+# responses.
 OFF_HERE = {"POST /v1/load_lora_adapter", "POST /v1/unload_lora_adapter", "POST /start_profile",
-            "POST /stop_profile", "GET /tokenizer_info"}
+            "POST /stop_profile", "GET /tokenizer_info", "GET /v1/responses/{response_id}"}
 ROUTE_SCHEMA = {"/v1/completions": "CompletionRequest",
-                "/v1/chat/completions": "ChatCompletionRequest"}
+                "/v1/chat/completions": "ChatCompletionRequest",
+                "/v1/responses": "ResponsesRequest"}
+GOOD += [("/v1/responses", {"model": MODEL, "input": "hi", "max_output_tokens": 4}),
+         ("/v1/responses", {"model": MODEL, "instructions": "Be brief.", "store": False,
+                            "input": [{"role": "user", "content": [
+                                {"type": "input_text", "text": "hi"}]},
+                                {"type": "function_call", "call_id": "c", "name": "f",
+                                 "arguments": "{}"},
+                                {"type": "function_call_output", "call_id": "c",
+                                 "output": "ok"}],
+                            "tools": [{"type": "function", "name": "f"}],
+                            "text": {"format": {"type": "json_object"}},
+                            "truncation": "disabled", "metadata": {"k": "v"}})]
 
 
 def request_validator(path: str) -> jsonschema.Draft202012Validator:
