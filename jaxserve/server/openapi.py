@@ -47,6 +47,15 @@ def _generation(summary: str, request, response) -> dict:
         "responses": {"200": ok, **_errors("400", "401", "404", "405", "413", "500", "503")}}}
 
 
+def _post(summary: str, request, response, *errors: str) -> dict:
+    return {"post": {
+        "summary": summary, "operationId": summary.replace(" ", "_"),
+        "requestBody": {"required": True,
+                        "content": {"application/json": {"schema": _ref(request)}}},
+        "responses": {"200": {"description": "ok", "content": {
+            "application/json": {"schema": _ref(response)}}}, **_errors(*errors)}}}
+
+
 def _lora_admin(summary: str, request, *errors: str) -> dict:
     ok = {"description": "done: a one-line text, as vLLM answers",
           "content": {"text/plain": {"schema": {"type": "string"}}}}
@@ -70,7 +79,8 @@ def openapi_document(title: str = "jaxserve", version: str = "0.1.0") -> dict:
     return {
         "openapi": "3.1.0",
         "info": {"title": title, "version": version,
-                 "description": "OpenAI-compatible completions and chat completions. Bodies "
+                 "description": "OpenAI-compatible completions, chat completions and "
+                                "embeddings. Bodies "
                                 "are checked by the server beyond these schemas (prompt "
                                 "length, token ids, cross-field rules); those are 400s."},
         "paths": {
@@ -79,6 +89,9 @@ def openapi_document(title: str = "jaxserve", version: str = "0.1.0") -> dict:
             "/v1/chat/completions": _generation("create chat completion",
                                                 schemas.ChatCompletionRequest,
                                                 schemas.ChatCompletionResponse),
+            "/v1/embeddings": _post("create embeddings", schemas.EmbeddingRequest,
+                                    schemas.EmbeddingResponse, "400", "401", "404", "405",
+                                    "413", "500", "503"),
             "/v1/models": _get("list models", schemas.ModelList, "401", "500"),
             # 400 also when the server was started without --enable-lora.
             "/v1/load_lora_adapter": _lora_admin("load lora adapter",

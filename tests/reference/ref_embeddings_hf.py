@@ -15,6 +15,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from common import load_request, save
 
+# transformers' init gives a tiny model near-uniform logits; a larger head spreads them, so that
+# the tests' greedy generations beside the embeddings have decisive tokens (as ref_lora_hf.py).
+HEAD_SCALE = 8.0
+
 
 def main():
     req = load_request()
@@ -25,6 +29,7 @@ def main():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.add_(0.1 * torch.randn_like(p))
+        model.lm_head.weight.mul_(HEAD_SCALE)
     model.save_pretrained(os.path.join(req["workdir"], "model"), safe_serialization=True)
     arrays = {}
     for i, ids in enumerate(req["prompts"]):

@@ -32,7 +32,7 @@ from jaxserve.testing.tiny_chat import tiny_chat_model
 
 MAX_MODEL_LEN = 64  # short generations: the fuzz spends its time on requests, not decoding
 MAX_NUM_SEQS = 4
-FUZZ_EXAMPLES = 25  # per operation (6 operations)
+FUZZ_EXAMPLES = 25  # per operation (7 operations)
 # No 5xx; status, content type and body as declared; a schema-invalid body gets a 4xx. Not
 # positive_data_acceptance: a schema-valid body may still be a 400 (SEMANTIC_ONLY below, and
 # e.g. a random string that is no grammar).
@@ -61,9 +61,13 @@ GOOD = [("/v1/completions", C()), ("/v1/completions", C(prompt=[1, 2, 3], n=2, l
         ("/v1/chat/completions", H(logprobs=True, top_logprobs=2, temperature=0,
                                    max_completion_tokens=3, extra_field="ignored")),
         ("/v1/chat/completions", H(messages=[{"role": "user", "content": [
-            {"type": "text", "text": "hi"}]}]))]
+            {"type": "text", "text": "hi"}]}])),
+        ("/v1/embeddings", {"model": MODEL, "input": "hi"}),
+        ("/v1/embeddings", {"model": MODEL, "input": [[1, 2], [3]], "encoding_format": "base64",
+                            "dimensions": 64, "user": "u", "normalize": False})]
 ROUTE_SCHEMA = {"/v1/completions": "CompletionRequest",
-                "/v1/chat/completions": "ChatCompletionRequest"}
+                "/v1/chat/completions": "ChatCompletionRequest",
+                "/v1/embeddings": "EmbeddingRequest"}
 
 
 def request_validator(path: str) -> jsonschema.Draft202012Validator:
@@ -82,7 +86,7 @@ def test_document_is_generated_and_valid_openapi():
     for path in ROUTE_SCHEMA:
         assert {"400", "503"} <= set(doc["paths"][path]["post"]["responses"])
     from schemathesis.openapi import from_dict
-    assert len(list(from_dict(doc).get_all_operations())) == 6  # schemathesis accepts it
+    assert len(list(from_dict(doc).get_all_operations())) == 7  # schemathesis accepts it
     unload = doc["paths"]["/v1/unload_lora_adapter"]["post"]["responses"]
     assert {"200", "400", "401", "404", "409"} <= set(unload)
     assert set(unload["200"]["content"]) == {"text/plain"}  # vLLM's one-line answer
@@ -120,7 +124,8 @@ def app():
     kv = 2 * MAX_NUM_SEQS * MAX_MODEL_LEN * model.config.kv_bytes_per_token(4)
     engine = LLMEngine(EngineConfig(model=model.source, warmup=True, max_num_seqs=MAX_NUM_SEQS,
                                     max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=64,
-                                    block_size=MAX_MODEL_LEN, kv_cache_memory=kv), model=model)
+                                    block_size=MAX_MODEL_LEN, kv_cache_memory=kv,
+                                    enable_embeddings=True), model=model)
     loop = EngineLoop(engine).start()
     yield create_app(loop, ServerConfig(served_model_name=MODEL, max_body_bytes=1 << 16))
     loop.stop()
@@ -138,7 +143,7 @@ def test_openapi_fuzz(app):
     default_float_environment()
     schema = schemathesis.openapi.from_wsgi("/openapi.json", app)
     operations = [result.ok() for result in schema.get_all_operations()]
-    assert len(operations) == 6  # the LoRA routes answer 400 here: no --enable-lora
+    assert len(operations) == 7  # the LoRA routes answer 400 here: no --enable-lora
     statuses = collections.Counter()
     for operation in operations:
         fuzz_operation(operation, statuses)
