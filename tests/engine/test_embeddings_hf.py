@@ -31,13 +31,13 @@ GENERATE = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
 GEN_PROMPTS = [[3, 14, 15, 92, 65], [27, 18, 28, 18, 28, 45, 90, 45]]
 
 
-def make_engine(pooling: str, warmup: bool) -> LLMEngine:
+def make_engine(pooling: str, warmup: bool, model=None, **kw) -> LLMEngine:
     kv = BLOCKS * 16 * TINY_CHAT.kv_bytes_per_token(4)
     return LLMEngine(EngineConfig(
         model="tiny-chat-hf", dtype="float32", enable_embeddings=True, pooling=pooling,
         max_num_seqs=4, max_num_batched_tokens=BUDGET, block_size=16,
         max_model_len=MAX_MODEL_LEN, kv_cache_memory=kv, structured_outputs=False,
-        warmup=warmup), model=load_tiny_chat())
+        warmup=warmup, **kw), model=model or load_tiny_chat())
 
 
 class PlanLog:
@@ -189,6 +189,29 @@ def test_prompt_limits(last_engine):
     with pytest.raises(ValueError, match="empty prompt"):
         engine.add_request("x", [], PoolingParams())
     assert not engine.has_unfinished_requests()
+
+
+def test_lora_adapter_embeddings_equal_the_merged_model(tmp_path):
+    """An embedding request with a LoRA adapter pools the adapted model's states: equal to
+    an engine's on the adapter merged into the weights (numpy, float64)."""
+    import dataclasses
+    from jaxserve import LoRARequest
+    from jaxserve.testing.peft_files import merged_params, scaling, write_adapter
+    base = load_tiny_chat()
+    written = write_adapter(tmp_path / "a", base.config, rank=4, targets=["q_proj", "up_proj"],
+                            seed=1, alpha=8)
+    merged = dataclasses.replace(base, params=merged_params(base.params, written, scaling(4, 8)))
+    want = embed(make_engine("last", warmup=False, model=merged), [LONG, ID_PROMPTS[0]])
+    engine = make_engine("last", warmup=False, model=base, enable_lora=True, max_lora_rank=4)
+    lora = LoRARequest("a", 1, str(tmp_path / "a"))
+    for i, p in enumerate([LONG, ID_PROMPTS[0]]):
+        engine.add_request(f"l{i}", p, PoolingParams(), lora_request=lora)
+    engine.add_request("b", LONG, PoolingParams())  # the base model, in the same steps
+    done = drain(engine)
+    for i, w in enumerate(want):
+        np.testing.assert_allclose(done[f"l{i}"].outputs.embedding, w, atol=ATOL, rtol=0)
+    check(np.asarray(done["b"].outputs.embedding), LONG, "last")
+    assert np.abs(want[0] - done["b"].outputs.embedding).max() > 100 * ATOL  # it adapts
 
 
 def test_engine_without_embeddings_refuses_them():
