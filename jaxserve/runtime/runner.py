@@ -196,12 +196,14 @@ class ModelRunner:
             written = jnp.where(samples, row_slot, self.idle_slot)
             state = dataclasses.replace(state, history=history,
                                         last_tokens=state.last_tokens.at[written].set(out.tokens))
-        return cache, state, out, pooled
+        if pooled is not None:
+            out = dataclasses.replace(out, pooled=pooled)
+        return cache, state, out
 
     @property
     def step_function(self):
-        """The step before jit: (params, cache, state, StepInputs) -> (cache, state, sampled,
-        pooled sums or None); cache and state are donated. For compiling it elsewhere (jaxserve/tools/gpu_step.py)."""
+        """The step before jit: (params, cache, state, StepInputs) -> (cache, state, sampled);
+        cache and state are donated. For compiling it elsewhere (jaxserve/tools/gpu_step.py)."""
         return self._step_impl
 
     @property
@@ -315,10 +317,9 @@ class ModelRunner:
 
     # ---- the one entry point for device work ----------------------------------------------
 
-    def run(self, call: StepCall | SlotsCall | CopyCall | LoRACall
-            ) -> tuple[SamplerOutput, jax.Array | None] | None:
-        """Runs one device call; a step returns its sampled tokens and, in a pooled step, the
-        embedding rows' pooled sums (both on the device).
+    def run(self, call: StepCall | SlotsCall | CopyCall | LoRACall) -> SamplerOutput | None:
+        """Runs one device call; a step returns its sampled tokens (on the device), with the
+        embedding rows' pooled sums in a pooled step.
 
         Process 0's calls and a multi-host follower's replay of them both come through here, so
         `before_call` (process 0's broadcast) sees every call that changes device state.
@@ -352,8 +353,7 @@ class ModelRunner:
             exe = self._executables[key] = fn.lower(*args).compile()
         return exe
 
-    def _launch(self, call: StepCall | SlotsCall | CopyCall
-                ) -> tuple[SamplerOutput, jax.Array | None] | None:
+    def _launch(self, call: StepCall | SlotsCall | CopyCall) -> SamplerOutput | None:
         exe = self._executable(call)
         _, args = self._arguments(call)
         if isinstance(call, CopyCall):
@@ -366,8 +366,8 @@ class ModelRunner:
             params = self.lora_writer.apply(self.model.params, exe(*args))
             self.model = dataclasses.replace(self.model, params=params)
             return None
-        self.cache, self.state, sampled, pooled = exe(*args)
-        return sampled, pooled
+        self.cache, self.state, sampled = exe(*args)
+        return sampled
 
     # ---- host bookkeeping -----------------------------------------------------------------
 
@@ -469,10 +469,9 @@ class ModelRunner:
             for (item, row), at in zip(sampling, owned or [[r] for _, r in sampling]):
                 if item.request_id in plan.poison:
                     call.inputs.poison[at] = plan.poison[item.request_id]
-        sampled, pooled = self.run(call)
+        sampled = self.run(call)
         return Pending([i for i, _ in sampling], [r for _, r in sampling], sampled, want,
-                       points=owned, drafted=frozenset(drafts), pooling=pooled_rows or [],
-                       pooled=pooled)
+                       points=owned, drafted=frozenset(drafts), pooling=pooled_rows or [])
 
     def _rows(self, items: list[ScheduledSeq], new: set[str]):
         """(rows, query lengths, whether a row wants logprobs) of the scheduled items; writes
@@ -572,7 +571,7 @@ class ModelRunner:
         """The embedding rows' pooled sums: sequence id -> [D] float32."""
         if not pending.pooling:
             return {}
-        rows = np.asarray(pending.pooled)  # [R, D]: the one transfer of hidden states
+        rows = np.asarray(pending.sampled.pooled)  # [R, D]: the one transfer of hidden states
         return {item.request_id: rows[row] for item, row in pending.pooling}
 
 

@@ -324,14 +324,14 @@ class TensorParallel:
 
     def step_jit_kwargs(self, param_shardings, quantized_kv: bool = False) -> dict:
         """jit shardings of the runner's step(params, cache, state, inputs) -> (cache, state,
-        out, pooled sums or None).
+        out).
 
         The slot state, inputs and outputs are replicated; the cache keeps its sharding across
         the donation.
         """
         rep, cache = self.replicated, self.cache_shardings_of(quantized_kv)
         return dict(in_shardings=(param_shardings, cache, rep, rep),
-                    out_shardings=(cache, rep, rep, rep))
+                    out_shardings=(cache, rep, rep))
 
     def new_cache(self, shape: tuple[int, ...], dtype) -> KVCache:
         """Zeros allocated shard by shard: no device ever holds the whole cache."""

@@ -142,7 +142,5 @@ class Pending:
     # with drafts get a tuple of results from collect.
     points: list[list[int]] | None = None
     drafted: frozenset[str] = frozenset()
-    # Embedding rows that pooled tokens: (item, row), and the step's pooled sums [R, D] float32
-    # (on the device); None in a step without them.
+    # Embedding rows that pooled tokens: (item, row); their sums are `sampled.pooled`.
     pooling: list[tuple[ScheduledSeq, int]] = dataclasses.field(default_factory=list)
-    pooled: jax.Array | None = None
