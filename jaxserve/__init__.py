@@ -20,6 +20,9 @@ _EXPORTS = {
     "RequestOutput": "jaxserve.core.outputs",
     "CompletionOutput": "jaxserve.core.outputs",
     "LoRARequest": "jaxserve.core.lora",
+    "PoolingParams": "jaxserve.core.pooling",
+    "EmbeddingRequestOutput": "jaxserve.core.pooling",
+    "EmbeddingOutput": "jaxserve.core.pooling",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -29,6 +32,7 @@ if TYPE_CHECKING:
     from jaxserve.config import EngineConfig
     from jaxserve.core.lora import LoRARequest
     from jaxserve.core.outputs import CompletionOutput, RequestOutput
+    from jaxserve.core.pooling import EmbeddingOutput, EmbeddingRequestOutput, PoolingParams
     from jaxserve.core.sampling_params import RequestOutputKind, SamplingParams
     from jaxserve.engine import LLMEngine
     from jaxserve.llm import LLM

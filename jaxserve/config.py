@@ -18,6 +18,7 @@ from jaxserve.telemetry.kv_event_publisher import kv_event_endpoint
 from jaxserve.core.block_manager import validate_block_size
 from jaxserve.core.scheduler import SchedulerConfig
 from jaxserve.faults import FaultConfig
+from jaxserve.core.pooling import PoolingType
 from jaxserve.core.spec_decode.config import SpeculativeConfig
 from models.config import Dtype
 
@@ -189,6 +190,17 @@ class EngineConfig:
         "adapters kept loaded in host memory (least recently used dropped first); default: "
         "max_loras"))
 
+    # Embeddings (docs/embeddings.md): prompt-only requests that pool the final hidden states,
+    # batched in the same steps as generation. Off: no pooled programs are compiled.
+    enable_embeddings: bool = dataclasses.field(default=False, metadata=_help(
+        "serve embedding requests (POST /v1/embeddings, LLM.embed) from this decoder model, "
+        "in the same batches as generation (compiles a pooled variant of every step program "
+        "at warm-up)"))
+    pooling: PoolingType = dataclasses.field(default="last", metadata=_help(
+        "how an embedding pools the prompt's final hidden states (after the final norm), "
+        "L2-normalised: last (the last token's, as vLLM does for decoder LMs) or mean (over "
+        "every prompt token)"))
+
     def __post_init__(self):
         object.__setattr__(self, "speculative_config",
                            SpeculativeConfig.parse(self.speculative_config))
@@ -232,6 +244,9 @@ class EngineConfig:
                 raise ValueError("kv_events_endpoint reports the prefix cache's blocks: it "
                                  "needs enable_prefix_caching=True")
         self._check_lora()
+        if not isinstance(self.enable_embeddings, bool):
+            raise ValueError(f"enable_embeddings must be True or False, got "
+                             f"{self.enable_embeddings!r}")
         if self.quantization == "gguf" and self.tensor_parallel_size > 1:
             # The file's blocks are served as stored, but tensor parallelism may pad heads (and
             # Q4 groups of 32 would have to be re-laid per shard): not supported yet.

@@ -17,6 +17,7 @@ import jax
 import numpy as np
 
 from jaxserve import engine_build, spec_engine
+from jaxserve.embeddings import Embeddings
 from jaxserve.config import EngineConfig
 from jaxserve.core import window_blocks
 from jaxserve.core.admission import check_admission
@@ -25,6 +26,7 @@ from jaxserve.core.decision import Decision, RequestStateProtocol
 from jaxserve.core.grammar import GrammarCompiler
 from jaxserve.core.lora import LoRAError, LoRARequest
 from jaxserve.core.outputs import RequestOutput, SampleResult
+from jaxserve.core.pooling import EmbeddingRequestOutput, PoolingParams
 from jaxserve.core.request_state import RequestState
 from jaxserve.core.request_table import RequestTable
 from jaxserve.core.sampling_params import (RequestOutputKind, SamplingParamError, SamplingParams,
@@ -99,6 +101,9 @@ class LLMEngine:
         self.structured = (StructuredRequests(GrammarCompiler(
             tok.to_json(), vocab_size=mc.vocab_size, eos_ids=sorted(self.eos_ids)))
             if config.structured_outputs and tok is not None else None)
+        # Embedding requests (embeddings.py): None when the engine serves none.
+        self.embeddings = (Embeddings(config.pooling, mc.hidden_size)
+                           if config.enable_embeddings else None)
         # LoRA adapters (lora_adapters.py): None when the engine serves none.
         self.lora = (LoRAAdapters(max_loras=config.max_loras, max_cpu_loras=config.cpu_loras,
                                   load=self._load_adapter)
@@ -150,7 +155,7 @@ class LLMEngine:
         return None, [int(t) for t in ids]
 
     def add_request(self, request_id: str, prompt: str | Seq[int],
-                    params: SamplingParams | None = None,
+                    params: SamplingParams | PoolingParams | None = None,
                     arrival_time: float | None = None, cache_salt: str | None = None,
                     priority: int = 0, lora_request: LoRARequest | None = None) -> None:
         """Queues a request; raises ValueError (nothing queued) when it cannot be served.
@@ -162,12 +167,22 @@ class LLMEngine:
         priority: lower runs first (FCFS within a priority) and is preempted last.
         lora_request: the LoRA adapter its rows run with (None: the base model); a new one is
         registered and loaded here (LoRAError, nothing queued, when its files cannot be served).
+        PoolingParams make it an embedding request (engine started with enable_embeddings):
+        its prompt runs, and its one output (an EmbeddingRequestOutput) holds the pooled
+        final hidden states.
         """
         params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        check_servable(params, self.eos_ids)  # SamplingParamError (a ValueError) names the field
-        if params.constrained and self.structured is None:
+        pooling = isinstance(params, PoolingParams)
+        if pooling:
+            if self.embeddings is None:
+                raise SamplingParamError("input", "this engine does not serve embeddings: "
+                                                  "start it with enable_embeddings=True")
+        elif not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams or PoolingParams, got "
+                            f"{type(params).__name__}")
+        else:
+            check_servable(params, self.eos_ids)  # SamplingParamError names the field
+        if not pooling and params.constrained and self.structured is None:
             raise SamplingParamError("structured_outputs", "this engine does not serve "
                                      "structured outputs (started with structured_outputs="
                                      "False, or the model has no tokenizer)")
@@ -183,10 +198,18 @@ class LLMEngine:
         compiling = self.structured.num_compiling if self.structured is not None else 0
         check_admission(self.config, self.scheduler, compiling, len(ids), priority)
         arrival = arrival_time or time.monotonic()
+        lora_id = lora_request.lora_int_id if lora_request is not None else 0
+        if pooling:
+            state, seq = self.embeddings.new_request(
+                request_id, text, ids, params, arrival_time=arrival, cache_salt=cache_salt,
+                priority=priority, lora_id=lora_id)
+            self._submit(state, seq, lora_request)
+            self.embeddings.add(state)
+            return
         beam = params.use_beam_search
         seq = Sequence(request_id, ids, search_params(params) if beam else params,
                        arrival_time=arrival, cache_salt=cache_salt, priority=priority,
-                       lora_id=lora_request.lora_int_id if lora_request is not None else 0)
+                       lora_id=lora_id)
         if beam:
             state = BeamRequestState(seq, text, self.model.tokenizer, params, arrival,
                                      self.eos_ids)
@@ -194,6 +217,13 @@ class LLMEngine:
             seed = params.seed if params.seed is not None else int(self._rng.integers(2 ** 63))
             state = RequestState(seq, text, self.model.tokenizer, seed, arrival, self.eos_ids)
         seq.num_reserved_slots = state.num_slots  # forks take them: never over max_num_seqs
+        self._submit(state, seq, lora_request)
+
+    def _submit(self, state: RequestStateProtocol, seq: Sequence,
+                lora_request: LoRARequest | None) -> None:
+        """add_request's last part, for every kind of request: into the scheduler (or to
+        wait for its adapter) and the request table."""
+        request_id = state.request_id
         if self.faults is not None:
             self.faults.on_request(state)
         self.scheduler.check(seq)  # length, duplicates, emptiness, slots
@@ -261,6 +291,8 @@ class LLMEngine:
             self.structured.forget(request_id)
         if self.lora is not None:
             self.lora.forget(request_id)
+        if self.embeddings is not None:
+            self.embeddings.forget(request_id)
         return self.requests.forget(request_id)
 
     def _end_sequences(self, state: RequestStateProtocol, status: SequenceStatus) -> None:
@@ -288,7 +320,7 @@ class LLMEngine:
 
     # ---- one step -------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | EmbeddingRequestOutput]:
         """Schedules and launches one model step; returns outputs of requests that progressed.
 
         With `async_scheduling` (the default) the step launched here runs on the device while
@@ -384,7 +416,8 @@ class LLMEngine:
         plan = StepPlan(out, seeds, released, drafts,
                         self.structured.rows(out, self.requests)
                         if self.structured is not None else None, poison,
-                        lora_slots=lora_slots, lora_loads=lora_loads)
+                        lora_slots=lora_slots, lora_loads=lora_loads,
+                        pooled=self.embeddings.rows(out) if self.embeddings is not None else {})
         pending = self.runner.launch(plan)
         return _InFlight(plan, pending, schedule_s=schedule_s,
                          launch_s=time.perf_counter() - t0,
@@ -413,6 +446,8 @@ class LLMEngine:
                      and not item.seq.status.is_finished}
             if len(items) < len(samples):
                 samples = {sid: r for sid, r in samples.items() if sid in items}
+            if result.pooled:  # before the samples: a last chunk's finishes its embedding
+                self.embeddings.on_pooled(result.pooled, (i for i, _ in step.pending.pooling))
             # A row of NaN/inf logits gives a non-finite logprob (which always comes back):
             # that request alone failed; its token is not kept.
             bad = {} if result.all_finite else {

@@ -12,6 +12,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.core.lora import LoRARequest
 from jaxserve.engine import LLMEngine
 from jaxserve.core.outputs import RequestOutput
+from jaxserve.core.pooling import EmbeddingRequestOutput, PoolingParams
 from jaxserve.core.sampling_params import RequestOutputKind, SamplingParams
 from models import Model
 
@@ -48,9 +49,7 @@ class LLM:
         priority: one per prompt or one for all; lower runs first (FCFS within a priority) and
         is preempted last. lora_request: the LoRA adapter (engine started with
         enable_lora=True) of all prompts, or one (or None: the base model) per prompt."""
-        if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], numbers.Integral)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _prompt_list(prompts)
         if isinstance(sampling_params, (list, tuple)):
             if len(sampling_params) != len(prompts):
                 raise ValueError(f"got {len(sampling_params)} SamplingParams for "
@@ -59,14 +58,26 @@ class LLM:
         else:
             params = [sampling_params or SamplingParams()] * len(prompts)
         params = _final_only(params)
-        priorities = (list(priority) if isinstance(priority, (list, tuple))
-                      else [priority] * len(prompts))
-        if len(priorities) != len(prompts):
-            raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
-        loras = (list(lora_request) if isinstance(lora_request, (list, tuple))
-                 else [lora_request] * len(prompts))
-        if len(loras) != len(prompts):
-            raise ValueError(f"got {len(loras)} LoRA requests for {len(prompts)} prompts")
+        priorities = _per_prompt(priority, len(prompts), "priorities")
+        loras = _per_prompt(lora_request, len(prompts), "LoRA requests")
+        return self._run(self._add(prompts, params, priorities, loras), use_tqdm)
+
+    def embed(self, prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+              pooling_params: PoolingParams | None = None, use_tqdm: bool = True,
+              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+              ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt, in input order (vLLM's LLM.embed): `.outputs.embedding`
+        is the prompt's pooled final hidden state (EngineConfig.pooling: last token or mean),
+        L2-normalised. Needs an engine started with enable_embeddings=True; the prompts run in
+        the same batches as any generation. lora_request: as in `generate`."""
+        prompts = _prompt_list(prompts)
+        loras = _per_prompt(lora_request, len(prompts), "LoRA requests")
+        params = [pooling_params or PoolingParams()] * len(prompts)
+        ids = self._add(prompts, params, [0] * len(prompts), loras)
+        return self._run(ids, use_tqdm, desc="embedding")
+
+    def _add(self, prompts, params, priorities, loras) -> list[str]:
+        """Adds one request per prompt; all or nothing. Returns their ids."""
         engine = self.engine
         ids = []
         try:
@@ -78,12 +89,12 @@ class LLM:
             for rid in ids:  # nothing half-submitted stays in the engine
                 engine.abort(rid)
             raise
-        return self._run(ids, use_tqdm)
+        return ids
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        results: dict[str, RequestOutput] = {}
+    def _run(self, ids: list[str], use_tqdm: bool, desc: str = "generating") -> list:
+        results: dict = {}
         wanted = set(ids)
-        with tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm) as bar:
+        with tqdm(total=len(ids), desc=desc, unit="req", disable=not use_tqdm) as bar:
             while len(results) < len(ids) and self.engine.has_unfinished_requests():
                 for out in self.engine.step():
                     if out.finished and out.request_id in wanted:
@@ -109,6 +120,21 @@ class LLM:
 
     def stats(self) -> dict:
         return self.engine.stats()
+
+
+def _prompt_list(prompts) -> list:
+    """One prompt (a string or token ids) or a list of them -> a list of prompts."""
+    if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], numbers.Integral)):
+        return [prompts]
+    return list(prompts)
+
+
+def _per_prompt(value, n: int, what: str) -> list:
+    """One value for every prompt, or a list or tuple of one per prompt."""
+    values = list(value) if isinstance(value, (list, tuple)) else [value] * n
+    if len(values) != n:
+        raise ValueError(f"got {len(values)} {what} for {n} prompts")
+    return values
 
 
 def _final_only(params: list[SamplingParams]) -> list[SamplingParams]:

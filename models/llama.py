@@ -317,13 +317,15 @@ class Llama(nn.Module):
 
     @nn.compact
     def __call__(self, tokens, positions, kv_cache=None, meta=None, logits_index=None,
-                 lora=None):
+                 lora=None, return_hidden: bool = False):
         """tokens, positions `[B, T]` int32; kv_cache: the attention backend's cache or None.
 
         With `logits_index` `[R]` (indices into the B * T tokens, row-major), only those get
         logits (`[R, V]`): a step samples after each sequence's last token, and the LM head over
         every prompt token would cost more than a layer. `lora`: each of the B * T tokens'
         adapter slot `[B * T]` int32 (-1: none), for params holding adapter slots.
+        return_hidden (static): also return every token's final hidden state after the final
+        norm, `[B * T, D]` in the model's dtype (what embeddings pool), as a third output.
         """
         c = self.config
         embedding = self.param("embedding", nn.initializers.normal(0.02),
@@ -344,9 +346,12 @@ class Llama(nn.Module):
             carry, _ = layers(c, self.attention, self.dtype, self.linear, self.grouped_matmul,
                               self.lora_fn, name="layers")(carry, positions, meta, lora)
         x, kv_cache, _ = carry
+        final_norm = norm_class(c)(c.rms_norm_eps, self.dtype, name="final_norm")
+        # Normed apart from the logits rows, so that the logits are computed as without it.
+        hidden = final_norm(x.reshape(-1, x.shape[-1])) if return_hidden else None  # [B*T, D]
         if logits_index is not None:
             x = x.reshape(-1, x.shape[-1])[logits_index]  # [R, D]
-        x = norm_class(c)(c.rms_norm_eps, self.dtype, name="final_norm")(x)
+        x = final_norm(x)
         # A quantized model may carry its own (quantized) copy of a tied head under lm_head.
         if c.tie_word_embeddings and not self.has_variable("params", "lm_head"):
             logits = self.head(x, embedding)
@@ -355,4 +360,6 @@ class Llama(nn.Module):
                                   out_dtype=jnp.float32)(x)
         if c.final_logit_softcapping is not None:
             logits = soft_cap(logits.astype(jnp.float32), c.final_logit_softcapping)
+        if return_hidden:
+            return logits.astype(jnp.float32), kv_cache, hidden
         return logits.astype(jnp.float32), kv_cache

@@ -190,8 +190,32 @@ def case_lora(sizes):
     return out
 
 
+def case_embed(sizes):
+    """Mean-pooled embeddings (one prompt chunked) in the same steps as greedy generation:
+    each size's embeddings and generated tokens."""
+    from jaxserve import PoolingParams
+    model = random_model(GQA, seed=3)
+    embeds, gens = prompts(GQA.vocab_size, lengths=(40, 3)), prompts(GQA.vocab_size)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    out = {}
+    for n in sizes:
+        eng = engine(model, n, enable_embeddings=True, pooling="mean")
+        for i, p in enumerate(gens):
+            eng.add_request(f"g{i}", p, params)
+        for i, p in enumerate(embeds):
+            eng.add_request(f"e{i}", p, PoolingParams())
+        done = {}
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                if o.finished:
+                    done[o.request_id] = o
+        out[n] = {"tokens": [list(done[f"g{i}"].outputs[0].token_ids) for i in range(len(gens))],
+                  "embeddings": [done[f"e{i}"].outputs.embedding for i in range(len(embeds))]}
+    return out
+
+
 CASES = {"lora": case_lora, "tokens": case_tokens, "hlo": case_hlo, "int4": case_int4, "smollm2": case_smollm2,
-         "warmup": case_warmup}
+         "warmup": case_warmup, "embed": case_embed}
 
 
 def main(argv):

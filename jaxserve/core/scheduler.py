@@ -192,7 +192,11 @@ class Scheduler:
         if not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"request {rid!r}: max_tokens must be a positive integer, "
                              f"got {max_tokens!r}")
-        if seq.num_tokens + max_tokens > limit:
+        if seq.prompt_only:
+            if seq.num_tokens > limit:
+                raise ValueError(f"request {rid!r}: the prompt ({seq.num_tokens} tokens) "
+                                 f"exceeds max_model_len ({limit}); shorten it")
+        elif seq.num_tokens + max_tokens > limit:
             raise ValueError(
                 f"request {rid!r}: prompt ({seq.num_tokens} tokens) + max_tokens "
                 f"({max_tokens}) = {seq.num_tokens + max_tokens} exceeds max_model_len "
@@ -392,14 +396,16 @@ class Scheduler:
                 continue
             if slots + seq.num_reserved_slots > self.config.max_num_seqs:
                 break
-            cached = bm.cached_prefix(seq)
+            cached = [] if seq.skip_prefix_cache else bm.cached_prefix(seq)
             n = self._chunk_size(seq.num_tokens - len(cached) * self.config.block_size, budget)
             if n and not bm.can_allocate(seq, n, cached) and self._preempt_held(out):
                 continue  # a held sequence gave its blocks back: look again
             if n == 0 or not bm.can_allocate(seq, n, cached):
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
-            out.blocks_to_copy.extend(bm.allocate(seq, n, cached))
+            # A lookup it skipped is not counted among the cache's queries.
+            out.blocks_to_copy.extend(bm.allocate(seq, n, None if seq.skip_prefix_cache
+                                                  else cached))
             slots += seq.num_reserved_slots
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

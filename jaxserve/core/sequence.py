@@ -68,6 +68,8 @@ class Sequence:
         output_token_ids: Iterable[int] = (),
         priority: int = 0,
         lora_id: int = 0,
+        prompt_only: bool = False,
+        skip_prefix_cache: bool = False,
     ) -> None:
         self.request_id = request_id
         self.priority = priority  # lower is admitted first and preempted last
@@ -92,6 +94,13 @@ class Sequence:
         # branches (n > 1, beam search) reserves k from admission, and each fork moves one to
         # the child, so forking never overflows max_num_seqs.
         self.num_reserved_slots = 1
+        # An embedding request's sequence (core/embedding_state.py): it runs its prompt, and
+        # its one sampled token only ends it (never run), so the prompt alone must fit
+        # max_model_len.
+        self.prompt_only = prompt_only
+        # Admitted without a prefix-cache lookup (its blocks are still cached for others): it
+        # needs every prompt position computed (mean pooling), which a hit would skip.
+        self.skip_prefix_cache = skip_prefix_cache
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id!r}, status={self.status.name}, "

@@ -49,6 +49,9 @@ class StepPlan:
         runner writes a new sequence's slot with its batch slot); empty without adapters.
     lora_loads: (device slot, adapter weights) to write before the step runs: adapters that
         take a slot this step (models/lora_weights.py AdapterWeights, opaque here).
+    pooled: sequence id -> pooling ("last" | "mean") of the embedding rows (core/pooling.py):
+        the step also returns each one's sum of final hidden states (runtime/pooling.py);
+        empty in a step without them, which runs the plain program.
     """
 
     schedule: SchedulerOutput
@@ -59,13 +62,17 @@ class StepPlan:
     poison: Mapping[str, float] | None = None
     lora_slots: Mapping[int, int] = dataclasses.field(default_factory=dict)
     lora_loads: tuple[tuple[int, Any], ...] = ()
+    pooled: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
 class StepResult:
     """A finished step: sequence id -> its samples in position order (one for a plain row, the
     k + 1 of a verified drafted row), for every row that sampled; `all_finite`: whether every
-    sampled logprob is finite (a row of NaN/inf logits samples a non-finite one)."""
+    sampled logprob is finite (a row of NaN/inf logits samples a non-finite one). `pooled`:
+    sequence id -> float32 [D] numpy array, the pooled sum of each embedding row that pooled
+    tokens this step (StepPlan.pooled)."""
 
     samples: dict[str, list[SampleResult]]
     all_finite: bool = True
+    pooled: dict[str, Any] = dataclasses.field(default_factory=dict)

@@ -74,7 +74,8 @@ class StepChannel:
         cmd = _COPY if isinstance(call, CopyCall) else _SLOTS if isinstance(call, SlotsCall) \
             else _STEP
         masked = int(getattr(call, "masked", False))  # a step's bitmask variant
-        _broadcast_like(np.array([cmd, *call.shape, masked, 0][:4], np.int32))
+        pooled = int(getattr(call, "pools", False))  # a step's embedding variant
+        _broadcast_like(np.array([cmd, *call.shape, masked, pooled][:4], np.int32))
         _broadcast_like(call)
 
     def stop(self) -> None:
@@ -96,6 +97,7 @@ class StepChannel:
             elif cmd == _SLOTS:
                 template, kind = runner.slots_template(shape[0]), "slots"
             else:
-                template, kind = runner.step_template(shape[0], bool(shape[1])), "steps"
+                template, kind = runner.step_template(shape[0], bool(shape[1]),
+                                                      pooled=bool(shape[2])), "steps"
             runner.run(_broadcast_like(template))
             ran[kind] += 1

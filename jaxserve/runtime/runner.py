@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from jaxserve.runtime import buckets, kv_quant, slot_state, spec_points, step_layout
+from jaxserve.runtime import buckets, kv_quant, pooling, slot_state, spec_points, step_layout
 from jaxserve.runtime.attention_backends import AttentionBackend
 from jaxserve.core.outputs import SampleResult
 from jaxserve.runtime.kv_cache import new_cache
@@ -92,6 +92,9 @@ class ModelRunner:
         # can follow off the engine thread (masked_warmup), so they do not delay serving.
         self.structured_outputs = program.structured_outputs
         self.poison_rows = program.poison_rows
+        # Steps with embedding rows run a pooled variant of each program (runtime/pooling.py),
+        # compiled at warm-up beside the plain one only when the engine serves embeddings.
+        self.pooling = program.pooling
         self.mask_words = -(-c.vocab_size // 32)
         attention = _checked(attention, c, block_size)
         dtype = program.kv_dtype(model)
@@ -169,8 +172,17 @@ class ModelRunner:
             # indexed once for the step's L x 7 adapted linears.
             lora = (self.lora_backend.index(state.lora[token_slot], self.lora.max_loras)
                     if self.lora is not None else None)
-            logits, cache = self._module.apply({"params": params}, tokens[None], meta.positions,
-                                               cache, meta, logits_index=logits_index, lora=lora)
+            pools = inp.pool is not None  # static: the pooled variant
+            result = self._module.apply({"params": params}, tokens[None], meta.positions,
+                                        cache, meta, logits_index=logits_index, lora=lora,
+                                        **({"return_hidden": True} if pools else {}))
+            logits, cache = result[0], result[1]
+            pooled = None
+            if pools:
+                with jax.named_scope("pooling"):  # [R, D] float32
+                    pooled = pooling.pool_rows(result[2], inp.pool, inp.per_row.shape[1] - 1)
+                if self.tp is not None:
+                    pooled = jax.lax.with_sharding_constraint(pooled, self.tp.replicated)
             if self.tp is not None:  # one gather of vocab-parallel logits; sampler replicated
                 logits = jax.lax.with_sharding_constraint(logits, self.tp.replicated)
             if inp.poison is not None:  # fault injection: the sampler must see the bad row
@@ -184,6 +196,8 @@ class ModelRunner:
             written = jnp.where(samples, row_slot, self.idle_slot)
             state = dataclasses.replace(state, history=history,
                                         last_tokens=state.last_tokens.at[written].set(out.tokens))
+        if pooled is not None:
+            out = dataclasses.replace(out, pooled=pooled)
         return cache, state, out
 
     @property
@@ -204,7 +218,8 @@ class ModelRunner:
 
     def shapes(self) -> list[tuple[int]]:
         """Every step shape (flat tokens,) the runner can run: what warm-up compiles (twice
-        with structured outputs: without and with token bitmasks)."""
+        with structured outputs: without and with token bitmasks; each of those twice when
+        the engine serves embeddings: without and with pooling)."""
         return [(t,) for t in self.token_buckets]
 
     def warmup(self, progress: bool = True, deferred: bool = False) -> float:
@@ -216,6 +231,7 @@ class ModelRunner:
         calls = [self.step_template(*shape) for shape in self.shapes()]
         if self.num_speculative_tokens:
             calls += [self.step_template(*shape, verify=True) for shape in self.shapes()]
+        calls = self._with_pooled(calls)
         calls += [self.slots_template(d) for d in self.slot_buckets] + [self.copy_template()]
         if self.lora is not None:
             calls.append(self.lora_call(0, None))
@@ -229,7 +245,15 @@ class ModelRunner:
         return time.perf_counter() - start
 
     def _masked_templates(self) -> list[StepCall]:
-        return [self.step_template(*shape, masked=True) for shape in self.shapes()]
+        return self._with_pooled([self.step_template(*shape, masked=True)
+                                  for shape in self.shapes()])
+
+    def _with_pooled(self, calls: list[StepCall]) -> list[StepCall]:
+        """`calls`, and when the engine serves embeddings each one's pooled twin."""
+        if not self.pooling:
+            return calls
+        return calls + [self.step_template(*c.shape, masked=c.masked, verify=c.verifies,
+                                           pooled=True) for c in calls]
 
     def masked_warmup(self) -> Callable[[], float]:
         """The masked step variants that `warmup(deferred=True)` left out, as a job to run on
@@ -259,15 +283,17 @@ class ModelRunner:
         return run
 
     def step_template(self, tokens: int, masked: bool = False,
-                      verify: bool = False) -> StepCall:
+                      verify: bool = False, pooled: bool = False) -> StepCall:
         """An idle step of `tokens` flat tokens: no rows, everything masked (with an all-ones
-        token bitmask when `masked`; with idle sampling points when `verify`)."""
+        token bitmask when `masked`; with idle sampling points when `verify`; pooling no
+        token when `pooled`)."""
         lay = step_layout.build([], self.page_table, tokens=tokens, max_num_seqs=self.num_slots,
                                 block_size=self.block_size, idle_slot=self.idle_slot,
                                 ragged=self.ragged)
         mask = self._all_allowed(lay) if masked else None
         points = self._points(lay, [])[0] if verify else None
-        return self.step_call(lay, want_logprobs=False, mask=mask, points=points)
+        pool = pooling.idle_pool(tokens, lay.context_lens.shape[0]) if pooled else None
+        return self.step_call(lay, want_logprobs=False, mask=mask, points=points, pool=pool)
 
     def _points(self, lay: step_layout.Layout, sampling_rows) -> tuple[np.ndarray, list]:
         size = spec_points.num_points(lay.tokens.shape[0], self.num_slots,
@@ -292,7 +318,8 @@ class ModelRunner:
     # ---- the one entry point for device work ----------------------------------------------
 
     def run(self, call: StepCall | SlotsCall | CopyCall | LoRACall) -> SamplerOutput | None:
-        """Runs one device call; a step returns its sampled tokens (on the device).
+        """Runs one device call; a step returns its sampled tokens (on the device), with the
+        embedding rows' pooled sums in a pooled step.
 
         Process 0's calls and a multi-host follower's replay of them both come through here, so
         `before_call` (process 0's broadcast) sees every call that changes device state.
@@ -314,7 +341,7 @@ class ModelRunner:
     @staticmethod
     def _key(call: StepCall | SlotsCall | CopyCall) -> tuple:
         return (type(call).__name__, call.shape, getattr(call, "masked", False),
-                getattr(call, "verifies", False))
+                getattr(call, "verifies", False), getattr(call, "pools", False))
 
     def _executable(self, call: StepCall | SlotsCall | CopyCall) -> jax.stages.Compiled:
         """The call's compiled program: compiled (from the persistent cache if it is there)
@@ -431,14 +458,20 @@ class ModelRunner:
         if drafts:
             points, owned = self._points(lay, [(r, drafts.get(i.request_id, 0))
                                                for i, r in sampling])
-        call = self.step_call(lay, want, mask, points)
+        pool = pooled_rows = None
+        if plan.pooled:
+            pool, pooled_rows = pooling.token_rows(
+                lay.query_start, lay.logits_index, lay.tokens.shape[0],
+                [(item, lay.row_index[k], plan.pooled[item.request_id])
+                 for k, item in enumerate(items) if item.request_id in plan.pooled])
+        call = self.step_call(lay, want, mask, points, pool)
         if plan.poison:  # fault injection: every logits row (or point) of a poisoned sequence
             for (item, row), at in zip(sampling, owned or [[r] for _, r in sampling]):
                 if item.request_id in plan.poison:
                     call.inputs.poison[at] = plan.poison[item.request_id]
         sampled = self.run(call)
         return Pending([i for i, _ in sampling], [r for _, r in sampling], sampled, want,
-                       points=owned, drafted=frozenset(drafts))
+                       points=owned, drafted=frozenset(drafts), pooling=pooled_rows or [])
 
     def _rows(self, items: list[ScheduledSeq], new: set[str]):
         """(rows, query lengths, whether a row wants logprobs) of the scheduled items; writes
@@ -475,9 +508,11 @@ class ModelRunner:
         return step_layout.Columns(slots, starts, tokens), [1] * len(items), want
 
     def step_call(self, lay: step_layout.Layout, want_logprobs: bool,
-                  mask: np.ndarray | None = None, points: np.ndarray | None = None) -> StepCall:
+                  mask: np.ndarray | None = None, points: np.ndarray | None = None,
+                  pool: np.ndarray | None = None) -> StepCall:
         """The StepCall of a step layout (step_layout.build with this runner's settings);
-        mask [R, W] int32: the rows' token bitmasks, or None."""
+        mask [R, W] int32: the rows' token bitmasks, or None; pool [T] int32: each token's
+        embedding row (runtime/pooling.py), or None."""
         t, r = lay.tokens.shape[0], lay.context_lens.shape[0]
         per_token = np.empty((len(TOKEN_FIELDS), t), np.int32)  # [6, T]
         for i, name in enumerate(TOKEN_FIELDS):
@@ -492,13 +527,14 @@ class ModelRunner:
         poison = np.zeros(rows, np.float32) if self.poison_rows else None  # [R] or [P]
         return StepCall(StepInputs(per_token=per_token, per_row=per_row, pages=pages,
                                    pairs=lay.pairs, mask=mask, poison=poison,
-                                   points=points))
+                                   points=points, pool=pool))
 
     def collect(self, pending: Pending) -> StepResult:
         """Waits for a launched step's ids; returns every sampling item's samples (one, or for a
         drafted row of a verification step its k + 1, in position order)."""
+        pooled = self._pooled(pending)
         if not pending.items:
-            return StepResult({})
+            return StepResult({}, pooled=pooled)
         sampled = pending.sampled
         # Python ints and floats in one conversion each, not a numpy scalar per row.
         tokens = np.asarray(sampled.tokens).tolist()
@@ -508,7 +544,8 @@ class ModelRunner:
         finite = bool(np.isfinite(logprobs).all())
         if not pending.want_logprobs and pending.points is None:  # most steps: kept lean
             return StepResult({item.seq.request_id: [SampleResult(tokens[row], logprob[row], None)]
-                               for item, row in zip(pending.items, pending.rows)}, finite)
+                               for item, row in zip(pending.items, pending.rows)}, finite,
+                              pooled)
         top_ids = np.asarray(sampled.top_ids) if pending.want_logprobs else None
         top_lps = np.asarray(sampled.top_logprobs) if pending.want_logprobs else None
 
@@ -520,13 +557,22 @@ class ModelRunner:
 
         if pending.points is None:  # a plain step: one sample per item
             return StepResult({item.request_id: [result(item.seq.sampling_params.logprobs, row)]
-                               for item, row in zip(pending.items, pending.rows)}, finite)
+                               for item, row in zip(pending.items, pending.rows)}, finite,
+                              pooled)
         results = {}
         for item, at in zip(pending.items, pending.points):
             k, rid = item.seq.sampling_params.logprobs, item.request_id
             results[rid] = ([result(k, p) for p in at] if rid in pending.drafted
                             else [result(k, at[-1])])
-        return StepResult(results, finite)
+        return StepResult(results, finite, pooled)
+
+    @staticmethod
+    def _pooled(pending: Pending) -> dict[str, np.ndarray]:
+        """The embedding rows' pooled sums: sequence id -> [D] float32."""
+        if not pending.pooling:
+            return {}
+        rows = np.asarray(pending.sampled.pooled)  # [R, D]: the one transfer of hidden states
+        return {item.request_id: rows[row] for item, row in pending.pooling}
 
 
 def _checked(attention, config, block_size: int) -> AttentionBackend:

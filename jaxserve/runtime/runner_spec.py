@@ -33,7 +33,7 @@ GpuKernelsResolved = Literal["mosaic", "triton"]
 SamplerBackend = Literal["xla", "pallas", "pallas-interpret"]
 
 _FLAGS = ("attention_fallback", "gpu_kernels_fallback", "unroll_layers", "branch_free_sampling", "fine_decode_buckets",
-          "structured_outputs", "poison_rows")
+          "structured_outputs", "poison_rows", "pooling")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -99,6 +99,7 @@ class StepProgram:
     kv_cache_dtype: KVCacheDtype = "auto"  # "auto": the weights' dtype
     structured_outputs: bool = False     # a token-bitmask variant of every step program
     poison_rows: bool = False            # fault injection adds StepInputs.poison to logits
+    pooling: bool = False                # a pooled variant of every program (embeddings)
     num_speculative_tokens: int = 0      # k > 0: a verification variant of every program
     lora: LoRASlots | None = None        # LoRA adapter slots in the params, and their index
 
@@ -158,6 +159,7 @@ class StepProgram:
             kv_cache_dtype=config.kv_cache_dtype,
             structured_outputs=config.structured_outputs and tokenizer and not draft,
             poison_rows=poison_rows,
+            pooling=config.enable_embeddings and not draft,
             num_speculative_tokens=0 if draft or spec is None else spec.num_speculative_tokens,
             lora=(LoRASlots.for_model(config, model_config)
                   if config.enable_lora and not draft else None))

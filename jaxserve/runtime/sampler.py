@@ -127,6 +127,9 @@ class SamplerOutput:
     logprob: jax.Array  # [S] f32, of the sampled token under the raw logits
     top_ids: jax.Array  # [S, K] i32, K = min(max_logprobs, V); zeros when not wanted
     top_logprobs: jax.Array  # [S, K] f32; zeros when logprobs were not wanted
+    # Not the sampler's: the step's other result for the host, the embedding rows' pooled sums
+    # [R, D] f32 (runtime/pooling.py), set by a pooled step; None in every other step.
+    pooled: jax.Array | None = None
 
 
 def sample(logits: jax.Array, st: SamplingTensors, history: jax.Array, context_lens: jax.Array,

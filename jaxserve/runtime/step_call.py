@@ -35,6 +35,8 @@ class StepInputs:
     poison [R] (or [P] with points) float32: added to each row's logits before sampling (fault injection,
     jaxserve/faults.py: NaN or inf on a poisoned row, 0 elsewhere); None in every program of
     an engine without that fault, so normal programs are unchanged.
+    pool [T] int32: the row whose embedding sum each token joins (R: none; runtime/pooling.py),
+    in a step with embedding rows; None in every other step (the plain programs).
     """
 
     per_token: jax.Array
@@ -44,6 +46,7 @@ class StepInputs:
     mask: jax.Array | None = None
     poison: jax.Array | None = None
     points: jax.Array | None = None
+    pool: jax.Array | None = None
 
     def field(self, name: str) -> jax.Array:
         if name in TOKEN_FIELDS:
@@ -86,6 +89,11 @@ class StepCall:
     def verifies(self) -> bool:
         """Whether it samples at verification points (speculative decoding's variant)."""
         return self.inputs.points is not None
+
+    @property
+    def pools(self) -> bool:
+        """Whether it also returns embedding rows' pooled hidden states (runtime/pooling.py)."""
+        return self.inputs.pool is not None
 
 
 @jax.tree_util.register_dataclass
@@ -134,3 +142,5 @@ class Pending:
     # with drafts get a tuple of results from collect.
     points: list[list[int]] | None = None
     drafted: frozenset[str] = frozenset()
+    # Embedding rows that pooled tokens: (item, row); their sums are `sampled.pooled`.
+    pooling: list[tuple[ScheduledSeq, int]] = dataclasses.field(default_factory=list)

@@ -17,6 +17,7 @@ from flask import Flask, Response, jsonify, request
 from werkzeug.exceptions import HTTPException
 
 from jaxserve.server.config import ServerConfig
+from jaxserve.server.embedding_routes import register_embedding_routes
 from jaxserve.server.backend import Backend
 from jaxserve.server.errors import ApiError, invalid, unavailable
 from jaxserve.server.fields import parse_json
@@ -232,6 +233,7 @@ def create_app(backend: Backend, config: ServerConfig | None = None) -> Flask:
     register_profile_routes(app, state)
     register_lora_routes(app, state)
     register_tokenize_routes(app, state)
+    register_embedding_routes(app, state)
     register_ui_routes(app, state)
     register_openapi_routes(app, state)
     register_responses_routes(app, state, lambda *args: _serve(state, *args))

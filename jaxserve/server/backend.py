@@ -29,12 +29,16 @@ class ServedModel:
     # The engine's LoRA adapter registry (jaxserve/lora_adapters.py LoRAAdapters: thread-safe
     # add / remove / get / adapters), or None: no adapters (no enable_lora, or replicas).
     lora: object = None
+    # The embeddings' length (the model's hidden size) when the engine serves embeddings
+    # (enable_embeddings), else None (also behind a replica pool, which does not yet).
+    embedding_size: int | None = None
 
     @classmethod
     def of(cls, engine) -> "ServedModel":
+        size = engine.embeddings.hidden_size if engine.embeddings is not None else None
         return cls(engine.model.tokenizer, engine.model.config.vocab_size,
                    engine.max_model_len, engine.config.max_num_seqs, engine.config.block_size,
-                   engine.grammar, engine.profiler, engine.lora)
+                   engine.grammar, engine.profiler, engine.lora, size)
 
     def adapter(self, name: str) -> LoRARequest | None:
         """The registered LoRA adapter called `name`, or None (none such, or no adapters)."""

@@ -20,6 +20,7 @@ import time
 from jaxserve.core.admission import EngineOverloaded
 from jaxserve.core.lora import LoRAError, LoRARequest, UnknownAdapter
 from jaxserve.core.outputs import RequestOutput
+from jaxserve.core.pooling import PoolingParams
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.server.backend import Accepted, ServedModel
 from jaxserve.server.engine_state import StateSampler
@@ -33,8 +34,8 @@ log = logging.getLogger("jaxserve.server")
 class SubRequest:
     request_id: str
     prompt_token_ids: list[int]
-    params: SamplingParams
-    index: int  # the choice index this sub-request fills in the response
+    params: SamplingParams | PoolingParams  # PoolingParams: an embedding (server/embeddings.py)
+    index: int  # the choice (or embedding) index this sub-request fills in the response
     priority: int = 0  # lower runs first (the request's `priority` field)
     lora_request: LoRARequest | None = None  # the adapter `model` named (None: the base)
 

@@ -63,6 +63,15 @@ def _generation(summary: str, request, response) -> dict:
     return _operation("post", summary, ok, BODY_ERRORS + ("404", "503"), _ref(request))
 
 
+def _post(summary: str, request, response, *errors: str) -> dict:
+    return {"post": {
+        "summary": summary, "operationId": summary.replace(" ", "_"),
+        "requestBody": {"required": True,
+                        "content": {"application/json": {"schema": _ref(request)}}},
+        "responses": {"200": {"description": "ok", "content": {
+            "application/json": {"schema": _ref(response)}}}, **_errors(*errors)}}}
+
+
 def _lora_admin(summary: str, request, *errors: str) -> dict:
     return _operation("post", summary, _text("done: a one-line text, as vLLM answers"),
                       BODY_ERRORS + errors, _ref(request))
@@ -83,6 +92,8 @@ def _paths() -> dict:
         "/v1/responses": _generation("create response", s.ResponsesRequest,
                                      s.ResponsesResponse),
         "/v1/responses/{response_id}": _stored_response(),
+        "/v1/embeddings": _post("create embeddings", s.EmbeddingRequest, s.EmbeddingResponse,
+                                "400", "401", "404", "405", "413", "500", "503"),
         "/v1/models": _get("list models", s.ModelList, "401", "500"),
         # 400 also when the server was started without --enable-lora.
         "/v1/load_lora_adapter": _lora_admin("load lora adapter", s.LoadLoRAAdapterRequest),
@@ -128,7 +139,7 @@ def openapi_document(title: str = "jaxserve", version: str = "0.1.0") -> dict:
         "openapi": "3.1.0",
         "info": {"title": title, "version": version,
                  "description": "OpenAI-compatible completions, chat completions and "
-                                "responses, and "
+                                "responses, embeddings, and "
                                 "vLLM's tokenizer, LoRA and profiling routes. Bodies are "
                                 "checked by the server beyond these schemas (prompt length, "
                                 "token ids, cross-field rules); those are 400s."},

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, RootModel
 
 from jaxserve.core.sampling_params import MAX_LOGPROBS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 from jaxserve.core.structured_outputs import MAX_CHOICES, MAX_SPEC_CHARS
+from jaxserve.server.embedding_protocol import MAX_INPUTS
 from jaxserve.server.lora_routes import MAX_NAME_CHARS, MAX_PATH_CHARS
 from jaxserve.server.protocol import CHAT_ROLES, MAX_PROMPTS
 from jaxserve.server.tools import MAX_TOOLS, NAME_RE
@@ -434,6 +435,51 @@ class ProfileStopped(BaseModel):
     status: Literal["stopped"]
     trace_dir: str
     files: list[str]
+EmbeddingInput = Union[Annotated[str, Field(min_length=1)],
+                       Annotated[list[Annotated[str, Field(min_length=1)]],
+                                 Field(min_length=1, max_length=MAX_INPUTS)],
+                       PromptIds,
+                       Annotated[list[PromptIds], Field(min_length=1, max_length=MAX_INPUTS)]]
+
+
+class EmbeddingRequest(BaseModel):
+    """POST /v1/embeddings (400 when the server was started without --enable-embeddings).
+    Each input must fit the model's context; token ids must be below the vocabulary size."""
+
+    model_config = ConfigDict(extra="allow")
+    model: ModelName = Field(description="the served model's name (GET /v1/models)")
+    input: EmbeddingInput
+    encoding_format: Literal["float", "base64"] | None = Field(
+        None, description="base64: each embedding's float32 values, little-endian, in base64")
+    dimensions: Annotated[int, Field(ge=1)] | None = Field(
+        None, description="the model's hidden size (decoder models are not matryoshka "
+                          "models: any other length is a 400)")
+    user: str | None = None
+    normalize: bool | None = Field(None, description="L2-normalise (default true; vLLM's)")
+    truncate_prompt_tokens: None = None
+
+
+class Embedding(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    object: Literal["embedding"]
+    index: int
+    embedding: list[float] | str
+
+
+class EmbeddingUsage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    id: str
+    object: Literal["list"]
+    created: int
+    model: str
+    data: list[Embedding]
+    usage: EmbeddingUsage
 
 
 SCHEMAS = (CompletionRequest, ChatCompletionRequest, ErrorResponse, CompletionResponse,
@@ -441,4 +487,4 @@ SCHEMAS = (CompletionRequest, ChatCompletionRequest, ErrorResponse, CompletionRe
             UnloadLoRAAdapterRequest, TokenizeCompletionRequest, TokenizeChatRequest,
             TokenizeResponse, DetokenizeRequest, DetokenizeResponse, TokenizerInfo, EngineState,
             StartProfileRequest, ProfileStarted, ProfileStopped, ResponsesRequest,
-            ResponsesResponse)
+            ResponsesResponse, EmbeddingRequest, EmbeddingResponse)

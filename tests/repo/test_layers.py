@@ -55,8 +55,10 @@ def test_public_names_are_lazy():
         from jaxserve import LoRARequest, SamplingParams, RequestOutput
         assert SamplingParams(temperature=0).temperature == 0
         assert 'jax' not in sys.modules
-        assert sorted(jaxserve.__all__) == ['CompletionOutput', 'EngineConfig', 'LLM',
-                                            'LLMEngine', 'LoRARequest', 'RequestOutput', 'RequestOutputKind',
+        assert sorted(jaxserve.__all__) == ['CompletionOutput', 'EmbeddingOutput',
+                                            'EmbeddingRequestOutput', 'EngineConfig', 'LLM',
+                                            'LLMEngine', 'LoRARequest', 'PoolingParams',
+                                            'RequestOutput', 'RequestOutputKind',
                                             'SamplingParams']
     """)
     assert r.returncode == 0, r.stderr[-2000:]

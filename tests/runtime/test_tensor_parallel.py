@@ -67,6 +67,8 @@ def runs():
         # LoRA slots split by their kernels' roles; two adapters and the base in one batch.
         "lora": ["lora", {"sizes": [1, 2, 4]}],
         "warmup": ["warmup", {"n": 4}],
+        # Embeddings (the pooled step variant) beside generation.
+        "embed": ["embed", {"sizes": [1, 2]}],
         "hlo_int4_kernel": ["hlo", {"n": 2, "quantization": "int4",
                                     "linear_backend": "pallas-interpret"}],
     })
@@ -218,6 +220,15 @@ def test_nothing_compiles_after_warmup_on_4_devices(runs):
     r = runs["warmup"]
     assert r["tokens"] == runs["gqa"]["1"]["tokens"]
     assert r["compiled"] > 1 and r["after_warmup"] == 0
+
+
+@pytest.mark.subprocess
+def test_embeddings_as_on_one_device(runs):
+    one, two = runs["embed"]["1"], runs["embed"]["2"]
+    assert one["tokens"] == two["tokens"] == runs["gqa"]["1"]["tokens"]
+    # float32: only the all-reduces' summation order differs.
+    np.testing.assert_allclose(two["embeddings"], one["embeddings"], atol=1e-5, rtol=0)
+    assert np.allclose(np.linalg.norm(one["embeddings"], axis=1), 1.0)
 
 
 @pytest.mark.subprocess

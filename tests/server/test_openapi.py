@@ -69,7 +69,8 @@ GOOD = [("/v1/completions", C()), ("/v1/completions", C(prompt=[1, 2, 3], n=2, l
             {"type": "text", "text": "hi"}]}]))]
 LABELS = {f"{m} {p}" for m, p in [
     ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
-    ("POST", "/v1/responses"), ("GET", "/v1/responses/{response_id}"), ("GET", "/v1/models"),
+    ("POST", "/v1/responses"), ("GET", "/v1/responses/{response_id}"),
+    ("POST", "/v1/embeddings"), ("GET", "/v1/models"),
     ("POST", "/v1/load_lora_adapter"), ("POST", "/v1/unload_lora_adapter"),
     ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/tokenizer_info"),
     ("GET", "/v1/engine/state"), ("POST", "/start_profile"), ("POST", "/stop_profile"),
@@ -80,7 +81,8 @@ OFF_HERE = {"POST /v1/load_lora_adapter", "POST /v1/unload_lora_adapter", "POST 
             "POST /stop_profile", "GET /tokenizer_info", "GET /v1/responses/{response_id}"}
 ROUTE_SCHEMA = {"/v1/completions": "CompletionRequest",
                 "/v1/chat/completions": "ChatCompletionRequest",
-                "/v1/responses": "ResponsesRequest"}
+                "/v1/responses": "ResponsesRequest",
+                "/v1/embeddings": "EmbeddingRequest"}
 GOOD += [("/v1/responses", {"model": MODEL, "input": "hi", "max_output_tokens": 4}),
          ("/v1/responses", {"model": MODEL, "instructions": "Be brief.", "store": False,
                             "input": [{"role": "user", "content": [
@@ -91,7 +93,11 @@ GOOD += [("/v1/responses", {"model": MODEL, "input": "hi", "max_output_tokens": 
                                  "output": "ok"}],
                             "tools": [{"type": "function", "name": "f"}],
                             "text": {"format": {"type": "json_object"}},
-                            "truncation": "disabled", "metadata": {"k": "v"}})]
+                            "truncation": "disabled", "metadata": {"k": "v"}}),
+         ("/v1/embeddings", {"model": MODEL, "input": "hi"}),
+         ("/v1/embeddings", {"model": MODEL, "input": [[1, 2], [3]],
+                             "encoding_format": "base64", "dimensions": 64, "user": "u",
+                             "normalize": False})]
 
 
 def request_validator(path: str) -> jsonschema.Draft202012Validator:
@@ -149,7 +155,8 @@ def app():
     kv = 2 * MAX_NUM_SEQS * MAX_MODEL_LEN * model.config.kv_bytes_per_token(4)
     engine = LLMEngine(EngineConfig(model=model.source, warmup=True, max_num_seqs=MAX_NUM_SEQS,
                                     max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=64,
-                                    block_size=MAX_MODEL_LEN, kv_cache_memory=kv), model=model)
+                                    block_size=MAX_MODEL_LEN, kv_cache_memory=kv,
+                                    enable_embeddings=True), model=model)
     loop = EngineLoop(engine).start()
     yield create_app(loop, ServerConfig(served_model_name=MODEL, max_body_bytes=1 << 16))
     loop.stop()

@@ -371,6 +371,15 @@ def test_auth_routes_and_serving_after_errors(server, client):
     assert metric(server, 'jaxserve_http_errors_total{status="400"}') >= 30
 
 
+def test_embeddings_need_enable_embeddings(server):
+    """This engine was started without enable_embeddings: the route answers a 400 that says
+    how to get them (tests/server/test_embeddings_server.py serves them)."""
+    r = post(server, "/v1/embeddings", {"model": MODEL, "input": "hi"})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["code"] == "unsupported" and "--enable-embeddings" in error["message"]
+
+
 # ---- a dead engine -------------------------------------------------------------------------
 
 class _FailingEngine:
@@ -382,6 +391,7 @@ class _FailingEngine:
         self.grammar = None  # serves no structured outputs
         self.profiler = None  # nor profiles
         self.lora = None  # nor LoRA adapters
+        self.embeddings = None  # nor embeddings
         self._pending = False
 
     def stats(self):

@@ -136,6 +136,7 @@ class _StandIn:
         self.grammar = None  # serves no structured outputs
         self.profiler = None  # nor profiles
         self.lora = None  # nor LoRA adapters
+        self.embeddings = None  # nor embeddings
         self.added, self._step = [], step
 
     def stats(self):
