@@ -408,6 +408,9 @@ class LLMEngine:
             # Requests aborted (or stopped by an earlier step) since the launch: dropped, also
             # when a new request has taken the id since (its sequence is another one).
             owner, samples = self.requests.owner, result.samples
+            for sid, (first, entries) in result.prompt_logprobs.items():
+                if sid in owner:  # not aborted since the launch
+                    owner[sid].on_prompt_logprobs(first, entries)
             items = {sid: item for item in step.pending.items
                      if (sid := item.seq.request_id) in owner
                      and not item.seq.status.is_finished}

@@ -104,8 +104,11 @@ class BlockManager:
 
         The last token is never taken from the cache: its logits are needed, so at least it is
         computed (a fully cached, block-aligned prompt recomputes its last block, as vLLM does).
+        A sequence that asks for prompt logprobs needs the logits of every prompt token, so it
+        takes nothing from the cache (as in vLLM); its computed blocks are still registered.
         """
-        if not self.enable_caching or seq.block_table or seq.num_computed_tokens:
+        if (not self.enable_caching or seq.block_table or seq.num_computed_tokens
+                or getattr(seq.sampling_params, "prompt_logprobs", None) is not None):
             return []
         limit = (seq.num_tokens - 1) // self.block_size
         return self.cache.lookup(block_hashes(seq, self.block_size)[:limit])

@@ -65,7 +65,11 @@ class StepPlan:
 class StepResult:
     """A finished step: sequence id -> its samples in position order (one for a plain row, the
     k + 1 of a verified drafted row), for every row that sampled; `all_finite`: whether every
-    sampled logprob is finite (a row of NaN/inf logits samples a non-finite one)."""
+    sampled logprob is finite (a row of NaN/inf logits samples a non-finite one);
+    `prompt_logprobs`: sequence id -> (first prompt position, its entries {token: logprob,
+    **top-k} in position order) for rows that asked for prompt logprobs."""
 
     samples: dict[str, list[SampleResult]]
     all_finite: bool = True
+    prompt_logprobs: dict[str, tuple[int, list[dict[int, float]]]] = dataclasses.field(
+        default_factory=dict)

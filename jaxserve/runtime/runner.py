@@ -34,7 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from jaxserve.runtime import buckets, kv_quant, slot_state, spec_points, step_layout
+from jaxserve.runtime import (buckets, kv_quant, prompt_logprobs, slot_state, spec_points,
+                              step_layout)
 from jaxserve.runtime.attention_backends import AttentionBackend
 from jaxserve.core.outputs import SampleResult
 from jaxserve.runtime.kv_cache import new_cache
@@ -47,6 +48,7 @@ from jaxserve.core.step_plan import StepPlan, StepResult
 from jaxserve.runtime.sharding import TensorParallel
 from jaxserve.runtime.step_call import (ROW_FIELDS, TOKEN_FIELDS, CopyCall, LoRACall, Pending,
                                         StepCall, StepInputs, copy_blocks)
+from jaxserve.runtime.prompt_logprobs import ScoredOutput
 from jaxserve.runtime.step_layout import Row
 from models import lora as lora_slots
 from models.model import Model
@@ -161,6 +163,10 @@ class ModelRunner:
         if inp.points is not None:  # verification: sample at every point instead, [P] each
             logits_index, row_slot, ctx, samples = (inp.points[0], inp.points[1], inp.points[2],
                                                     inp.points[3] != 0)
+        num_sampling = logits_index.shape[0]
+        if inp.prompt_targets is not None:  # the head over every flat token too
+            logits_index = jnp.concatenate([logits_index, jnp.arange(  # [R + T]
+                inp.prompt_targets.shape[0], dtype=logits_index.dtype)])
         with jax.named_scope("step"):
             # Decode inputs not known on the host come from the slot's last sample.
             tokens = jnp.where(f("feed") != 0, state.last_tokens[token_slot], f("tokens"))  # [T]
@@ -173,6 +179,11 @@ class ModelRunner:
                                                cache, meta, logits_index=logits_index, lora=lora)
             if self.tp is not None:  # one gather of vocab-parallel logits; sampler replicated
                 logits = jax.lax.with_sharding_constraint(logits, self.tp.replicated)
+            prompt = None
+            if inp.prompt_targets is not None:
+                with jax.named_scope("prompt_logprobs"):
+                    prompt = prompt_logprobs.compute(logits[num_sampling:], inp.prompt_targets)
+                logits = logits[:num_sampling]  # [R, V]
             if inp.poison is not None:  # fault injection: the sampler must see the bad row
                 logits = logits + inp.poison[:, None].astype(logits.dtype)  # [R, V]
             with jax.named_scope("sampling"):
@@ -184,7 +195,7 @@ class ModelRunner:
             written = jnp.where(samples, row_slot, self.idle_slot)
             state = dataclasses.replace(state, history=history,
                                         last_tokens=state.last_tokens.at[written].set(out.tokens))
-        return cache, state, out
+        return cache, state, (out if prompt is None else ScoredOutput(out, prompt))
 
     @property
     def step_function(self):
@@ -314,7 +325,7 @@ class ModelRunner:
     @staticmethod
     def _key(call: StepCall | SlotsCall | CopyCall) -> tuple:
         return (type(call).__name__, call.shape, getattr(call, "masked", False),
-                getattr(call, "verifies", False))
+                getattr(call, "verifies", False), getattr(call, "scores_prompt", False))
 
     def _executable(self, call: StepCall | SlotsCall | CopyCall) -> jax.stages.Compiled:
         """The call's compiled program: compiled (from the persistent cache if it is there)
@@ -432,13 +443,25 @@ class ModelRunner:
             points, owned = self._points(lay, [(r, drafts.get(i.request_id, 0))
                                                for i, r in sampling])
         call = self.step_call(lay, want, mask, points)
+        scored = [(item.request_id, item.seq.sampling_params.prompt_logprobs,
+                   int(lay.logits_index[lay.row_index[k]]) - item.num_new_tokens + 1,
+                   item.start_pos, item.num_new_tokens, item.seq.prompt_token_ids)
+                  for k, item in enumerate(items)
+                  if item.seq.sampling_params.prompt_logprobs is not None
+                  and item.start_pos < item.seq.num_prompt_tokens - 1]
+        targets, spans = prompt_logprobs.targets(lay.tokens.shape[0], scored)
+        if spans:
+            call = StepCall(dataclasses.replace(call.inputs, prompt_targets=targets))
         if plan.poison:  # fault injection: every logits row (or point) of a poisoned sequence
             for (item, row), at in zip(sampling, owned or [[r] for _, r in sampling]):
                 if item.request_id in plan.poison:
                     call.inputs.poison[at] = plan.poison[item.request_id]
-        sampled = self.run(call)
+        sampled, prompt = self.run(call), None
+        if spans:
+            sampled, prompt = sampled.sampled, sampled.prompt
         return Pending([i for i, _ in sampling], [r for _, r in sampling], sampled, want,
-                       points=owned, drafted=frozenset(drafts))
+                       points=owned, drafted=frozenset(drafts), prompt=prompt,
+                       prompt_spans=spans, prompt_targets=targets if spans else None)
 
     def _rows(self, items: list[ScheduledSeq], new: set[str]):
         """(rows, query lengths, whether a row wants logprobs) of the scheduled items; writes
@@ -497,6 +520,13 @@ class ModelRunner:
     def collect(self, pending: Pending) -> StepResult:
         """Waits for a launched step's ids; returns every sampling item's samples (one, or for a
         drafted row of a verification step its k + 1, in position order)."""
+        prompt = (prompt_logprobs.entries(pending.prompt, pending.prompt_spans,
+                                          pending.prompt_targets)
+                  if pending.prompt is not None else {})
+        result = self._samples(pending)
+        return dataclasses.replace(result, prompt_logprobs=prompt) if prompt else result
+
+    def _samples(self, pending: Pending) -> StepResult:
         if not pending.items:
             return StepResult({})
         sampled = pending.sampled

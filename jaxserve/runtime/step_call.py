@@ -8,9 +8,11 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxserve.core.scheduler import ScheduledSeq
 from jaxserve.runtime.kv_cache import KVCache, PagedMeta
+from jaxserve.runtime.prompt_logprobs import PromptLogprobs, Span
 from jaxserve.runtime.sampler import SamplerOutput
 
 # Rows of StepInputs.per_token and per_row. Few arrays, not one per field: each host array a
@@ -34,7 +36,9 @@ class StepInputs:
     [4, P] int32: a verification step's sampling points (spec_points.py), None in a plain step.
     poison [R] (or [P] with points) float32: added to each row's logits before sampling (fault injection,
     jaxserve/faults.py: NaN or inf on a poisoned row, 0 elsewhere); None in every program of
-    an engine without that fault, so normal programs are unchanged.
+    an engine without that fault, so normal programs are unchanged. prompt_targets [T] int32:
+    each flat token's next prompt token whose logprob a row asked for (-1: none;
+    prompt_logprobs.py), None in a step without such a row.
     """
 
     per_token: jax.Array
@@ -44,6 +48,7 @@ class StepInputs:
     mask: jax.Array | None = None
     poison: jax.Array | None = None
     points: jax.Array | None = None
+    prompt_targets: jax.Array | None = None
 
     def field(self, name: str) -> jax.Array:
         if name in TOKEN_FIELDS:
@@ -86,6 +91,11 @@ class StepCall:
     def verifies(self) -> bool:
         """Whether it samples at verification points (speculative decoding's variant)."""
         return self.inputs.points is not None
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether it also returns prompt logprobs (prompt_logprobs.py's variant)."""
+        return self.inputs.prompt_targets is not None
 
 
 @jax.tree_util.register_dataclass
@@ -134,3 +144,7 @@ class Pending:
     # with drafts get a tuple of results from collect.
     points: list[list[int]] | None = None
     drafted: frozenset[str] = frozenset()
+    # A prompt-logprobs step: its (device) PromptLogprobs, the rows' spans and the targets.
+    prompt: PromptLogprobs | None = None
+    prompt_spans: list[Span] = dataclasses.field(default_factory=list)
+    prompt_targets: np.ndarray | None = None
