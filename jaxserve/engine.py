@@ -207,9 +207,11 @@ class LLMEngine:
             self.embeddings.add(state)
             return
         beam = params.use_beam_search
+        # Prompt logprobs need every prompt token's logits: nothing is taken from the prefix
+        # cache (as in vLLM); the computed blocks are still registered for others.
         seq = Sequence(request_id, ids, search_params(params) if beam else params,
                        arrival_time=arrival, cache_salt=cache_salt, priority=priority,
-                       lora_id=lora_id)
+                       lora_id=lora_id, skip_prefix_cache=params.prompt_logprobs is not None)
         if beam:
             state = BeamRequestState(seq, text, self.model.tokenizer, params, arrival,
                                      self.eos_ids)
@@ -441,6 +443,9 @@ class LLMEngine:
             # Requests aborted (or stopped by an earlier step) since the launch: dropped, also
             # when a new request has taken the id since (its sequence is another one).
             owner, samples = self.requests.owner, result.samples
+            for sid, (first, entries) in result.prompt_logprobs.items():
+                if sid in owner:  # not aborted since the launch
+                    owner[sid].on_prompt_logprobs(first, entries)
             items = {sid: item for item in step.pending.items
                      if (sid := item.seq.request_id) in owner
                      and not item.seq.status.is_finished}

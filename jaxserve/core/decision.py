@@ -124,6 +124,10 @@ class RequestStateProtocol(Protocol):
         Adds to `into` when given (the engine gathers one decision per step, instead of one
         per sequence merged into it) and returns it; else returns a new Decision."""
 
+    def on_prompt_logprobs(self, first: int, entries: list[dict[int, float]]) -> None:
+        """A step scored prompt positions [first, first + len(entries)) (only for requests
+        with SamplingParams.prompt_logprobs, which beam search refuses)."""
+
     def on_updated(self, finished: list[Sequence], new_id: NewId) -> Decision:
         """After Scheduler.update: `finished` are the request's sequences it ended."""
 

@@ -70,6 +70,9 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     error: str | None = None  # why the request failed inside a step (finish_reason "error")
+    # With SamplingParams.prompt_logprobs: per prompt token {its id: logprob given the tokens
+    # before it, **top-k}; None for the first token (nothing predicts it), as vLLM's.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclasses.dataclass(slots=True)

@@ -152,6 +152,10 @@ class RequestState:
         self.branches = [BranchState(0, seq, tokenizer, seed, self.metrics)]
         self.by_seq: dict[str, BranchState] = {seq.request_id: self.branches[0]}
         self.error: str | None = None
+        # Filled position by position as the prompt's chunks run (prompt_logprobs requests).
+        self.prompt_logprobs: list[dict[int, float] | None] | None = (
+            [None] * len(self.prompt_token_ids)
+            if self.params.prompt_logprobs is not None else None)
         self.constrained = seq.sampling_params.constrained
         self._grammar = None  # the compiled prototype each branch copies (core/grammar.py)
 
@@ -228,6 +232,11 @@ class RequestState:
                 self.error = branch.error  # the engine ends the other branches
         return decision
 
+    def on_prompt_logprobs(self, first: int, entries: list[dict[int, float]]) -> None:
+        """Prompt positions [first, first + len(entries)) scored by a step (a recomputed
+        chunk scores the same positions again, with the same values)."""
+        self.prompt_logprobs[first:first + len(entries)] = entries
+
     def on_updated(self, finished: list[Sequence], new_id: NewId) -> Decision:
         # Acts only on `finished` (the engine skips the call when it is empty).
         for seq in finished:
@@ -259,4 +268,4 @@ class RequestState:
         # Positional (built for every request every step), and the request's own copy of the
         # prompt, the same list in every output, as vLLM's outputs share theirs.
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs,
-                             finished, self.metrics, self.error)
+                             finished, self.metrics, self.error, self.prompt_logprobs)

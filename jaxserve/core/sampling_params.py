@@ -160,7 +160,7 @@ class SamplingParams:
                                      f"({self.beam_width}) completions, got n={self.n}")
         unsupported = {"top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0,
                        "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_tokens": 0,
-                       "stop": (), "logprobs": None}
+                       "stop": (), "logprobs": None, "prompt_logprobs": None}
         for name, off in unsupported.items():
             if getattr(self, name) != off:
                 raise SamplingParamError(name, f"{name} is not supported with beam search "
@@ -192,7 +192,5 @@ def min_tokens_banned_ids(params: SamplingParams, eos_ids) -> tuple[int, ...]:
 def check_servable(params: SamplingParams, eos_ids) -> None:
     """The limits that depend on the engine (its EOS ids), checked when a request is added so
     that a request the sampler cannot run is refused instead of failing inside a step."""
-    if params.prompt_logprobs is not None:
-        raise SamplingParamError("prompt_logprobs", "prompt_logprobs is not supported yet")
     if params.min_tokens > 0:
         min_tokens_banned_ids(params, eos_ids)

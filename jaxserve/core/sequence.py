@@ -99,7 +99,8 @@ class Sequence:
         # max_model_len.
         self.prompt_only = prompt_only
         # Admitted without a prefix-cache lookup (its blocks are still cached for others): it
-        # needs every prompt position computed (mean pooling), which a hit would skip.
+        # needs every prompt position computed (mean pooling, prompt logprobs), which a hit
+        # would skip.
         self.skip_prefix_cache = skip_prefix_cache
 
     def __repr__(self) -> str:

@@ -71,8 +71,12 @@ class StepResult:
     k + 1 of a verified drafted row), for every row that sampled; `all_finite`: whether every
     sampled logprob is finite (a row of NaN/inf logits samples a non-finite one). `pooled`:
     sequence id -> float32 [D] numpy array, the pooled sum of each embedding row that pooled
-    tokens this step (StepPlan.pooled)."""
+    tokens this step (StepPlan.pooled). `prompt_logprobs`: sequence id -> (first prompt
+    position, its entries {token: logprob, **top-k} in position order) for rows that asked for
+    prompt logprobs."""
 
     samples: dict[str, list[SampleResult]]
     all_finite: bool = True
     pooled: dict[str, Any] = dataclasses.field(default_factory=dict)
+    prompt_logprobs: dict[str, tuple[int, list[dict[int, float]]]] = dataclasses.field(
+        default_factory=dict)

@@ -34,7 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from jaxserve.runtime import buckets, kv_quant, pooling, slot_state, spec_points, step_layout
+from jaxserve.runtime import (buckets, kv_quant, pooling, prompt_logprobs, slot_state,
+                              spec_points, step_layout)
 from jaxserve.runtime.attention_backends import AttentionBackend
 from jaxserve.core.outputs import SampleResult
 from jaxserve.runtime.kv_cache import new_cache
@@ -164,6 +165,10 @@ class ModelRunner:
         if inp.points is not None:  # verification: sample at every point instead, [P] each
             logits_index, row_slot, ctx, samples = (inp.points[0], inp.points[1], inp.points[2],
                                                     inp.points[3] != 0)
+        num_sampling = logits_index.shape[0]
+        if inp.prompt_targets is not None:  # the head over every flat token too
+            logits_index = jnp.concatenate([logits_index, jnp.arange(  # [R + T]
+                inp.prompt_targets.shape[0], dtype=logits_index.dtype)])
         with jax.named_scope("step"):
             # Decode inputs not known on the host come from the slot's last sample.
             tokens = jnp.where(f("feed") != 0, state.last_tokens[token_slot], f("tokens"))  # [T]
@@ -185,6 +190,11 @@ class ModelRunner:
                     pooled = jax.lax.with_sharding_constraint(pooled, self.tp.replicated)
             if self.tp is not None:  # one gather of vocab-parallel logits; sampler replicated
                 logits = jax.lax.with_sharding_constraint(logits, self.tp.replicated)
+            prompt = None
+            if inp.prompt_targets is not None:
+                with jax.named_scope("prompt_logprobs"):
+                    prompt = prompt_logprobs.compute(logits[num_sampling:], inp.prompt_targets)
+                logits = logits[:num_sampling]  # [R, V]
             if inp.poison is not None:  # fault injection: the sampler must see the bad row
                 logits = logits + inp.poison[:, None].astype(logits.dtype)  # [R, V]
             with jax.named_scope("sampling"):
@@ -198,6 +208,8 @@ class ModelRunner:
                                         last_tokens=state.last_tokens.at[written].set(out.tokens))
         if pooled is not None:
             out = dataclasses.replace(out, pooled=pooled)
+        if prompt is not None:
+            out = dataclasses.replace(out, prompt=prompt)
         return cache, state, out
 
     @property
@@ -341,7 +353,8 @@ class ModelRunner:
     @staticmethod
     def _key(call: StepCall | SlotsCall | CopyCall) -> tuple:
         return (type(call).__name__, call.shape, getattr(call, "masked", False),
-                getattr(call, "verifies", False), getattr(call, "pools", False))
+                getattr(call, "verifies", False), getattr(call, "pools", False),
+                getattr(call, "scores_prompt", False))
 
     def _executable(self, call: StepCall | SlotsCall | CopyCall) -> jax.stages.Compiled:
         """The call's compiled program: compiled (from the persistent cache if it is there)
@@ -465,13 +478,24 @@ class ModelRunner:
                 [(item, lay.row_index[k], plan.pooled[item.request_id])
                  for k, item in enumerate(items) if item.request_id in plan.pooled])
         call = self.step_call(lay, want, mask, points, pool)
+        scored = [(item.request_id, item.seq.sampling_params.prompt_logprobs,
+                   int(lay.logits_index[lay.row_index[k]]) - item.num_new_tokens + 1,
+                   item.start_pos, item.num_new_tokens, item.seq.prompt_token_ids)
+                  # Prefill chunks come first; a decode is past its prompt.
+                  for k, item in enumerate(out.prefills)
+                  if getattr(item.seq.sampling_params, "prompt_logprobs", None) is not None
+                  and item.start_pos < item.seq.num_prompt_tokens - 1]
+        targets, spans = prompt_logprobs.targets(lay.tokens.shape[0], scored)
+        if spans:
+            call = StepCall(dataclasses.replace(call.inputs, prompt_targets=targets))
         if plan.poison:  # fault injection: every logits row (or point) of a poisoned sequence
             for (item, row), at in zip(sampling, owned or [[r] for _, r in sampling]):
                 if item.request_id in plan.poison:
                     call.inputs.poison[at] = plan.poison[item.request_id]
         sampled = self.run(call)
         return Pending([i for i, _ in sampling], [r for _, r in sampling], sampled, want,
-                       points=owned, drafted=frozenset(drafts), pooling=pooled_rows or [])
+                       points=owned, drafted=frozenset(drafts), pooling=pooled_rows or [],
+                       prompt_spans=spans, prompt_targets=targets if spans else None)
 
     def _rows(self, items: list[ScheduledSeq], new: set[str]):
         """(rows, query lengths, whether a row wants logprobs) of the scheduled items; writes
@@ -532,6 +556,13 @@ class ModelRunner:
     def collect(self, pending: Pending) -> StepResult:
         """Waits for a launched step's ids; returns every sampling item's samples (one, or for a
         drafted row of a verification step its k + 1, in position order)."""
+        result = self._samples(pending)
+        if pending.prompt_spans:
+            result = dataclasses.replace(result, prompt_logprobs=prompt_logprobs.entries(
+                pending.sampled.prompt, pending.prompt_spans, pending.prompt_targets))
+        return result
+
+    def _samples(self, pending: Pending) -> StepResult:
         pooled = self._pooled(pending)
         if not pending.items:
             return StepResult({}, pooled=pooled)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 from collections.abc import Sequence
 
 import jax
@@ -130,6 +131,8 @@ class SamplerOutput:
     # Not the sampler's: the step's other result for the host, the embedding rows' pooled sums
     # [R, D] f32 (runtime/pooling.py), set by a pooled step; None in every other step.
     pooled: jax.Array | None = None
+    # Likewise the prompt-logprobs variant's PromptLogprobs (runtime/prompt_logprobs.py).
+    prompt: Any = None
 
 
 def sample(logits: jax.Array, st: SamplingTensors, history: jax.Array, context_lens: jax.Array,

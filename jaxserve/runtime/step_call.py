@@ -8,9 +8,11 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxserve.core.scheduler import ScheduledSeq
 from jaxserve.runtime.kv_cache import KVCache, PagedMeta
+from jaxserve.runtime.prompt_logprobs import Span
 from jaxserve.runtime.sampler import SamplerOutput
 
 # Rows of StepInputs.per_token and per_row. Few arrays, not one per field: each host array a
@@ -37,6 +39,8 @@ class StepInputs:
     an engine without that fault, so normal programs are unchanged.
     pool [T] int32: the row whose embedding sum each token joins (R: none; runtime/pooling.py),
     in a step with embedding rows; None in every other step (the plain programs).
+    prompt_targets [T] int32: each flat token's next prompt token whose logprob a row asked for
+    (-1: none; prompt_logprobs.py), None in a step without such a row.
     """
 
     per_token: jax.Array
@@ -47,6 +51,7 @@ class StepInputs:
     poison: jax.Array | None = None
     points: jax.Array | None = None
     pool: jax.Array | None = None
+    prompt_targets: jax.Array | None = None
 
     def field(self, name: str) -> jax.Array:
         if name in TOKEN_FIELDS:
@@ -94,6 +99,11 @@ class StepCall:
     def pools(self) -> bool:
         """Whether it also returns embedding rows' pooled hidden states (runtime/pooling.py)."""
         return self.inputs.pool is not None
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether it also returns prompt logprobs (prompt_logprobs.py's variant)."""
+        return self.inputs.prompt_targets is not None
 
 
 @jax.tree_util.register_dataclass
@@ -144,3 +154,6 @@ class Pending:
     drafted: frozenset[str] = frozenset()
     # Embedding rows that pooled tokens: (item, row); their sums are `sampled.pooled`.
     pooling: list[tuple[ScheduledSeq, int]] = dataclasses.field(default_factory=list)
+    # A prompt-logprobs step: the rows' spans and the targets; the values are `sampled.prompt`.
+    prompt_spans: list[Span] = dataclasses.field(default_factory=list)
+    prompt_targets: np.ndarray | None = None
