@@ -47,6 +47,28 @@ def completion_logprobs(decode, token_ids: list[int], entries: list[dict[int, fl
             "text_offset": offsets}
 
 
+def echoed_prompt_logprobs(decode, token_ids: list[int],
+                           entries: list[dict[int, float] | None], k: int) -> tuple[dict, int]:
+    """The completions shape for an echoed prompt (echo with logprobs, vLLM's): its first token
+    has no logprob (nothing predicts it), so null there. Returns it and the prompt's decoded
+    length, where the completion's text offsets go on."""
+    body = completion_logprobs(decode, token_ids[1:], entries[1:], k,
+                               len(decode(token_ids[0])) if token_ids else 0)
+    if token_ids:
+        body["tokens"].insert(0, decode(token_ids[0]))
+        body["token_logprobs"].insert(0, None)
+        body["top_logprobs"].insert(0, None)
+        body["text_offset"].insert(0, 0)
+    end = body["text_offset"][-1] + len(body["tokens"][-1]) if token_ids else 0
+    return body, end
+
+
+def join_logprobs(first: dict, second: dict | None) -> dict:
+    """Two completions-shaped logprobs one after the other (an echoed prompt, then the
+    completion)."""
+    return {key: first[key] + second[key] for key in first} if second else first
+
+
 def chat_logprobs(decode, token_ids: list[int], entries: list[dict[int, float]], k: int) -> dict:
     def item(tid: int, lp: float) -> dict:
         s = decode(tid)

@@ -63,6 +63,9 @@ class Generation:
         self.choices = [Choice(i) for i in range(len(req.prompts) * req.n)]
         self._last_token_time: dict[int, float] = {}
         self._open = set(range(len(self.choices)))
+        # prompt index -> (its ids, its prompt logprobs), once the engine has scored it
+        # (completions with echo and logprobs).
+        self.prompt_logprobs: dict[int, tuple[list[int], list]] = {}
         # Raises 503 before anything is queued.
         self._queue = loop.submit(self._subs, capacity, max_queued_tokens)
 
@@ -109,6 +112,10 @@ class Generation:
         return self.choices
 
     def _apply(self, event: Event) -> list[Delta]:
+        out = event.output
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs.setdefault(event.index // self.req.n,
+                                            (out.prompt_token_ids, out.prompt_logprobs))
         return [self._apply_one(event, event.index + out.index, out)
                 for out in event.output.outputs if event.index + out.index in self._open]
 

@@ -184,11 +184,12 @@ def parse_completion(body, config: ServerConfig, info: ModelInfo) -> GenerationR
     prompts, texts = _completion_prompts(f.raw("prompt"), info)
     logprobs = f.integer("logprobs", None, 0, config.max_logprobs)
     echo = f.boolean("echo")
-    if echo and logprobs is not None:
-        raise invalid("'echo' together with 'logprobs' needs prompt logprobs, which are not "
-                      "supported", "echo", "unsupported")
-    return _build(f, config, info, chat=False, prompts=prompts, texts=texts,
-                  top_logprobs=logprobs, echo=echo)
+    req = _build(f, config, info, chat=False, prompts=prompts, texts=texts,
+                 top_logprobs=logprobs, echo=echo)
+    if echo and logprobs is not None:  # the echoed prompt's tokens get logprobs too (vLLM's)
+        req = dataclasses.replace(req, params=dataclasses.replace(req.params,
+                                                                  prompt_logprobs=logprobs))
+    return req
 
 
 def _token_ids(ids: list, info: ModelInfo) -> list[int]:

@@ -33,6 +33,15 @@ class Responder:
     def _prompt_text(self, index: int) -> str:
         return self.req.prompt_texts[index // self.req.n]
 
+    @property
+    def _echoes_logprobs(self) -> bool:
+        return self.req.echo and self.req.top_logprobs is not None and not self.chat
+
+    def _prompt_logprobs(self, index: int) -> tuple[dict, int]:
+        """The echoed prompt's logprobs for choice `index`, and its decoded length."""
+        ids, entries = self.gen.prompt_logprobs[index // self.req.n]
+        return fmt.echoed_prompt_logprobs(self.decode, ids, entries, self.req.top_logprobs)
+
     def _logprobs(self, token_ids, entries, offset: int = 0) -> dict | None:
         k = self.req.top_logprobs
         if k is None:
@@ -56,9 +65,13 @@ class Responder:
                                 "logprobs": self._logprobs(c.token_ids, c.logprobs)})
             else:
                 prefix = self._prompt_text(c.index) if self.req.echo else ""
+                if self._echoes_logprobs:
+                    prompt, end = self._prompt_logprobs(c.index)
+                    lps = fmt.join_logprobs(prompt, self._logprobs(c.token_ids, c.logprobs, end))
+                else:
+                    lps = self._logprobs(c.token_ids, c.logprobs)
                 choices.append({"index": c.index, "text": prefix + c.text,
-                                "finish_reason": c.finish_reason,
-                                "logprobs": self._logprobs(c.token_ids, c.logprobs)})
+                                "finish_reason": c.finish_reason, "logprobs": lps})
         return self._body(choices, self._usage(), chunk=False)
 
     def _message(self, text: str, finish: str | None) -> tuple[dict, str | None]:
@@ -81,7 +94,7 @@ class Responder:
             if self.chat:
                 choice = {"index": c.index, "delta": {"role": "assistant", "content": ""},
                           "logprobs": None, "finish_reason": None}
-            elif self.req.echo:
+            elif self.req.echo and not self._echoes_logprobs:  # else with its first tokens
                 choice = {"index": c.index, "text": self._prompt_text(c.index),
                           "logprobs": None, "finish_reason": None}
             else:
@@ -139,9 +152,20 @@ class Responder:
         """SSE chunks ending in `data: [DONE]`; closing it early aborts what is unfinished."""
         try:
             yield from self._first_chunks()
+            # Echo with logprobs: the prompt's chunk waits for its logprobs, which come with
+            # the choice's first tokens; the completion's offsets go on from its end.
+            echo_end = {} if self._echoes_logprobs else None
             for d in self.gen.deltas():
                 c = self.gen.choices[d.index]
-                chunk = self._chunk(d, len(c.text) - len(d.text))
+                offset = len(c.text) - len(d.text)
+                if echo_end is not None:
+                    if d.index not in echo_end:
+                        prompt, echo_end[d.index] = self._prompt_logprobs(d.index)
+                        yield fmt.sse(self._body([{
+                            "index": d.index, "text": self._prompt_text(d.index),
+                            "logprobs": prompt, "finish_reason": None}], None, chunk=True))
+                    offset += echo_end[d.index]
+                chunk = self._chunk(d, offset)
                 if chunk is not None:
                     yield chunk
             if self.req.include_usage:

@@ -94,7 +94,9 @@ class CompletionRequest(_Sampling):
 
     prompt: Prompt
     logprobs: Logprobs | None = None
-    echo: bool | None = Field(None, description="not together with logprobs")
+    echo: bool | None = Field(None, description="return the prompt before the completion "
+                                                "(with logprobs: the prompt's too, the first "
+                                                "token's null)")
     tools: Unsupported = None
     tool_choice: Unsupported = None
     parallel_tool_calls: None = None

@@ -55,7 +55,6 @@ SEMANTIC_ONLY = {
     "temperature-inf": "NaN/Infinity are not JSON",
     "n-over-limit": "the server's max_n", "stream-options-without-stream": "two fields",
     "min-tokens-over-max": "two fields", "top-logprobs-without-logprobs": "two fields",
-    "echo-with-logprobs": "two fields",
     "body-too-large": "the server's body limit",
 }
 GOOD = [("/v1/completions", C()), ("/v1/completions", C(prompt=[1, 2, 3], n=2, logprobs=3,
