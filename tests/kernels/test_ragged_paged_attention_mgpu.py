@@ -6,6 +6,7 @@ clear refusals, and sm_90a lowering / deviceless compiles for the engine's shape
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +45,21 @@ CASES = [
 ]
 
 
+# G >= 3 runs 4+ warpgroup threads per program. On a 2-core machine the GPU interpreter has
+# stalled there for good (CI hung at G = 3 "mixed", which passes on a quiet machine): two
+# compute warpgroups wait at the first barrier while the producer thread never starts. Our
+# reading: each warpgroup is an XLA:CPU execution blocked in a host callback, and with fewer
+# cores than warpgroups the producer's execution is never scheduled. So such cases run only
+# where there are enough cores; the G <= 2 cases and the sm_90a compiles run everywhere.
+MANY_WARPGROUPS = pytest.mark.skipif(
+    (os.cpu_count() or 1) < 4,
+    reason="G >= 3 in the GPU interpreter needs >= 4 CPU cores (it stalls on fewer)")
+
+
+def interpreted(case, group):
+    return pytest.param(case, marks=MANY_WARPGROUPS) if group >= 3 else case
+
+
 def case_id(case):
     names = {id(LONG): "long", id(LONG_PADDED): "long_padded"}
     return "-".join(names.get(id(x), str(x)) for x in case)
@@ -57,7 +73,7 @@ def run(q, k, v, pt, qs, cl, capfd, **kw):
     return out
 
 
-@pytest.mark.parametrize("case", CASES, ids=case_id)
+@pytest.mark.parametrize("case", [interpreted(c, c[2]) for c in CASES], ids=case_id)
 def test_matches_oracle_without_races(case, capfd):
     head_dim, block_size, group, mix = case
     q, k, v, pt, qs, cl = rpa.make_case(0, dtype=BF16, block_size=block_size, group=group,
@@ -66,7 +82,8 @@ def test_matches_oracle_without_races(case, capfd):
     rpa.check(out, (q, k, v, LAYER, pt, qs, cl), BF16)  # tokens of no row: zeros
 
 
-@pytest.mark.parametrize("block_size,group", [(16, 3), (64, 1)])
+@pytest.mark.parametrize("block_size,group", [pytest.param(16, 3, marks=MANY_WARPGROUPS),
+                                              (64, 1)])
 def test_window_and_softcap_match_reference(block_size, group, capfd):
     q, k, v, pt, qs, cl = rpa.make_case(1, dtype=BF16, block_size=block_size, group=group,
                                         head_dim=64, mix=LONG)
@@ -81,6 +98,7 @@ def test_window_and_softcap_match_reference(block_size, group, capfd):
                            **attention_tolerance(BF16))  # the window really cuts
 
 
+@MANY_WARPGROUPS
 def test_queries_packed_with_other_heads(capfd):
     # q as the first H of Hq heads per token ([q | k | v]); the others are NaN.
     q, k, v, pt, qs, cl = rpa.make_case(7, dtype=BF16, block_size=16, group=3, head_dim=64,
