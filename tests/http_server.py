@@ -6,7 +6,23 @@ import contextlib
 import threading
 import types
 
-from jaxserve.server import ServerConfig, create_app, make_server
+from jaxserve import EngineConfig, LLMEngine
+from jaxserve.server import EngineLoop, ServerConfig, create_app, make_server
+from jaxserve.testing.tiny_chat import tiny_chat_model
+
+
+@contextlib.contextmanager
+def tiny_chat_loop(**config):
+    """A started engine loop over the tiny chat model (warm-up off, 4 sequences, contexts of
+    1024 tokens unless `config` says otherwise), stopped after the block."""
+    model = tiny_chat_model(seed=0)
+    config = dict(dict(warmup=False, max_num_seqs=4, max_model_len=1024,
+                       max_num_batched_tokens=256), **config)
+    loop = EngineLoop(LLMEngine(EngineConfig(model=model.source, **config), model=model)).start()
+    try:
+        yield loop
+    finally:
+        loop.stop()
 
 
 @contextlib.contextmanager

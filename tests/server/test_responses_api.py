@@ -16,10 +16,8 @@ import pydantic
 import pytest
 import requests
 
-from jaxserve import EngineConfig, LLMEngine
-from jaxserve.server import EngineLoop, ServerConfig
-from http_server import serving
-from jaxserve.testing.tiny_chat import tiny_chat_model
+from jaxserve.server import ServerConfig
+from http_server import serving, tiny_chat_loop
 
 TINY = "tiny-chat"
 WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather in a city",
@@ -33,13 +31,8 @@ STORED = 2
 
 @pytest.fixture(scope="module")
 def loop():
-    model = tiny_chat_model(seed=0)
-    engine = LLMEngine(EngineConfig(model=model.source, warmup=False, max_num_seqs=4,
-                                    max_model_len=1024, max_num_batched_tokens=256),
-                       model=model)
-    loop = EngineLoop(engine).start()
-    yield loop
-    loop.stop()
+    with tiny_chat_loop() as loop:
+        yield loop
 
 
 @pytest.fixture(scope="module")

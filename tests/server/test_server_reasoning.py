@@ -13,10 +13,8 @@ import json
 import openai
 import pytest
 
-from jaxserve import EngineConfig, LLMEngine
-from jaxserve.server import EngineLoop, ServerConfig
-from http_server import serving
-from jaxserve.testing.tiny_chat import tiny_chat_model
+from jaxserve.server import ServerConfig
+from http_server import serving, tiny_chat_loop
 
 TINY = "tiny-chat"
 CHAT = [{"role": "user", "content": "Name a colour."}]
@@ -29,13 +27,8 @@ CALL = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "Paris"\}\
 
 @pytest.fixture(scope="module")
 def loop():
-    model = tiny_chat_model(seed=0)
-    engine = LLMEngine(EngineConfig(model=model.source, warmup=False, max_num_seqs=4,
-                                    max_model_len=1024, max_num_batched_tokens=256),
-                       model=model)
-    loop = EngineLoop(engine).start()
-    yield loop
-    loop.stop()
+    with tiny_chat_loop() as loop:
+        yield loop
 
 
 def client_of(server):
