@@ -3,7 +3,8 @@
 `python tests/mh_worker.py PROCESS_ID PORT`: each process has one CPU device; the two form a
 tensor-parallel mesh of 2 through jax.distributed (gloo collectives). Process 0 schedules and
 prints the greedy tokens of two workloads (plain prompts, then shared prefixes with n > 1, which
-hit the prefix cache and copy blocks on write) and its counters; process 1 follows its broadcast
+hit the prefix cache and copy blocks on write), the plain prompts' prompt logprobs (a step
+variant the follower must replay) and its counters; process 1 follows its broadcast
 calls and prints how many steps and copies it ran.
 """
 
@@ -30,7 +31,8 @@ def main(process_id: int, port: int) -> int:
     if multihost.is_leader():
         try:
             result = {"tokens": w.greedy(eng, w.prompts(w.GQA.vocab_size)),
-                      "waves": w.greedy_waves(eng, w.shared_prefix_waves(w.GQA.vocab_size))}
+                      "waves": w.greedy_waves(eng, w.shared_prefix_waves(w.GQA.vocab_size)),
+                      "prompt_logprobs": w.prompt_logprobs(eng, w.prompts(w.GQA.vocab_size))}
             stats = eng.stats()
             result["stats"] = {k: stats[k] for k in ("cow_copies", "prefix_cache_hits_blocks")}
         finally:

@@ -60,6 +60,20 @@ def greedy(eng, prompts, max_tokens=5):
     return [list(done[str(i)]) for i in range(len(prompts))]
 
 
+def prompt_logprobs(eng, prompts):
+    """Each prompt's prompt logprobs of its own tokens (positions 1..)."""
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    for i, p in enumerate(prompts):
+        eng.add_request(f"p{i}", p, params)
+    done = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = [e[t] for e, t in zip(out.prompt_logprobs[1:],
+                                                             out.prompt_token_ids[1:])]
+    return [done[f"p{i}"] for i in range(len(prompts))]
+
+
 def prompts(vocab, lengths=(5, 20)):
     rng = np.random.default_rng(0)
     return [rng.integers(1, vocab, n).tolist() for n in lengths]

@@ -106,6 +106,9 @@ class GrammarCompiler:
         matcher = llg.LLMatcher(tok, grammar, log_level=0)
         if matcher.is_error():
             raise GrammarError(f"invalid {spec.kind}: {matcher.get_error()}")
+        if not _can_start(matcher, self.vocab_size):
+            raise GrammarError(f"invalid {spec.kind}: no token of this model's vocabulary can "
+                               f"start it")
         return Matcher(matcher)
 
     def fill(self, mask: np.ndarray, rows: Sequence[tuple[Matcher, int]]) -> None:
@@ -121,6 +124,24 @@ class GrammarCompiler:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+# Above this many allowed first tokens the check below is skipped (one can surely be taken).
+FIRST_TOKEN_CHECKS = 64
+
+
+def _can_start(matcher, vocab_size: int) -> bool:
+    """Whether some token can start the constraint. llguidance's first mask can allow a token
+    it then rejects when the constraint needs bytes the vocabulary has no token for (seen
+    with a small ASCII vocabulary and a regex of non-ASCII characters); such a request would
+    fail at its first step, so it is refused with the compile instead."""
+    import llguidance.numpy as lnp
+    first = lnp.allocate_token_bitmask(1, vocab_size)  # [1, W] int32
+    lnp.fill_next_token_bitmask(matcher, first)
+    allowed = np.flatnonzero(np.unpackbits(first.view(np.uint8), bitorder="little")[:vocab_size])
+    if allowed.size > FIRST_TOKEN_CHECKS:
+        return True
+    return any(matcher.deep_copy().consume_token(int(t)) for t in allowed)
 
 
 def _tokenizer(tokenizer_json: str, vocab_size: int, eos_ids: list[int]):

@@ -25,6 +25,7 @@ from jaxserve.runtime.slot_state import SlotsCall
 log = logging.getLogger("jaxserve")
 
 _STOP, _STEP, _COPY, _SLOTS = 0, 1, 2, 3
+HEADER = 5  # cmd, the call's shape (one int), and a step's masked, pooled, scored flags
 
 
 def initialize(coordinator_address: str, num_processes: int, process_id: int) -> None:
@@ -75,18 +76,20 @@ class StepChannel:
             else _STEP
         masked = int(getattr(call, "masked", False))  # a step's bitmask variant
         pooled = int(getattr(call, "pools", False))  # a step's embedding variant
-        _broadcast_like(np.array([cmd, *call.shape, masked, pooled][:4], np.int32))
+        scored = int(getattr(call, "scores_prompt", False))  # its prompt-logprobs variant
+        _broadcast_like(np.array([cmd, *call.shape, masked, pooled, scored][:HEADER],
+                                 np.int32))
         _broadcast_like(call)
 
     def stop(self) -> None:
         if jax.process_count() > 1:
-            _broadcast_like(np.array([_STOP, 0, 0, 0], np.int32))
+            _broadcast_like(np.zeros(HEADER, np.int32))  # _STOP
 
     def follow(self) -> dict[str, int]:
         """Runs process 0's calls until it stops; returns how many of each kind ran."""
         runner, ran = self.runner, {"steps": 0, "slots": 0, "copies": 0}
         while True:
-            cmd, *shape = _broadcast_like(np.zeros(4, np.int32)).tolist()
+            cmd, *shape = _broadcast_like(np.zeros(HEADER, np.int32)).tolist()
             if cmd == _STOP:
                 return ran
             if cmd == _COPY:
@@ -98,6 +101,7 @@ class StepChannel:
                 template, kind = runner.slots_template(shape[0]), "slots"
             else:
                 template, kind = runner.step_template(shape[0], bool(shape[1]),
-                                                      pooled=bool(shape[2])), "steps"
+                                                      pooled=bool(shape[2]),
+                                                      scored=bool(shape[3])), "steps"
             runner.run(_broadcast_like(template))
             ran[kind] += 1

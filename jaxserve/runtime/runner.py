@@ -295,17 +295,22 @@ class ModelRunner:
         return run
 
     def step_template(self, tokens: int, masked: bool = False,
-                      verify: bool = False, pooled: bool = False) -> StepCall:
+                      verify: bool = False, pooled: bool = False,
+                      scored: bool = False) -> StepCall:
         """An idle step of `tokens` flat tokens: no rows, everything masked (with an all-ones
         token bitmask when `masked`; with idle sampling points when `verify`; pooling no
-        token when `pooled`)."""
+        token when `pooled`; scoring no prompt token when `scored`)."""
         lay = step_layout.build([], self.page_table, tokens=tokens, max_num_seqs=self.num_slots,
                                 block_size=self.block_size, idle_slot=self.idle_slot,
                                 ragged=self.ragged)
         mask = self._all_allowed(lay) if masked else None
         points = self._points(lay, [])[0] if verify else None
         pool = pooling.idle_pool(tokens, lay.context_lens.shape[0]) if pooled else None
-        return self.step_call(lay, want_logprobs=False, mask=mask, points=points, pool=pool)
+        call = self.step_call(lay, want_logprobs=False, mask=mask, points=points, pool=pool)
+        if scored:
+            call = StepCall(dataclasses.replace(call.inputs, prompt_targets=np.full(  # [T]
+                tokens, -1, np.int32)))
+        return call
 
     def _points(self, lay: step_layout.Layout, sampling_rows) -> tuple[np.ndarray, list]:
         size = spec_points.num_points(lay.tokens.shape[0], self.num_slots,

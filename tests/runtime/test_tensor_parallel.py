@@ -286,14 +286,19 @@ def test_two_processes_on_loopback(runs, loopback):
 
 @pytest.mark.subprocess
 def test_two_processes_copy_on_write_like_one_process(loopback):
-    """Prefix-cache hits and n > 1 forks copy KV blocks: every process must copy its shard."""
-    from tp_worker import GQA, engine, greedy, greedy_waves, prompts, shared_prefix_waves
-    eng = engine(random_model(GQA, seed=3), 1)  # the same two workloads on one process
+    """Prefix-cache hits and n > 1 forks copy KV blocks: every process must copy its shard.
+    And the prompt-logprobs step variant runs on both processes as on one."""
+    from tp_worker import (GQA, engine, greedy, greedy_waves, prompt_logprobs, prompts,
+                           shared_prefix_waves)
+    eng = engine(random_model(GQA, seed=3), 1)  # the same workloads on one process
     greedy(eng, prompts(GQA.vocab_size))
     want = greedy_waves(eng, shared_prefix_waves(GQA.vocab_size))
+    want_lps = prompt_logprobs(eng, prompts(GQA.vocab_size))
     leader, follower = loopback
     assert leader["stats"]["cow_copies"] > 0 and leader["stats"]["prefix_cache_hits_blocks"] > 0
     assert leader["waves"] == want
+    for got, lps in zip(leader["prompt_logprobs"], want_lps):
+        np.testing.assert_allclose(got, lps, atol=1e-5, rtol=0)
     assert follower["copies"] > 0
 
 

@@ -13,7 +13,6 @@ import concurrent.futures as cf
 import json
 import time
 
-import numpy as np
 import openai
 import pytest
 import requests
@@ -106,39 +105,6 @@ def metric(server, name):
 
 
 # ---- the OpenAI client, end to end ---------------------------------------------------------
-
-def test_echo_with_logprobs_scores_the_prompt(client, engine):
-    """lm-evaluation-harness's log-likelihood request: the echoed prompt's tokens carry their
-    logprobs (the first none), then the completion's; streamed, the same lists."""
-    ids = engine.model.tokenizer.encode(PROMPTS[7])
-    kw = dict(model=MODEL, prompt=ids, max_tokens=2, temperature=0, logprobs=2)
-    out = client.completions.create(echo=True, **kw)
-    lp = out.choices[0].logprobs
-    assert len(lp.tokens) == len(lp.token_logprobs) == len(ids) + 2
-    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
-    logits = engine.model.forward_logits(ids)  # [T, V]: the model's own dense forward
-    shifted = logits - logits.max(-1, keepdims=True)
-    log_softmax = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
-    np.testing.assert_allclose(lp.token_logprobs[1:len(ids)],
-                               [log_softmax[p - 1, ids[p]] for p in range(1, len(ids))],
-                               atol=1e-5, rtol=0)
-    for p in range(1, len(ids)):  # the 2 alternatives are the 2 most likely
-        top = sorted(lp.top_logprobs[p].values(), reverse=True)
-        np.testing.assert_allclose(top, np.sort(log_softmax[p - 1])[::-1][:len(top)], atol=1e-5)
-    assert "".join(lp.tokens) == out.choices[0].text
-    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(lp.tokens))]
-    plain = client.completions.create(**kw).choices[0].logprobs  # the completion part
-    assert lp.tokens[len(ids):] == plain.tokens
-    np.testing.assert_allclose(lp.token_logprobs[len(ids):], plain.token_logprobs, atol=1e-6)
-    chunks = list(client.completions.create(echo=True, stream=True, **kw))
-    streamed = {"tokens": [], "token_logprobs": [], "text_offset": []}
-    for chunk in chunks:
-        for choice in chunk.choices:
-            for key, values in streamed.items():
-                values.extend(getattr(choice.logprobs, key) if choice.logprobs else [])
-    assert streamed == {"tokens": lp.tokens, "token_logprobs": lp.token_logprobs,
-                        "text_offset": lp.text_offset}
-
 
 def test_models_health_metrics(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]

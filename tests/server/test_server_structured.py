@@ -61,6 +61,9 @@ CASES = [  # (id, body, param)
         "name": "x", "schema": {"type": "array", "uniqueItems": True}}}}, "response_format"),
     ("format-no-schema-object", {"response_format": {"type": "json_schema"}}, "response_format"),
     ("bad-regex", {"guided_regex": "(("}, "guided_regex"),
+    # The tiny vocabulary has no token for non-ASCII bytes: no token can start it (the fuzz of
+    # tests/server/test_openapi.py once drew such a regex and got a 500 at the first step).
+    ("unstartable-regex", {"guided_regex": "\u00ef~"}, "guided_regex"),
     ("empty-choice", {"guided_choice": []}, "guided_choice"),
     ("bad-grammar", {"guided_grammar": "start: nothing_here"}, "guided_grammar"),
     ("two-constraints", {"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
