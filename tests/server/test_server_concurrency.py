@@ -180,3 +180,11 @@ def test_1000_concurrent_streams_complete_with_bounded_threads_and_memory(tiny_d
         finally:
             if proc.poll() is None:
                 proc.kill()
+
+
+def test_http_server_option_is_validated():
+    from jaxserve.server import ServerConfig
+    assert ServerConfig().http_server == "uvicorn"
+    assert ServerConfig(http_server="waitress").http_server == "waitress"
+    with pytest.raises(ValueError, match="http_server must be one of uvicorn, waitress"):
+        ServerConfig(http_server="gunicorn")
