@@ -181,6 +181,7 @@ def _cmd_serve(args) -> int:
         engine_config = EngineConfig(**_engine_kwargs(args))
         config = ServerConfig(served_model_name=args.served_model_name or args.model,
                               api_key=args.api_key, threads=args.threads,
+                              http_server=args.http_server,
                               **_admission(engine_config),
                               watchdog_timeout_s=args.watchdog_timeout,
                               enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
@@ -405,7 +406,12 @@ def _add_serve_parser(sub) -> None:
     p.add_argument("--api-key", default=os.environ.get("JAXSERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (default: $JAXSERVE_API_KEY)")
     p.add_argument("--served-model-name", default=None, help="the name clients ask for")
-    p.add_argument("--threads", type=int, default=64, help="HTTP worker threads")
+    p.add_argument("--threads", type=int, default=64,
+                   help="threads running the HTTP handlers (under waitress, one per open "
+                        "response; under uvicorn a stream holds one only until accepted)")
+    p.add_argument("--http-server", choices=("uvicorn", "waitress"), default="uvicorn",
+                   help="uvicorn: asyncio, no thread per open stream (default); waitress: "
+                        "WSGI, a thread per open response")
     p.add_argument("--watchdog-timeout", type=float, default=None, metavar="SECONDS",
                    help="mark the engine failed (health 503, exit 1) when it has unfinished "
                         "work and makes no progress for this long (default: off)")

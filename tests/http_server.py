@@ -1,8 +1,13 @@
-"""A waitress server on an ephemeral 127.0.0.1 port in a thread, for the server tests."""
+"""An HTTP server on an ephemeral 127.0.0.1 port in a thread, for the server tests.
+
+JAXSERVE_TEST_HTTP_SERVER=waitress (or uvicorn) runs them on that server, whatever the test's
+config says (ServerConfig.http_server)."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import os
 import threading
 import types
 
@@ -28,6 +33,9 @@ def tiny_chat_loop(**config):
 @contextlib.contextmanager
 def serving(loop, config: ServerConfig):
     """Serves `loop` with `config` while the block runs; yields `.url` and `.app`."""
+    chosen = os.environ.get("JAXSERVE_TEST_HTTP_SERVER")
+    if chosen:
+        config = dataclasses.replace(config, http_server=chosen)
     app = create_app(loop, config)
     server = make_server(app, "127.0.0.1", 0, config)
     thread = threading.Thread(target=server.run, daemon=True)
@@ -35,14 +43,4 @@ def serving(loop, config: ServerConfig):
     try:
         yield types.SimpleNamespace(url=f"http://127.0.0.1:{server.effective_port}", app=app)
     finally:
-        # Closed by the server's own thread: closing its sockets from this one races the
-        # select() that thread is blocked in (an EBADF there, a warning in the test run).
-        closed = threading.Event()
-        try:
-            server.trigger.pull_trigger(lambda: (server.close(), closed.set()))
-            done = closed.wait(30)  # a loaded machine (tests beside CI) can take seconds
-        except OSError:  # the trigger is closed already: the loop thread has ended
-            done = False
-        if not done:
-            server.close()  # the loop thread is gone or stuck: close from here after all
-        server.task_dispatcher.shutdown(timeout=1)
+        server.close()

@@ -149,10 +149,11 @@ class ReplicaPool:
         return self._snapshot_error
 
     def submit(self, subs: list[SubRequest], capacity: int,
-               max_queued_tokens: int | None = None) -> queue.SimpleQueue:
+               max_queued_tokens: int | None = None, out=None) -> queue.SimpleQueue:
         """Routes the group to a replica and queues it there; raises ApiError (503) at once
         when draining, when no replica is healthy, or when the replica refuses it. `capacity`
-        bounds each replica (its own loop refuses past it, as a single engine does)."""
+        bounds each replica (its own loop refuses past it, as a single engine does). Events go
+        to `out` (anything with a thread-safe `put`) when given, else to a new queue."""
         with self._lock:
             if self._stopped.is_set():
                 raise unavailable("the server is stopping", "engine_unavailable")
@@ -162,7 +163,7 @@ class ReplicaPool:
         if name is None:
             raise unavailable("no engine replica is healthy; retry later",
                               "replica_unavailable")
-        group = _Group(name, subs, queue.SimpleQueue())
+        group = _Group(name, subs, queue.SimpleQueue() if out is None else out)
         with self._lock:
             self._in_flight += len(subs)
             self._groups[group.key] = group

@@ -3,6 +3,7 @@
 from jaxserve.server.app import create_app
 from jaxserve.server.config import ServerConfig
 from jaxserve.server.engine_loop import EngineLoop
-from jaxserve.server.serve import make_server, serve
+from jaxserve.server.http_server import make_server
+from jaxserve.server.serve import serve
 
 __all__ = ["EngineLoop", "ServerConfig", "create_app", "make_server", "serve"]

@@ -12,10 +12,12 @@ import hmac
 import json
 import logging
 import threading
+from typing import Callable
 
 from flask import Flask, Response, jsonify, request
 from werkzeug.exceptions import HTTPException
 
+from jaxserve.server.asgi import client_disconnected
 from jaxserve.server.config import ServerConfig
 from jaxserve.server.embedding_routes import register_embedding_routes
 from jaxserve.server.backend import Backend
@@ -115,7 +117,7 @@ def _serve(state: ServerState, req, adapter, make) -> Response:
                       f"once), got {req.n}", "n")
     if req.params.structured_outputs is not None:  # a 400 now, not a failure in the engine
         check_compiles(state.grammar, req.params.structured_outputs, req.constraint_param)
-    disconnected = request.environ.get("waitress.client_disconnected", lambda: False)
+    disconnected = client_disconnected(request.environ)
     gen = Generation(state.loop, state.metrics, req, state.capacity,
                      state.config.disconnect_poll_s, disconnected,
                      state.config.max_waiting_tokens, adapter)
@@ -132,7 +134,9 @@ def _serve(state: ServerState, req, adapter, make) -> Response:
             return response
         body = _Stream(responder, state)
         handed_over = True
-        return Response(body, mimetype="text/event-stream",
+        # direct_passthrough: the WSGI server gets the _Stream itself (not werkzeug's wrapper
+        # around it), so an ASGI server can drive it without a thread (wake_with).
+        return Response(body, mimetype="text/event-stream", direct_passthrough=True,
                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
                                  **replica})
     finally:
@@ -144,7 +148,11 @@ def _serve(state: ServerState, req, adapter, make) -> Response:
 class _Stream:
     """The SSE body. A class, not a generator: the WSGI server calls close() even when it
     never started iterating, and that must still abort the request and end the count.
-    `responder` is a Responder or a ResponseFormatter (its `gen` and `stream()`)."""
+    `responder` is a Responder or a ResponseFormatter (its `gen` and `stream()`).
+
+    A WSGI server iterates it, a thread blocking while tokens are awaited; the ASGI adapter
+    (server/asgi.py) calls `wake_with` first, and then next() gives PENDING instead of
+    blocking, and the callback says when to try again."""
 
     def __init__(self, responder, state: ServerState):
         self._responder, self._state = responder, state
@@ -156,6 +164,9 @@ class _Stream:
 
     def __next__(self) -> bytes:
         return next(self._chunks)
+
+    def wake_with(self, wake: Callable[[], None]) -> None:
+        self._responder.gen.wake_with(wake)
 
     def close(self) -> None:
         if not self._closed:

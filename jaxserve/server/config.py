@@ -7,6 +7,8 @@ import dataclasses
 from jaxserve.core.sampling_params import MAX_LOGPROBS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 from jaxserve.server.reasoning import check_parser_name
 
+HTTP_SERVERS = ("uvicorn", "waitress")  # server/http_server.py
+
 
 def _positive_int(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -18,9 +20,13 @@ class ServerConfig:
     """How the HTTP layer admits and bounds requests (the engine has its own EngineConfig).
 
     `max_waiting_requests` bounds requests accepted beyond the engine's `max_num_seqs` running
-    slots; past it new requests get 503 instead of queueing without limit. `threads` is the
-    WSGI worker count: every open stream holds one thread, so it should exceed the number of
-    concurrent clients you expect (running + waiting).
+    slots; past it new requests get 503 instead of queueing without limit.
+
+    `http_server`: "uvicorn" (asyncio; an open stream holds no thread, server/asgi.py) or
+    "waitress" (WSGI; every open response holds a thread). `threads` is the pool that runs
+    the app's handlers: under uvicorn a stream holds one only until it is accepted, but a
+    non-streamed generation holds one until it is done; under waitress every open response
+    holds one, so it should then exceed the concurrent clients you expect.
     """
 
     served_model_name: str = "smollm2-135m"
@@ -37,6 +43,7 @@ class ServerConfig:
     max_stop_string_chars: int = MAX_STOP_STRING_CHARS
     max_body_bytes: int = 4 << 20
     threads: int = 64
+    http_server: str = "uvicorn"
     drain_timeout_s: float = 60.0
     # How often a handler waiting for tokens checks that its client is still connected.
     disconnect_poll_s: float = 0.5
@@ -80,6 +87,9 @@ class ServerConfig:
             raise ValueError("enable_tokenizer_info_endpoint must be a boolean, got "
                              f"{self.enable_tokenizer_info_endpoint!r}")
         check_parser_name(self.reasoning_parser)
+        if self.http_server not in HTTP_SERVERS:
+            raise ValueError(f"http_server must be one of {', '.join(HTTP_SERVERS)}, got "
+                             f"{self.http_server!r}")
         m = self.max_stored_responses
         if isinstance(m, bool) or not isinstance(m, int) or m < 0:
             raise ValueError(f"max_stored_responses must be an integer >= 0, got {m!r}")

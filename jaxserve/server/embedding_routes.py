@@ -18,6 +18,7 @@ import numpy as np
 from flask import Flask, jsonify, request
 
 from jaxserve.core.pooling import EmbeddingRequestOutput
+from jaxserve.server.asgi import client_disconnected
 from jaxserve.server.backend import Accepted
 from jaxserve.server.embedding_protocol import MAX_INPUTS, EmbeddingRequest, parse_embedding
 from jaxserve.server.engine_loop import Event, SubRequest
@@ -46,7 +47,7 @@ def _run(state, req: EmbeddingRequest, adapter) -> list[EmbeddingRequestOutput]:
     base = f"embd-{uuid.uuid4().hex}"
     subs = [SubRequest(f"{base}-{i}", ids, req.params, i, lora_request=adapter)
             for i, ids in enumerate(req.inputs)]
-    disconnected = request.environ.get("waitress.client_disconnected", lambda: False)
+    disconnected = client_disconnected(request.environ)
     events = state.loop.submit(subs, state.capacity, state.config.max_waiting_tokens)  # or 503
     results: list[EmbeddingRequestOutput | None] = [None] * len(subs)
     open_ = set(range(len(subs)))

@@ -4,11 +4,17 @@ prompt's KV blocks), its completions spread over the response's choices.
 Runs in the handler thread. It submits the sub-requests to the engine loop, turns the engine's
 events into per-choice deltas, records latency metrics, and aborts whatever is unfinished when
 it is closed (the client went away, or an error) so KV blocks go back to the pool.
+
+Waiting for events blocks the calling thread (a WSGI worker that owns the request) unless
+`wake_with` switched it to non-blocking: then `deltas()` yields `PENDING` when nothing is
+queued, and the given callback is called from the engine's thread whenever an event arrives,
+so an event loop can drive thousands of streams without a thread each (server/asgi.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import queue
 import time
 import uuid
@@ -22,6 +28,10 @@ from jaxserve.server.errors import ApiError, unavailable
 from jaxserve.server.formatting import Choice
 from jaxserve.server.metrics import ServerMetrics
 from jaxserve.server.protocol import GenerationRequest
+
+log = logging.getLogger("jaxserve.server")
+# What a non-blocking deltas() (and the streams built on it) yields when no event is queued.
+PENDING = object()
 
 
 class ClientGone(Exception):
@@ -49,6 +59,30 @@ def _sub_requests(req: GenerationRequest, base: str,
             for p, ids in enumerate(req.prompts)]
 
 
+class _Events:
+    """The group's event queue (the engine loop's `out`): after each put it calls `wake`, once
+    one is set, on the putting thread (the engine's, or a replica pool's pump)."""
+
+    def __init__(self):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.wake: Callable[[], None] | None = None
+
+    def put(self, item) -> None:
+        self._queue.put(item)
+        wake = self.wake
+        if wake is not None:
+            try:
+                wake()
+            except Exception:  # noqa: BLE001 - a waiter's failure must not end the engine thread
+                log.exception("waking a stream failed")
+
+    def get(self, timeout: float):
+        return self._queue.get(timeout=timeout)
+
+    def get_nowait(self):
+        return self._queue.get_nowait()
+
+
 class Generation:
     def __init__(self, loop: Backend, metrics: ServerMetrics, req: GenerationRequest,
                  capacity: int, poll_s: float, disconnected: Callable[[], bool],
@@ -67,7 +101,9 @@ class Generation:
         # (completions with echo and logprobs).
         self.prompt_logprobs: dict[int, tuple[list[int], list]] = {}
         # Raises 503 before anything is queued.
-        self._queue = loop.submit(self._subs, capacity, max_queued_tokens)
+        self._events = _Events()
+        self._blocking = True
+        loop.submit(self._subs, capacity, max_queued_tokens, out=self._events)
 
     @property
     def prompt_tokens(self) -> int:
@@ -77,10 +113,25 @@ class Generation:
     def completion_tokens(self) -> int:
         return sum(len(c.token_ids) for c in self.choices)
 
+    def wake_with(self, wake: Callable[[], None]) -> None:
+        """Non-blocking from now on: deltas() yields PENDING instead of waiting for an event,
+        and `wake()` is called (from another thread; it must be thread-safe and quick) after
+        each event is queued. An event queued before this call is there at the next poll."""
+        self._blocking = False
+        self._events.wake = wake
+
     def _next(self) -> Event | Accepted:
+        if not self._blocking:
+            try:
+                return self._events.get_nowait()
+            except queue.Empty:
+                if not self._loop.alive:  # a dead loop may never queue the error event
+                    raise unavailable("the engine is not running", "engine_unavailable") \
+                        from None
+                return PENDING
         while True:
             try:
-                return self._queue.get(timeout=self._poll_s)
+                return self._events.get(timeout=self._poll_s)
             except queue.Empty:
                 if self._disconnected():
                     raise ClientGone() from None
@@ -98,15 +149,20 @@ class Generation:
         self.replica = item.replica
 
     def deltas(self) -> Iterator[Delta]:
-        """Yields what each choice gained, as the engine produces it, until all finish."""
+        """Yields what each choice gained, as the engine produces it, until all finish (and
+        PENDING when non-blocking and nothing is queued)."""
         while self._open:
             event = self._next()
+            if event is PENDING:
+                yield PENDING
+                continue
             if event.error is not None:
                 self._open.clear()  # the engine loop dropped them all
                 raise event.error
             yield from self._apply(event)
 
     def collect(self) -> list[Choice]:
+        assert self._blocking, "collect() waits for the whole output: blocking mode only"
         for _ in self.deltas():
             pass
         return self.choices
@@ -159,4 +215,4 @@ class Generation:
             self._open.clear()
 
 
-__all__ = ["ApiError", "ClientGone", "Delta", "Generation"]
+__all__ = ["ApiError", "ClientGone", "Delta", "Generation", "PENDING"]

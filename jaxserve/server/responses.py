@@ -9,7 +9,7 @@ from typing import Iterator
 from jaxserve.server import formatting as fmt
 from jaxserve.server import reasoning, tool_parser
 from jaxserve.server.errors import ApiError
-from jaxserve.server.generation import ClientGone, Delta, Generation
+from jaxserve.server.generation import PENDING, ClientGone, Delta, Generation
 
 log = logging.getLogger("jaxserve.server")
 
@@ -149,13 +149,17 @@ class Responder:
         return fmt.sse(self._body([choice], None, chunk=True))
 
     def stream(self) -> Iterator[bytes]:
-        """SSE chunks ending in `data: [DONE]`; closing it early aborts what is unfinished."""
+        """SSE chunks ending in `data: [DONE]` (and PENDING where the generation does not
+        block); closing it early aborts what is unfinished."""
         try:
             yield from self._first_chunks()
             # Echo with logprobs: the prompt's chunk waits for its logprobs, which come with
             # the choice's first tokens; the completion's offsets go on from its end.
             echo_end = {} if self._echoes_logprobs else None
             for d in self.gen.deltas():
+                if d is PENDING:  # non-blocking (Generation.wake_with): nothing new yet
+                    yield PENDING
+                    continue
                 c = self.gen.choices[d.index]
                 offset = len(c.text) - len(d.text)
                 if echo_end is not None:

@@ -17,7 +17,7 @@ import time
 from typing import Callable, Iterator
 
 from jaxserve.server.errors import ApiError
-from jaxserve.server.generation import ClientGone, Generation
+from jaxserve.server.generation import PENDING, ClientGone, Generation
 from jaxserve.server.responses_items import OutputItems
 from jaxserve.server.responses_request import ResponsesRequest
 
@@ -85,12 +85,16 @@ class ResponseFormatter:
         return sse_event(event)
 
     def stream(self) -> Iterator[bytes]:
-        """The event stream; closing it early aborts what is unfinished."""
+        """The event stream (and PENDING where the generation does not block); closing it
+        early aborts what is unfinished."""
         try:
             yield self._sse({"type": "response.created", "response": self._body("in_progress")})
             yield self._sse({"type": "response.in_progress",
                              "response": self._body("in_progress")})
             for d in self.gen.deltas():
+                if d is PENDING:  # non-blocking (Generation.wake_with): nothing new yet
+                    yield PENDING
+                    continue
                 for event in self._items.feed(d.text, len(d.token_ids)):
                     yield self._sse(event)
             body, events = self._finish()

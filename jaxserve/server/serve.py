@@ -1,4 +1,5 @@
-"""Runs the app under waitress with one engine thread; SIGTERM/SIGINT drain, then exit.
+"""Runs the app on its HTTP server (server/http_server.py: uvicorn, or waitress) with one
+engine thread; SIGTERM/SIGINT drain, then exit.
 
 Drain: new requests get 503 at once, in-flight requests run to completion (bounded by
 `drain_timeout_s`), then the listener closes and the process exits.
@@ -11,26 +12,16 @@ import signal
 import threading
 import time
 
-import waitress
-
 from jaxserve.server.app import create_app
 from jaxserve.server.backend import Backend
 from jaxserve.server.config import ServerConfig
 from jaxserve.server.engine_loop import EngineLoop
+from jaxserve.server.http_server import make_server
 
 log = logging.getLogger("jaxserve.server")
-# After the last response body is handed to waitress, its I/O thread still has to send it.
+# After the last response body is handed to the HTTP server, it still has to send it.
 FLUSH_GRACE_S = 0.5
 FAILED_STOP_TIMEOUT_S = 1.0  # how long a dead loop's thread gets to end before the exit
-
-
-def make_server(app, host: str, port: int, config: ServerConfig):
-    """A waitress server (not yet running); port 0 picks a free port (`.effective_port`)."""
-    return waitress.create_server(
-        app, host=host, port=port, threads=config.threads,
-        connection_limit=config.threads + 64,
-        channel_request_lookahead=1,  # lets handlers notice a client that hung up
-        ident="jaxserve")
 
 
 def page_url(server) -> str:
@@ -72,7 +63,7 @@ def serve_backend(loop: Backend, host: str, port: int, config: ServerConfig) -> 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    threading.Thread(target=server.run, name="waitress", daemon=True).start()
+    threading.Thread(target=server.run, name="http-server", daemon=True).start()
     log.info("serving %s on http://%s:%s/v1", config.served_model_name, server.effective_host,
              server.effective_port)
     print(f"jaxserve: listening on http://{server.effective_host}:{server.effective_port}",
@@ -93,7 +84,6 @@ def serve_backend(loop: Backend, host: str, port: int, config: ServerConfig) -> 
         drained = drain(loop, app.extensions["jaxserve"], config.drain_timeout_s)
         log.info("drain %s; shutting down", "complete" if drained else "timed out")
     server.close()
-    server.task_dispatcher.shutdown(timeout=1)
     # A loop that died is not waited for: its requests have their errors already, and after
     # the watchdog its thread may be stuck in a step for good (the full join timeout would
     # only hold back the exit, and the supervisor's restart, by 10 s).

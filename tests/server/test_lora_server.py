@@ -7,7 +7,7 @@ written in PEFT's file format (jaxserve/testing/peft_files.py) that the real loa
 (models/lora_weights.py) reads: nothing is stubbed. What shows that the server applies the
 adapter: its greedy output differs from the base model's and equals the engine's own output
 for the same LoRARequest, computed before any server runs. One engine per module; each test
-starts an engine loop and a waitress server around it and leaves no adapter registered.
+starts an engine loop and an HTTP server around it and leaves no adapter registered.
 """
 
 import concurrent.futures as cf

@@ -4,9 +4,9 @@ On a tiny random model with a real (tiny BPE) tokenizer and chat template
 (jaxserve/testing/tiny_chat.py): what is checked here is the protocol (validation, errors,
 streaming shape, usage, concurrency, aborts), which any model exercises.
 tests/e2e/test_server_real_model.py runs the official client against SmolLM2 itself. One engine (and
-one engine loop) per module; each test starts a waitress server on an ephemeral port in a thread
-and talks to it with the official `openai` client, or with raw `requests` where the point is the
-exact status and error body.
+one engine loop) per module; each test starts an HTTP server (tests/http_server.py) on an
+ephemeral port in a thread and talks to it with the official `openai` client, or with raw
+`requests` where the point is the exact status and error body.
 """
 
 import concurrent.futures as cf
