@@ -6,7 +6,6 @@ clear refusals, and sm_90a lowering / deviceless compiles for the engine's shape
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +15,7 @@ import pytest
 
 from pallas_kernels.cases import (ATTENTION_MODELS, RAGGED_ENGINE_STEPS, attention_tolerance,
                                   ragged_engine_shapes)
+from pallas_kernels.mosaic_interpret import interpret_stall
 from pallas_kernels.ragged_paged_attention_mgpu import (cost, ragged_paged_attention_mgpu,
                                                         unsupported)
 from pallas_kernels.ragged_paged_attention_reference import ragged_paged_attention_reference
@@ -45,15 +45,11 @@ CASES = [
 ]
 
 
-# G >= 3 runs 4+ warpgroup threads per program. On a 2-core machine the GPU interpreter has
-# stalled there for good (CI hung at G = 3 "mixed", which passes on a quiet machine): two
-# compute warpgroups wait at the first barrier while the producer thread never starts. Our
-# reading: each warpgroup is an XLA:CPU execution blocked in a host callback, and with fewer
-# cores than warpgroups the producer's execution is never scheduled. So such cases run only
-# where there are enough cores; the G <= 2 cases and the sm_90a compiles run everywhere.
-MANY_WARPGROUPS = pytest.mark.skipif(
-    (os.cpu_count() or 1) < 4,
-    reason="G >= 3 in the GPU interpreter needs >= 4 CPU cores (it stalls on fewer)")
+# G >= 3 runs 4+ warpgroup threads per program, which the GPU interpreter runs only where it
+# does not stall (pallas_kernels/mosaic_interpret.py; CI hung at G = 3 "mixed" on 2 cores,
+# which passes on a quiet machine). The G <= 2 cases and the sm_90a compiles run everywhere.
+MANY_WARPGROUPS = pytest.mark.skipif(interpret_stall(True, 4) is not None,
+                                     reason=str(interpret_stall(True, 4)))
 
 
 def interpreted(case, group):

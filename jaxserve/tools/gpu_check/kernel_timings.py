@@ -122,7 +122,7 @@ def time_ragged(ctx: Ctx, model: str, block: int, max_ctx: int, decode: int) -> 
     import jax
     import jax.numpy as jnp
     from pallas_kernels import ragged_paged_attention_mgpu as mgpu
-    from pallas_kernels.mosaic_interpret import mosaic_interpret
+    from pallas_kernels.mosaic_interpret import interpret_stall, mosaic_interpret
     from pallas_kernels.ragged_paged_attention import (ragged_paged_attention,
                                                        ragged_paged_attention_reference)
     c = ragged_step_case(ctx, model, block, max_ctx, decode)
@@ -143,7 +143,8 @@ def time_ragged(ctx: Ctx, model: str, block: int, max_ctx: int, decode: int) -> 
     impls = {"kernel": (kernel, sets), "xla_engine_path": (xla_engine_attention(), xla_sets),
              "reference_f32": (jax.jit(ragged_paged_attention_reference), sets)}
     why = mgpu.unsupported(q.shape[1], k.shape[3], q.shape[2], k.shape[2], q.dtype,
-                           kv_dtype=k.dtype)
+                           kv_dtype=k.dtype) or interpret_stall(ctx.prof.interpret,
+                                                                q.shape[1] // k.shape[3] + 1)
     if why is None:  # the Mosaic GPU kernel beside the Triton one ("kernel")
         impls["mosaic_kernel"] = (mosaic, sets)
     else:
