@@ -8,7 +8,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import subprocess
 import threading
+import time
 import types
 
 from jaxserve import EngineConfig, LLMEngine
@@ -44,3 +46,18 @@ def serving(loop, config: ServerConfig):
         yield types.SimpleNamespace(url=f"http://127.0.0.1:{server.effective_port}", app=app)
     finally:
         server.close()
+
+
+def start_server_process(cmd: list[str], env: dict, timeout_s: float):
+    """Starts `jaxserve serve` (`cmd`) and waits until it prints its address; returns (process,
+    its base URL). Kills it and fails the test if it does not listen within `timeout_s`."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,
+                            text=True)
+    deadline = time.monotonic() + timeout_s
+    for line in proc.stdout:  # the server prints its address once it is listening
+        if "listening on " in line:
+            return proc, line.split("listening on ")[1].strip()
+        if time.monotonic() > deadline:
+            break
+    proc.kill()
+    raise AssertionError(f"server did not start (rc={proc.poll()})")

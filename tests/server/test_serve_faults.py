@@ -15,6 +15,7 @@ import time
 import pytest
 import requests
 
+from http_server import start_server_process
 from models.checkpoint import save as save_orbax
 from jaxserve.testing.tiny_chat import tiny_chat_model
 
@@ -33,16 +34,7 @@ def _start(path, faults=None, *extra) -> tuple[subprocess.Popen, str]:
            MODEL, "--port", "0", "--max-num-seqs", "4", "--max-model-len", "256",
            "--max-num-batched-tokens", "32", "--block-size", "256", "--no-structured-outputs",
            *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,
-                            text=True)
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    for line in proc.stdout:  # the server prints its address once it is listening
-        if "listening on " in line:
-            return proc, line.split("listening on ")[1].strip()
-        if time.monotonic() > deadline:
-            break
-    proc.kill()
-    raise AssertionError(f"server did not start (rc={proc.poll()})")
+    return start_server_process(cmd, env, STARTUP_TIMEOUT_S)
 
 
 def _stream(url, result, started):

@@ -19,6 +19,8 @@ import time
 
 import pytest
 
+from http_server import start_server_process
+
 from models.checkpoint import save as save_orbax
 from jaxserve.testing.tiny_chat import tiny_chat_model
 
@@ -43,16 +45,7 @@ def _start(path) -> tuple[subprocess.Popen, str]:
            "--max-waiting-requests", str(STREAMS), "--max-model-len", "64",
            "--block-size", "16", "--max-num-batched-tokens", "512",
            "--threads", str(HANDLER_THREADS), "--no-structured-outputs"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,
-                            text=True)
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    for line in proc.stdout:  # the server prints its address once it is listening
-        if "listening on " in line:
-            return proc, line.split("listening on ")[1].strip()
-        if time.monotonic() > deadline:
-            break
-    proc.kill()
-    raise AssertionError(f"server did not start (rc={proc.poll()})")
+    return start_server_process(cmd, env, STARTUP_TIMEOUT_S)
 
 
 def _status(pid: int) -> tuple[int, int]:
