@@ -306,11 +306,9 @@ class ModelRunner:
         mask = self._all_allowed(lay) if masked else None
         points = self._points(lay, [])[0] if verify else None
         pool = pooling.idle_pool(tokens, lay.context_lens.shape[0]) if pooled else None
-        call = self.step_call(lay, want_logprobs=False, mask=mask, points=points, pool=pool)
-        if scored:
-            call = StepCall(dataclasses.replace(call.inputs, prompt_targets=np.full(  # [T]
-                tokens, -1, np.int32)))
-        return call
+        targets = np.full(tokens, -1, np.int32) if scored else None  # [T]
+        return self.step_call(lay, want_logprobs=False, mask=mask, points=points, pool=pool,
+                              prompt_targets=targets)
 
     def _points(self, lay: step_layout.Layout, sampling_rows) -> tuple[np.ndarray, list]:
         size = spec_points.num_points(lay.tokens.shape[0], self.num_slots,
@@ -482,7 +480,6 @@ class ModelRunner:
                 lay.query_start, lay.logits_index, lay.tokens.shape[0],
                 [(item, lay.row_index[k], plan.pooled[item.request_id])
                  for k, item in enumerate(items) if item.request_id in plan.pooled])
-        call = self.step_call(lay, want, mask, points, pool)
         scored = [(item.request_id, item.seq.sampling_params.prompt_logprobs,
                    int(lay.logits_index[lay.row_index[k]]) - item.num_new_tokens + 1,
                    item.start_pos, item.num_new_tokens, item.seq.prompt_token_ids)
@@ -490,9 +487,11 @@ class ModelRunner:
                   for k, item in enumerate(out.prefills)
                   if getattr(item.seq.sampling_params, "prompt_logprobs", None) is not None
                   and item.start_pos < item.seq.num_prompt_tokens - 1]
-        targets, spans = prompt_logprobs.targets(lay.tokens.shape[0], scored)
-        if spans:
-            call = StepCall(dataclasses.replace(call.inputs, prompt_targets=targets))
+        # Most steps score nothing: no [T] targets array is built for them.
+        targets, spans = (prompt_logprobs.targets(lay.tokens.shape[0], scored) if scored
+                          else (None, []))
+        call = self.step_call(lay, want, mask, points, pool,
+                              prompt_targets=targets if spans else None)
         if plan.poison:  # fault injection: every logits row (or point) of a poisoned sequence
             for (item, row), at in zip(sampling, owned or [[r] for _, r in sampling]):
                 if item.request_id in plan.poison:
@@ -538,10 +537,12 @@ class ModelRunner:
 
     def step_call(self, lay: step_layout.Layout, want_logprobs: bool,
                   mask: np.ndarray | None = None, points: np.ndarray | None = None,
-                  pool: np.ndarray | None = None) -> StepCall:
+                  pool: np.ndarray | None = None,
+                  prompt_targets: np.ndarray | None = None) -> StepCall:
         """The StepCall of a step layout (step_layout.build with this runner's settings);
         mask [R, W] int32: the rows' token bitmasks, or None; pool [T] int32: each token's
-        embedding row (runtime/pooling.py), or None."""
+        embedding row (runtime/pooling.py), or None; prompt_targets [T] int32: each token's
+        next prompt token to score (prompt_logprobs.py), or None."""
         t, r = lay.tokens.shape[0], lay.context_lens.shape[0]
         per_token = np.empty((len(TOKEN_FIELDS), t), np.int32)  # [6, T]
         for i, name in enumerate(TOKEN_FIELDS):
@@ -556,7 +557,7 @@ class ModelRunner:
         poison = np.zeros(rows, np.float32) if self.poison_rows else None  # [R] or [P]
         return StepCall(StepInputs(per_token=per_token, per_row=per_row, pages=pages,
                                    pairs=lay.pairs, mask=mask, poison=poison,
-                                   points=points, pool=pool))
+                                   points=points, pool=pool, prompt_targets=prompt_targets))
 
     def collect(self, pending: Pending) -> StepResult:
         """Waits for a launched step's ids; returns every sampling item's samples (one, or for a
