@@ -19,10 +19,14 @@ from jaxserve.testing.tiny_chat import tiny_chat_model
 
 
 @contextlib.contextmanager
-def tiny_chat_loop(**config):
+def tiny_chat_loop(chat_template: str | None = None, **config):
     """A started engine loop over the tiny chat model (warm-up off, 4 sequences, contexts of
-    1024 tokens unless `config` says otherwise), stopped after the block."""
+    1024 tokens unless `config` says otherwise; its ChatML template unless `chat_template`
+    gives another), stopped after the block."""
     model = tiny_chat_model(seed=0)
+    if chat_template is not None:
+        model = dataclasses.replace(model, tokenizer=model.tokenizer.with_chat_template(
+            chat_template))
     config = dict(dict(warmup=False, max_num_seqs=4, max_model_len=1024,
                        max_num_batched_tokens=256), **config)
     loop = EngineLoop(LLMEngine(EngineConfig(model=model.source, **config), model=model)).start()
