@@ -41,9 +41,9 @@ class GenerationRequest:
     constraint_param: str | None = None  # the field params.structured_outputs came from
     tools: tool_calls.Tools | None = None  # chat: parse the output into tool_calls
     priority: int = 0                 # lower runs first, FCFS within (vLLM's field)
-    # chat with a reasoning parser: whether the output starts inside thinking (unless it opens
-    # with <think>; server/reasoning.py); None: no reasoning parser
-    reasoning: bool | None = None
+    # chat with a reasoning parser: where the output starts unless it opens with <think>
+    # ("reasoning", "content" or "either"; server/reasoning.py); None: no reasoning parser
+    reasoning: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -308,8 +308,17 @@ def parse_chat(body, config: ServerConfig, info: ModelInfo) -> GenerationRequest
                  top_logprobs=(top or 0) if want else None, echo=False, tools=tools)
     if config.reasoning_parser == "none":
         return req
-    constrained = req.params.structured_outputs is not None
-    return dataclasses.replace(req, reasoning=reasoning.starts_in_reasoning(text, constrained))
+    return dataclasses.replace(req, reasoning=reasoning.output_start(text, _constraint(req)))
+
+
+def _constraint(req: GenerationRequest) -> str | None:
+    """The constraint's kind for the reasoning parser: None, "json" (a schema, a JSON object,
+    forced tool calls) or "text" (a regex, choice or grammar of the client's own)."""
+    spec = req.params.structured_outputs
+    if spec is None:
+        return None
+    spelled = spec.regex or spec.choice or (spec.grammar and req.constraint_param != "tool_choice")
+    return "text" if spelled else "json"
 
 
 __all__ = ["ApiError", "GenerationRequest", "ModelInfo", "chat_prompt", "parse_chat",

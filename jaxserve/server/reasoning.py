@@ -9,7 +9,11 @@ tag is `</think>` (a template that closed thinking for the model, as Qwen3's doe
 `<think>` into the prompt and the model begins with its thoughts. An output that ends before
 `</think>` (cut by max_tokens) is all reasoning, with no content. A constrained output
 (a grammar, a schema, a forced tool call) is content unless it opens with `<think>`: the
-constraint holds from its first token, so no free-form thinking comes before it.
+constraint holds from its first token, so no free-form thinking comes before it. One
+exception: a regex, choice or grammar after a prompt that opened thinking may spell the
+thinking out itself (`[^<]*</think>\n\n(yes|no)`), so such an output is reasoning up to its
+`</think>` if it writes one and all content if it does not; the parser holds its text until
+it knows which (a stream of it gives nothing before `</think>` or the end).
 
 The parser works on text, not token ids, so a tag split across tokens or deltas is found all
 the same: text that may be the start of `</think>` (or of the opening `<think>`) is held back
@@ -31,19 +35,28 @@ def check_parser_name(name) -> None:
         raise ValueError(f"reasoning_parser must be one of {', '.join(CHOICES)}, got {name!r}")
 
 
-def starts_in_reasoning(prompt: str, constrained: bool) -> bool:
-    """Whether an output that does not open with `<think>` starts inside thinking."""
-    if constrained:
-        return False
-    return prompt.rfind(CLOSE) <= prompt.rfind(OPEN)  # also when the prompt has neither tag
+def output_start(prompt: str, constraint: str | None) -> str:
+    """Where an output that does not open with `<think>` starts: "reasoning", "content", or
+    "either" (reasoning if it writes `</think>`, else all content).
+
+    constraint: None (free text), "json" (a schema, a JSON object or forced tool calls: always
+    the answer) or "text" (a regex, choice or grammar, which may write the thinking out)."""
+    if constraint is None:  # inside thinking also when the prompt has neither tag
+        return "reasoning" if prompt.rfind(CLOSE) <= prompt.rfind(OPEN) else "content"
+    opened = prompt.rfind(OPEN) > prompt.rfind(CLOSE)  # the prompt's last tag is <think>
+    return "either" if constraint == "text" and opened else "content"
 
 
 class ReasoningParser:
     """Splits one output, fed as text deltas, into (reasoning, content) deltas."""
 
-    def __init__(self, in_reasoning: bool):
-        self._default = "reasoning" if in_reasoning else "content"
-        self.state = "start"      # start -> reasoning -> content, or start -> content
+    def __init__(self, start: str):
+        """start: output_start's answer for the output's prompt."""
+        if start not in ("reasoning", "content", "either"):
+            raise ValueError(f"start must be reasoning, content or either, got {start!r}")
+        self._default = start
+        # start -> reasoning -> content, start -> content, or start -> either -> content
+        self.state = "start"
         self.saw_reasoning = False
         self._held = ""           # text not yet given out: a possible tag, or leading space
 
@@ -68,8 +81,11 @@ class ReasoningParser:
         end = self._held.find(CLOSE)
         if end >= 0:
             reasoning, content = self._held[:end], self._held[end + len(CLOSE):]
-            self._held, self.state = "", "content"
+            # (from "either": what came before </think> was thinking after all)
+            self._held, self.state, self.saw_reasoning = "", "content", True
             return reasoning, content
+        if self.state == "either":
+            return "", ""  # all held until </think> or the end shows what it is
         cut = len(self._held) - _partial_tag(self._held, CLOSE)
         reasoning, self._held = self._held[:cut], self._held[cut:]
         return reasoning, ""
@@ -79,17 +95,17 @@ class ReasoningParser:
         held, self._held = self._held, ""
         if self.state == "start":
             self._enter(self._default)
-        return (held, "") if self.state == "reasoning" else ("", held)
+        return (held, "") if self.state == "reasoning" else ("", held)  # either: no </think>
 
     def _enter(self, state: str) -> None:
         self.state = state
         self.saw_reasoning = self.saw_reasoning or state == "reasoning"
 
 
-def split(text: str, in_reasoning: bool) -> tuple[str | None, str | None]:
+def split(text: str, start: str) -> tuple[str | None, str | None]:
     """(reasoning, content) of a whole output: reasoning None when the output had no thinking,
     content None when nothing follows it (vLLM's shape)."""
-    parser = ReasoningParser(in_reasoning)
+    parser = ReasoningParser(start)
     reasoning, content = parser.feed(text)
     more_reasoning, more_content = parser.finish()
     reasoning, content = reasoning + more_reasoning, content + more_content

@@ -30,11 +30,12 @@ def _new_id(prefix: str) -> str:
 
 
 class OutputItems:
-    def __init__(self, reasoning: bool | None, tool_names: set[str] | None):
+    def __init__(self, reasoning: str | None, tool_names: set[str] | None):
         """reasoning: GenerationRequest.reasoning (None: no reasoning parser); tool_names: the
         request's tools (None: its output is not parsed for calls)."""
         self.items: list[dict] = []
         self.reasoning_tokens = 0
+        self._held_tokens = 0  # tokens of text the parser holds as either thinking or answer
         self._open: dict | None = None  # the last item while it is being written
         self._thinking = ReasoningParser(reasoning) if reasoning is not None else None
         self._tools = ToolCallParser(tool_names) if tool_names else None
@@ -46,8 +47,12 @@ class OutputItems:
         if self._thinking is not None:
             was_thinking = self._thinking.in_reasoning
             thought, text = self._thinking.feed(text)
-            if was_thinking or thought or self._thinking.in_reasoning:
-                self.reasoning_tokens += num_tokens  # the step's tokens, </think> included
+            if self._thinking.state == "either":
+                self._held_tokens += num_tokens
+            elif was_thinking or thought or self._thinking.in_reasoning or self._held_tokens:
+                # the step's tokens, </think> included (the held ones end only at </think>)
+                self.reasoning_tokens += num_tokens + self._held_tokens
+                self._held_tokens = 0
             self._thought(thought)
         self._answer(text, final=False)
         return self._take()

@@ -7,32 +7,39 @@ import itertools
 import pytest
 
 from jaxserve.server import reasoning
-from jaxserve.server.reasoning import ReasoningParser, split, starts_in_reasoning
+from jaxserve.server.reasoning import ReasoningParser, output_start, split
 
-CASES = [  # (id, output, starts inside thinking, reasoning, content)
-    ("tags", "<think>abc</think>answer", False, "abc", "answer"),
-    ("tags-default-reasoning", "<think>abc</think>answer", True, "abc", "answer"),
-    ("qwen3-newlines", "<think>\nI think.\n</think>\n\nHi!", False, "\nI think.\n", "\n\nHi!"),
-    ("space-before-open", "  \n<think>x</think>y", False, "x", "y"),
-    ("no-open-tag-prompt-opened", "abc</think>answer", True, "abc", "answer"),
-    ("no-open-tag-prompt-closed", "abc</think>answer", False, None, "abc</think>answer"),
-    ("cut-inside-thinking", "<think>still thinking", False, "still thinking", None),
-    ("cut-before-any-close", "still thinking", True, "still thinking", None),
-    ("nothing-after-close", "<think>abc</think>", False, "abc", None),
-    ("empty-thinking", "<think></think>answer", False, "", "answer"),
-    ("plain-answer", "just an answer", False, None, "just an answer"),
-    ("open-tag-later-is-content", "a <think>b</think>", False, None, "a <think>b</think>"),
-    ("second-open-inside-thinking", "<think>a<think>b</think>c", False, "a<think>b", "c"),
-    ("second-close-is-content", "<think>a</think>b</think>c", False, "a", "b</think>c"),
-    ("almost-a-tag", "<think>a</thin>b</think", False, "a</thin>b</think", None),
-    ("almost-an-open-tag", "<thin>k", False, None, "<thin>k"),
-    ("only-space", " \n ", False, None, " \n "),
-    ("only-space-thinking", " \n ", True, " \n ", None),
-    ("empty", "", False, None, None),
-    ("prefix-of-open-at-end", "<thi", False, None, "<thi"),
+CASES = [  # (id, output, where it starts (output_start), reasoning, content)
+    ("tags", "<think>abc</think>answer", "content", "abc", "answer"),
+    ("tags-default-reasoning", "<think>abc</think>answer", "reasoning", "abc", "answer"),
+    ("qwen3-newlines", "<think>\nI think.\n</think>\n\nHi!", "content", "\nI think.\n", "\n\nHi!"),
+    ("space-before-open", "  \n<think>x</think>y", "content", "x", "y"),
+    ("no-open-tag-prompt-opened", "abc</think>answer", "reasoning", "abc", "answer"),
+    ("no-open-tag-prompt-closed", "abc</think>answer", "content", None, "abc</think>answer"),
+    ("cut-inside-thinking", "<think>still thinking", "content", "still thinking", None),
+    ("cut-before-any-close", "still thinking", "reasoning", "still thinking", None),
+    ("nothing-after-close", "<think>abc</think>", "content", "abc", None),
+    ("empty-thinking", "<think></think>answer", "content", "", "answer"),
+    ("plain-answer", "just an answer", "content", None, "just an answer"),
+    ("open-tag-later-is-content", "a <think>b</think>", "content", None, "a <think>b</think>"),
+    ("second-open-inside-thinking", "<think>a<think>b</think>c", "content", "a<think>b", "c"),
+    ("second-close-is-content", "<think>a</think>b</think>c", "content", "a", "b</think>c"),
+    ("almost-a-tag", "<think>a</thin>b</think", "content", "a</thin>b</think", None),
+    ("almost-an-open-tag", "<thin>k", "content", None, "<thin>k"),
+    ("only-space", " \n ", "content", None, " \n "),
+    ("only-space-thinking", " \n ", "reasoning", " \n ", None),
+    ("empty", "", "content", None, None),
+    ("prefix-of-open-at-end", "<thi", "content", None, "<thi"),
     ("tool-call-after-thinking", '<think>plan</think><tool_call>\n{"name": "f"}\n</tool_call>',
-     False, "plan", '<tool_call>\n{"name": "f"}\n</tool_call>'),
-    ("unicode", "<think>é…</think>日本", False, "é…", "日本"),
+     "content", "plan", '<tool_call>\n{"name": "f"}\n</tool_call>'),
+    ("unicode", "<think>é…</think>日本", "content", "é…", "日本"),
+    # A regex after a prompt that opened thinking: thinking only if it writes </think>.
+    ("either-closes", "Red is warm.</think>\n\nRed.", "either", "Red is warm.", "\n\nRed."),
+    ("either-no-close", "yes", "either", None, "yes"),
+    ("either-opens", " <think>a</think>b", "either", "a", "b"),
+    ("either-close-first", "</think>b", "either", "", "b"),
+    ("either-almost-a-close", "a</thin", "either", None, "a</thin"),
+    ("either-empty", "", "either", None, None),
 ]
 
 
@@ -70,7 +77,7 @@ def test_every_cut_agrees_with_the_whole(text, start):
 
 
 def test_a_tag_split_across_deltas_is_held_back_not_leaked():
-    parser = ReasoningParser(False)
+    parser = ReasoningParser("content")
     assert parser.feed("<th") == ("", "")
     assert parser.feed("ink>ab</") == ("ab", "")  # '</' may begin '</think>'
     assert parser.in_reasoning
@@ -82,16 +89,27 @@ def test_a_tag_split_across_deltas_is_held_back_not_leaked():
 
 
 def test_where_the_output_starts_follows_the_prompt():
+    opened = "<|im_start|>assistant\n<think>\n"
     # Qwen3.5 / Qwen3-Thinking / DeepSeek-R1 templates open thinking in the prompt.
-    assert starts_in_reasoning("<|im_start|>assistant\n<think>\n", False)
+    assert output_start(opened, None) == "reasoning"
     # Qwen3 with enable_thinking=False closes it there: the output is the answer.
-    assert not starts_in_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n", False)
+    assert output_start("<|im_start|>assistant\n<think>\n\n</think>\n\n", None) == "content"
     # No tag at all (the model writes <think> itself, or an R1 template without it).
-    assert starts_in_reasoning("<|im_start|>assistant\n", False)
+    assert output_start("<|im_start|>assistant\n", None) == "reasoning"
     # Earlier turns' thinking does not matter when this turn opens it again.
-    assert starts_in_reasoning("<think>a</think>b<|im_start|>assistant\n<think>\n", False)
-    # A constrained output holds from its first token: no free thinking before it.
-    assert not starts_in_reasoning("<|im_start|>assistant\n<think>\n", True)
+    assert output_start("<think>a</think>b" + opened, None) == "reasoning"
+    # A constrained output holds from its first token: no free thinking before it. A JSON
+    # one is the answer; a regex / choice / grammar may write the thinking out itself.
+    assert output_start(opened, "json") == "content"
+    assert output_start(opened, "text") == "either"
+    # ... but only where the prompt opened thinking.
+    assert output_start("<|im_start|>assistant\n", "text") == "content"
+    assert output_start(opened + "\n</think>\n\n", "text") == "content"
+
+
+def test_the_parser_refuses_an_unknown_start():
+    with pytest.raises(ValueError, match="reasoning, content or either, got True"):
+        ReasoningParser(True)
 
 
 def test_parser_names_are_checked():

@@ -52,21 +52,25 @@ def summary(items):
 ITEM_CASES = [  # (id, text, reasoning start, tools, items)
     ("plain", "Hello there.", None, None, [("message", "Hello there.")]),
     ("empty", "", None, None, [("message", "")]),
-    ("thinking", "<think>hmm</think>\n\nAnswer.", False, None,
+    ("thinking", "<think>hmm</think>\n\nAnswer.", "content", None,
      [("reasoning", "hmm"), ("message", "\n\nAnswer.")]),
-    ("cut-in-thinking", "<think>still", False, None, [("reasoning", "still")]),
+    ("cut-in-thinking", "<think>still", "content", None, [("reasoning", "still")]),
     ("call", CALL, None, TOOLS, [("function_call", "get_weather", {"city": "Paris"})]),
     ("text-call-text", "Sure. " + CALL + " Done.", None, TOOLS,
      [("message", "Sure. "), ("function_call", "get_weather", {"city": "Paris"}),
       ("message", " Done.")]),
-    ("thinking-space-call", "<think>plan</think>\n\n" + CALL, False, TOOLS,
+    ("thinking-space-call", "<think>plan</think>\n\n" + CALL, "content", TOOLS,
      [("reasoning", "plan"), ("function_call", "get_weather", {"city": "Paris"})]),
     ("two-calls", CALL + "\n" + CALL, None, TOOLS,
      [("function_call", "get_weather", {"city": "Paris"})] * 2),
-    ("call-in-thinking-is-thinking", "<think>" + CALL + "</think>ok", False, TOOLS,
+    ("call-in-thinking-is-thinking", "<think>" + CALL + "</think>ok", "content", TOOLS,
      [("reasoning", CALL), ("message", "ok")]),
     ("unknown-tool-is-text", CALL.replace("get_weather", "nope"), None, TOOLS,
      [("message", CALL.replace("get_weather", "nope"))]),
+    # A regex after a prompt that opened thinking (reasoning.output_start's "either").
+    ("either-closes", "hmm</think>\n\n" + CALL, "either", TOOLS,
+     [("reasoning", "hmm"), ("function_call", "get_weather", {"city": "Paris"})]),
+    ("either-no-close", "yes", "either", None, [("message", "yes")]),
 ]
 
 
@@ -122,7 +126,7 @@ def check_events(events, items):
 
 
 def test_events_name_the_item_kinds_and_statuses():
-    out, events = run(["<think>a</think>b"], reasoning=False, incomplete=True)
+    out, events = run(["<think>a</think>b"], reasoning="content", incomplete=True)
     assert [e["type"] for e in events] == [
         "response.output_item.added", "response.content_part.added",
         "response.reasoning_text.delta", "response.reasoning_text.done",
@@ -136,11 +140,20 @@ def test_events_name_the_item_kinds_and_statuses():
 
 
 def test_reasoning_tokens_count_the_steps_inside_thinking():
-    out = OutputItems(False, None)
+    out = OutputItems("content", None)
     for piece in ["<think>", "a", "b", "</think>", "c", "d"]:
         out.feed(piece, 1)
     out.finish(False)
     assert out.reasoning_tokens == 4  # <think>, a, b and the step that closed it
+
+
+@pytest.mark.parametrize("pieces,want", [(["a", "b", "</think>", "c"], 3), (["a", "b"], 0)])
+def test_reasoning_tokens_count_held_steps_once_they_prove_thinking(pieces, want):
+    out = OutputItems("either", None)
+    for piece in pieces:
+        out.feed(piece, 1)
+    out.finish(False)
+    assert out.reasoning_tokens == want
 
 
 # ---- request conversion ---------------------------------------------------------------------
@@ -188,9 +201,9 @@ def test_tools_text_format_and_limits_map_onto_chat(info):
 def test_reasoning_start_follows_the_server_parser(info):
     assert parse(info, input="x").gen.reasoning is None
     on = ServerConfig(reasoning_parser="deepseek_r1")
-    assert parse(info, config=on, input="x").gen.reasoning is True
+    assert parse(info, config=on, input="x").gen.reasoning == "reasoning"
     assert parse(info, config=on, input="x", text={"format": {"type": "json_object"}}) \
-        .gen.reasoning is False
+        .gen.reasoning == "content"
 
 
 def test_previous_response_continues_the_stored_conversation(info):
