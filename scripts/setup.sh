@@ -67,6 +67,19 @@ if [ "$WITH_TEST" = 1 ]; then
     .venv-ref/bin/python -c "import torch, transformers, gguf, peft" || { echo "setup: reference install failed" >&2; exit 1; }
     stamp tests/requirements-ref.txt > .venv-ref/.jaxserve-stamp
   fi
+  # GuideLLM, the third-party load client (tests/server/test_guidellm.py and
+  # scripts/bench_serving_peers.py), in a venv of its own: its pins (httpx, click, protobuf)
+  # would move the reference environment's.
+  if [ ! -x .venv-bench/bin/python ]; then
+    BENCHPY=$(find_python "(3, 10) <= sys.version_info[:2] < (3, 14)" python3.12 python3) || {
+      echo "setup: no Python >= 3.10 for GuideLLM" >&2; exit 1; }
+    "$BENCHPY" -m venv .venv-bench
+  fi
+  if [ "$(cat .venv-bench/.jaxserve-stamp 2>/dev/null)" != "$(stamp tests/requirements-bench.txt)" ]; then
+    .venv-bench/bin/python -m pip install --quiet -r tests/requirements-bench.txt 2>&1 | grep -v "is ignored" || true
+    .venv-bench/bin/guidellm --version >/dev/null || { echo "setup: GuideLLM install failed" >&2; exit 1; }
+    stamp tests/requirements-bench.txt > .venv-bench/.jaxserve-stamp
+  fi
   # Ray Serve for the replica and multi-host-launch tests (the [ray] extra; the main job
   # does not need it).
   if [ "$(cat .venv/.jaxserve-ray-stamp 2>/dev/null)" != "$(stamp)" ]; then
@@ -103,5 +116,9 @@ if [ "$WITH_PEERS" = 1 ] && ! .venv-ref/bin/python -c "import llama_cpp" 2>/dev/
   CMAKE_ARGS="-DGGML_NATIVE=ON" .venv-ref/bin/python -m pip install --quiet --no-cache-dir \
     "llama-cpp-python==0.3.36" 2>&1 | grep -v "is ignored" || true
   .venv-ref/bin/python -c "import llama_cpp" || { echo "setup: llama-cpp-python build failed" >&2; exit 1; }
+fi
+if [ "$WITH_PEERS" = 1 ]; then
+  # llama.cpp's own server, the peer of scripts/bench_serving_peers.py (about 10 minutes).
+  bash scripts/build_llama_server.sh || { echo "setup: llama-server build failed" >&2; exit 1; }
 fi
 echo "setup: ready"

@@ -1,0 +1,341 @@
+"""Serving benchmark with a third-party client: GuideLLM against `jaxserve serve` and llama.cpp's
+own `llama-server`, on the same GGUF file, in the same run.
+
+Both servers start once and stay up; each load point (a fixed concurrency, or a Poisson request
+rate) runs GuideLLM against one server and then the other, the order alternating from point to
+point, so a drift in this machine's speed falls on both sides alike. GuideLLM sends streaming
+`/v1/completions` requests of synthetic text with exactly `--prompt-tokens` prompt tokens (counted
+with the model's own tokenizer) and `max_tokens` = `--output-tokens` with `ignore_eos`, and
+measures TTFT, inter-token latency, end-to-end latency and output throughput; its first and last
+`--transient` fraction of each point (warm-up, cool-down) is left out of the figures.
+
+Peers: llama-server built natively from the llama-cpp-python sdist's vendored llama.cpp
+(`bash scripts/build_llama_server.sh`, part of `scripts/setup.sh --peers`), `--parallel` slots
+with continuous batching; GuideLLM in `.venv-bench` (`scripts/setup.sh --test`). Run it alone on
+a quiet machine (both servers and the client share its cores):
+
+    .venv/bin/python scripts/bench_serving_peers.py \
+        --json docs/results/bench_serving_peers.json --md docs/results/bench_serving_peers.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import pathlib
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+SERVED_NAME = "smollm2-135m"
+# (figure key, GuideLLM metric, scale to the unit the report uses)
+LATENCIES = (("ttft_ms", "time_to_first_token_ms", 1.0),
+             ("itl_ms", "inter_token_latency_ms", 1.0),
+             ("e2e_s", "request_latency", 1.0))
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=SERVED_NAME, help="a model name jaxserve knows or a .gguf")
+    ap.add_argument("--llama-server", default=str(REPO / ".peers/llama-server/bin/llama-server"),
+                    help="llama.cpp's server binary ('none': jaxserve only)")
+    ap.add_argument("--guidellm", default=str(REPO / ".venv-bench/bin/guidellm"))
+    ap.add_argument("--prompt-tokens", type=int, default=256)
+    ap.add_argument("--output-tokens", type=int, default=128)
+    ap.add_argument("--concurrency", default="1,8,64", help="comma-separated stream counts")
+    ap.add_argument("--rates", default="0.5,1,1.5",
+                    help="comma-separated Poisson request rates (requests/s)")
+    ap.add_argument("--seconds", type=float, default=60.0, help="length of each load point")
+    ap.add_argument("--transient", type=float, default=0.1,
+                    help="fraction of each point's start and end left out (warm-up, cool-down)")
+    ap.add_argument("--parallel", type=int, default=64,
+                    help="sequences each server runs at once (jaxserve --max-num-seqs, "
+                         "llama-server --parallel)")
+    ap.add_argument("--max-model-len", type=int, default=1024,
+                    help="context per sequence on both servers")
+    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
+                    help="llama-server's threads (jaxserve's XLA pool takes every CPU)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true",
+                    help="a smoke run: 32-token prompts, 8 tokens out, concurrency 1,4, rate 1, "
+                         "10 s per point")
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--md", help="write the report here")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.prompt_tokens, args.output_tokens = 32, 8
+        args.concurrency, args.rates, args.seconds = "1,4", "1", 10.0
+    args.concurrency = [int(c) for c in str(args.concurrency).split(",") if c]
+    args.rates = [float(r) for r in str(args.rates).split(",") if r]
+    if not 0 <= args.transient < 0.5:
+        ap.error("--transient must be in [0, 0.5)")
+    if max(args.concurrency, default=0) > args.parallel:
+        ap.error(f"--concurrency {max(args.concurrency)} exceeds --parallel {args.parallel}: "
+                 "the extra streams would only queue")
+    return args
+
+
+# ---- GuideLLM --------------------------------------------------------------------------------
+
+def scenario(target: str, tokenizer_dir: str, profile: dict, args,
+             model: str = SERVED_NAME) -> dict:
+    """One GuideLLM run (scenario file format): one load point against one server."""
+    transient = args.transient
+    return {
+        "metadata": {"name": "jaxserve-bench", "description": "one load point"},
+        "spec": {
+            "backend": {"kind": "openai_http", "target": target, "model": model,
+                        "request_format": "/v1/completions"},
+            "profile": dict(profile, warmup=transient, cooldown=transient),
+            "tokenizer": {"kind": "hf_auto", "model": tokenizer_dir},
+            "data": [{"kind": "synthetic_text", "prompt_tokens": args.prompt_tokens,
+                      "output_tokens": args.output_tokens}],
+            "seed": {"kind": "static", "value": args.seed},
+            "constraints": [{"kind": "max_duration", "seconds": args.seconds}],
+            "outputs": [{"kind": "json", "path": "report.json"}],  # run_guidellm sets it
+        },
+    }
+
+
+def run_guidellm(guidellm: str, spec: dict, timeout_s: float) -> dict:
+    """Runs GuideLLM on `spec` offline; returns its one benchmark's JSON report."""
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = json.loads(json.dumps(spec))
+        out = pathlib.Path(tmp) / "report.json"
+        spec["spec"]["outputs"][0]["path"] = str(out)
+        path = pathlib.Path(tmp) / "scenario.json"
+        path.write_text(json.dumps(spec))
+        env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+        proc = subprocess.run([guidellm, "run", "-c", str(path), "--disable-progress"],
+                              capture_output=True, text=True, timeout=timeout_s, env=env, cwd=tmp)
+        if proc.returncode != 0 or not out.exists():
+            raise RuntimeError(f"guidellm failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}"
+                               f"\n{proc.stderr[-3000:]}")
+        report = json.loads(out.read_text())
+    if len(report["benchmarks"]) != 1:
+        raise RuntimeError(f"expected one benchmark, got {len(report['benchmarks'])}")
+    return report["benchmarks"][0]
+
+
+def figures(benchmark: dict) -> dict:
+    """The report's figures from one GuideLLM benchmark: completed requests only (as GuideLLM's
+    own tables), percentiles over the measured window."""
+    m = benchmark["metrics"]
+    out = {"completed": m["request_totals"]["successful"],
+           "errored": m["request_totals"]["errored"],
+           "incomplete": m["request_totals"]["incomplete"],
+           "duration_s": benchmark["duration"],
+           "output_tok_s": m["output_tokens_per_second"]["successful"]["mean"],
+           "requests_s": m["requests_per_second"]["successful"]["mean"],
+           "output_tokens_per_request": m["output_token_count"]["successful"]["mean"],
+           "prompt_tokens_per_request": m["prompt_token_count"]["successful"]["mean"]}
+    for key, metric, scale in LATENCIES:
+        pct = m[metric]["successful"]["percentiles"]
+        out[key] = {"p50": pct["p50"] * scale, "p99": pct["p99"] * scale}
+    return out
+
+
+def guidellm_version(guidellm: str) -> str:
+    proc = subprocess.run([guidellm, "--version"], capture_output=True, text=True, timeout=120)
+    return proc.stdout.strip().split()[-1] if proc.returncode == 0 else "?"
+
+
+# ---- servers ---------------------------------------------------------------------------------
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def jaxserve_cmd(args, gguf: str, port: int) -> list[str]:
+    return [str(REPO / ".venv/bin/jaxserve"), "serve", gguf, "--host", "127.0.0.1",
+            "--port", str(port), "--served-model-name", SERVED_NAME,
+            "--max-num-seqs", str(args.parallel), "--max-model-len", str(args.max_model_len)]
+
+
+def llama_server_cmd(args, gguf: str, port: int) -> list[str]:
+    # -c is the whole cache, shared out as --parallel slots of max_model_len each.
+    return [args.llama_server, "-m", gguf, "--host", "127.0.0.1", "--port", str(port),
+            "--alias", SERVED_NAME, "--parallel", str(args.parallel),
+            "-c", str(args.parallel * args.max_model_len), "--threads", str(args.threads),
+            "--threads-batch", str(args.threads), "--cont-batching", "--no-webui"]
+
+
+@contextlib.contextmanager
+def server(name: str, cmd: list[str], port: int, log_dir: str, timeout_s: float = 1200):
+    """Starts `cmd`, waits until GET /health answers 200; yields (url, start-up seconds)."""
+    log = open(pathlib.Path(log_dir) / f"{name}.log", "w")
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited ({proc.returncode}); log: {log.name}")
+            if time.perf_counter() - start > timeout_s:
+                raise RuntimeError(f"{name} not ready after {timeout_s:.0f}s; log: {log.name}")
+            with contextlib.suppress(OSError):
+                with urllib.request.urlopen(url + "/health", timeout=5) as resp:
+                    if resp.status == 200:
+                        break
+            time.sleep(2)
+        yield url, time.perf_counter() - start
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+# ---- the run ---------------------------------------------------------------------------------
+
+def points(args) -> list[tuple[str, dict]]:
+    """(label, GuideLLM profile) of every load point, in the order they run."""
+    return ([(f"concurrency {c}", {"kind": "concurrent", "streams": [c]})
+             for c in args.concurrency] +
+            [(f"rate {r:g}/s", {"kind": "poisson", "rate": [r]}) for r in args.rates])
+
+
+def environment(args, gguf: str) -> dict:
+    sys.path.insert(0, str(REPO))
+    from jaxserve.tools.machine import describe
+    versions = {"guidellm": guidellm_version(args.guidellm)}
+    if args.llama_server != "none":
+        proc = subprocess.run([args.llama_server, "--version"], capture_output=True, text=True,
+                              timeout=60)
+        versions["llama-server"] = (proc.stdout + proc.stderr).strip().splitlines()[0]
+        llama_ver = REPO / ".peers/llama-server/.version"
+        if llama_ver.exists():
+            versions["llama-server"] += f" (llama-cpp-python {llama_ver.read_text().strip()} sdist)"
+    return {"machine": describe(), "cpus": len(os.sched_getaffinity(0)),
+            "load_avg_start": os.getloadavg(), "gguf": os.path.basename(gguf),
+            "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
+            "seconds_per_point": args.seconds, "transient": args.transient,
+            "parallel": args.parallel, "max_model_len": args.max_model_len,
+            "llama_server_threads": args.threads, "versions": versions}
+
+
+def run(args, gguf: str, tokenizer_dir: str, log_dir: str) -> dict:
+    systems = {"jaxserve": jaxserve_cmd}
+    if args.llama_server != "none":
+        systems["llama-server"] = llama_server_cmd
+    results: dict = {"startup_s": {}, "commands": {}, "points": []}
+    with contextlib.ExitStack() as stack:
+        urls = {}
+        for name, make in systems.items():  # one at a time: start-up is timed alone
+            port = free_port()
+            cmd = make(args, gguf, port)
+            results["commands"][name] = " ".join(shlex.quote(c) for c in cmd)
+            urls[name], results["startup_s"][name] = stack.enter_context(
+                server(name, cmd, port, log_dir))
+            print(f"{name}: ready in {results['startup_s'][name]:.1f}s", flush=True)
+        for i, (label, profile) in enumerate(points(args)):
+            order = list(urls) if i % 2 == 0 else list(reversed(urls))
+            point = {"label": label, "profile": profile, "order": order, "systems": {}}
+            for name in order:
+                load = os.getloadavg()[0]
+                bench = run_guidellm(args.guidellm, scenario(urls[name], tokenizer_dir, profile,
+                                                             args),
+                                     timeout_s=args.seconds * 3 + 600)
+                point["systems"][name] = dict(figures(bench), load_avg_1m_before=load)
+                print(f"{label:>16} {name:>12}: {line(point['systems'][name])}", flush=True)
+            results["points"].append(point)
+    return results
+
+
+def line(f: dict) -> str:
+    return (f"{f['output_tok_s']:7.1f} tok/s  TTFT p50 {f['ttft_ms']['p50']:7.0f} ms  "
+            f"ITL p50 {f['itl_ms']['p50']:5.1f} ms  e2e p50 {f['e2e_s']['p50']:5.2f} s  "
+            f"({f['completed']} done, {f['errored']} errors)")
+
+
+def ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}x" if b else "-"
+
+
+def render_markdown(env: dict, results: dict, command: str) -> str:
+    names = list(results["startup_s"])
+    lines = ["# Serving benchmark: jaxserve vs llama.cpp's llama-server, GuideLLM as the client",
+             "", f"Command: `{command}`", "",
+             f"Machine: {env['machine']}; load average at start "
+             f"{', '.join(f'{x:.2f}' for x in env['load_avg_start'])}, at end "
+             f"{', '.join(f'{x:.2f}' for x in env['load_avg_end'])}.",
+             f"Versions: {', '.join(f'{k} {v}' for k, v in env['versions'].items())}.",
+             f"Workload: GuideLLM synthetic text, {env['prompt_tokens']} prompt tokens -> "
+             f"{env['output_tokens']} output tokens (`ignore_eos`), streaming `/v1/completions`, "
+             f"{env['seconds_per_point']:g} s per load point, first and last "
+             f"{env['transient']:.0%} left out; both servers on `{env['gguf']}`, "
+             f"{env['parallel']} sequences at once, {env['max_model_len']} tokens each.", ""]
+    lines += ["| load | system | output tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | "
+              "e2e p50 / p99 s | done (errors) | load avg |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for p in results["points"]:
+        for name in names:
+            f = p["systems"][name]
+            lines.append(
+                f"| {p['label']} | {name} | {f['output_tok_s']:.1f} | "
+                f"{f['ttft_ms']['p50']:.0f} / {f['ttft_ms']['p99']:.0f} | "
+                f"{f['itl_ms']['p50']:.1f} / {f['itl_ms']['p99']:.1f} | "
+                f"{f['e2e_s']['p50']:.2f} / {f['e2e_s']['p99']:.2f} | "
+                f"{f['completed']} ({f['errored']}) | {f['load_avg_1m_before']:.2f} |")
+    if len(names) == 2:
+        a, b = names
+        lines += ["", f"Ratios, {a} / {b} (throughput: higher is better for {a}; "
+                  f"latencies: lower is better for {a}):", "",
+                  "| load | output tok/s | TTFT p50 | ITL p50 | e2e p50 |", "|---|---:|---:|---:|---:|"]
+        for p in results["points"]:
+            fa, fb = p["systems"][a], p["systems"][b]
+            lines.append(f"| {p['label']} | {ratio(fa['output_tok_s'], fb['output_tok_s'])} | "
+                         f"{ratio(fa['ttft_ms']['p50'], fb['ttft_ms']['p50'])} | "
+                         f"{ratio(fa['itl_ms']['p50'], fb['itl_ms']['p50'])} | "
+                         f"{ratio(fa['e2e_s']['p50'], fb['e2e_s']['p50'])} |")
+    lines += ["", "Start-up (process start to /health 200, jaxserve's warm-up compile included): "
+              + ", ".join(f"{n} {s:.1f} s" for n, s in results["startup_s"].items()) + ".", "",
+              "Server commands:", ""]
+    lines += [f"- {n}: `{c}`" for n, c in results["commands"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    sys.path.insert(0, str(REPO))
+    from models.registry import model_path
+    from models.tokenizer import Tokenizer
+    gguf = str(model_path(args.model)) if not args.model.endswith(".gguf") else args.model
+    if args.llama_server != "none" and not os.access(args.llama_server, os.X_OK):
+        sys.exit(f"no llama-server at {args.llama_server}: build it with "
+                 "`bash scripts/build_llama_server.sh` (or pass --llama-server none)")
+    if not os.access(args.guidellm, os.X_OK):
+        sys.exit(f"no GuideLLM at {args.guidellm}: `bash scripts/setup.sh --test` installs it")
+    command = " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv])
+    env = environment(args, gguf)
+    print("command:", command)
+    print("environment:", json.dumps(env), flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        # GuideLLM counts prompt tokens with the model's own tokenizer, from the GGUF file.
+        tokenizer_dir = os.path.join(tmp, "tokenizer")
+        Tokenizer.from_gguf(gguf).save(tokenizer_dir)
+        log_dir = tempfile.mkdtemp(prefix="bench_serving_peers_")
+        print("server logs:", log_dir, flush=True)
+        results = run(args, gguf, tokenizer_dir, log_dir)
+    env["load_avg_end"] = os.getloadavg()
+    report = render_markdown(env, results, command)
+    print(report)
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps({"environment": env, **results}, indent=1))
+    if args.md:
+        pathlib.Path(args.md).write_text(report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
