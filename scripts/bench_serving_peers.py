@@ -51,7 +51,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--concurrency", default="1,8,64", help="comma-separated stream counts")
     ap.add_argument("--rates", default="0.5,1,1.5",
                     help="comma-separated Poisson request rates (requests/s)")
-    ap.add_argument("--seconds", type=float, default=60.0, help="length of each load point")
+    ap.add_argument("--seconds", type=float, help="length of each load point (default 60; 10 "
+                    "with --quick)")
     ap.add_argument("--transient", type=float, default=0.1,
                     help="fraction of each point's start and end left out (warm-up, cool-down)")
     ap.add_argument("--parallel", type=int, default=64,
@@ -70,7 +71,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.quick:
         args.prompt_tokens, args.output_tokens = 32, 8
-        args.concurrency, args.rates, args.seconds = "1,4", "1", 10.0
+        args.concurrency, args.rates = "1,4", "1"
+    if args.seconds is None:
+        args.seconds = 10.0 if args.quick else 60.0
     args.concurrency = [int(c) for c in str(args.concurrency).split(",") if c]
     args.rates = [float(r) for r in str(args.rates).split(",") if r]
     if not 0 <= args.transient < 0.5:

@@ -44,8 +44,7 @@ def test_guidellm_runs_every_request_at_the_asked_token_counts(server, tmp_path)
                     "tests/requirements-bench.txt into .venv-bench)")
     bench = bench_script()
     args = bench.parse_args(["--quick", "--llama-server", "none", "--guidellm", str(GUIDELLM),
-                             "--transient", "0"])
-    args.seconds = 6.0
+                             "--transient", "0", "--seconds", "6"])
     tiny_tokenizer().save(tmp_path / "tokenizer")
     (label, profile), = [p for p in bench.points(args) if p[0] == "concurrency 4"]
     report = bench.run_guidellm(
