@@ -65,3 +65,25 @@ def start_server_process(cmd: list[str], env: dict, timeout_s: float):
             break
     proc.kill()
     raise AssertionError(f"server did not start (rc={proc.poll()})")
+
+
+def chat_stream(client, model: str, **kw):
+    """A streamed chat completion through the `openai` client, gathered: (reasoning_content,
+    content, tool calls as {index: [name, arguments]}, finish reason, the delta kinds in order)."""
+    reasoning, content, calls, finish, order = "", "", {}, None, []
+    for chunk in client.chat.completions.create(model=model, stream=True, **kw):
+        for c in chunk.choices:
+            extra = c.delta.model_extra or {}
+            if extra.get("reasoning_content"):
+                reasoning += extra["reasoning_content"]
+                order.append("reasoning")
+            if c.delta.content:
+                content += c.delta.content
+                order.append("content")
+            for d in c.delta.tool_calls or []:
+                entry = calls.setdefault(d.index, ["", ""])
+                entry[0] += d.function.name or ""
+                entry[1] += d.function.arguments or ""
+                order.append("tool_call")
+            finish = c.finish_reason or finish
+    return reasoning, content, calls, finish, order

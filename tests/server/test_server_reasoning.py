@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from jaxserve.server import ServerConfig
-from http_server import serving, tiny_chat_loop
+from http_server import chat_stream, serving, tiny_chat_loop
 
 TINY = "tiny-chat"
 CHAT = [{"role": "user", "content": "Name a colour."}]
@@ -43,23 +43,7 @@ def client(loop):
 
 
 def stream(client, **kw):
-    """(reasoning, content, tool-call names+arguments, finish, the deltas in order)."""
-    reasoning, content, calls, finish, order = "", "", {}, None, []
-    for chunk in client.chat.completions.create(model=TINY, stream=True, **kw):
-        for c in chunk.choices:
-            extra = c.delta.model_extra or {}
-            if extra.get("reasoning_content"):
-                reasoning += extra["reasoning_content"]
-                order.append("reasoning")
-            if c.delta.content:
-                content += c.delta.content
-                order.append("content")
-            for d in c.delta.tool_calls or []:
-                entry = calls.setdefault(d.index, ["", ""])
-                entry[0] += d.function.name or ""
-                entry[1] += d.function.arguments or ""
-            finish = c.finish_reason or finish
-    return reasoning, content, calls, finish, order
+    return chat_stream(client, TINY, **kw)
 
 
 def test_thinking_and_answer_are_apart(client):

@@ -15,7 +15,7 @@ import pytest
 import requests
 
 from jaxserve.server import ServerConfig
-from http_server import serving, tiny_chat_loop
+from http_server import chat_stream, serving, tiny_chat_loop
 
 TINY = "tiny-chat"
 TEMPLATE = (pathlib.Path(__file__).parents[1] / "chat_templates" / "qwen3.jinja").read_text()
@@ -68,24 +68,7 @@ def rendered(server, **body) -> str:
 
 
 def stream(client, **kw):
-    """(reasoning, content, tool calls as {index: [name, arguments]}, finish, delta kinds)."""
-    reasoning, content, calls, finish, order = "", "", {}, None, []
-    for chunk in client.chat.completions.create(model=TINY, stream=True, **kw):
-        for c in chunk.choices:
-            extra = c.delta.model_extra or {}
-            if extra.get("reasoning_content"):
-                reasoning += extra["reasoning_content"]
-                order.append("reasoning")
-            if c.delta.content:
-                content += c.delta.content
-                order.append("content")
-            for d in c.delta.tool_calls or []:
-                entry = calls.setdefault(d.index, ["", ""])
-                entry[0] += d.function.name or ""
-                entry[1] += d.function.arguments or ""
-                order.append("tool_call")
-            finish = c.finish_reason or finish
-    return reasoning, content, calls, finish, order
+    return chat_stream(client, TINY, **kw)
 
 
 def test_the_prompt_opens_thinking(server):
