@@ -81,11 +81,16 @@ def test_gpu_program_on_mosaic_gpu_kernels_greedy_matches_hf(reference, monkeypa
     prompts, new = (0, 3), 4
     want = [reference[f"{name}/greedy/{i}"].tolist()[:new] for i in prompts]
     params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+    # A cache of both rows at max_model_len and a spare block, not the CPU default of 1 GiB:
+    # the interpreter copies the kernel's cache operands into every warpgroup thread's
+    # buffers on each call, which with 1 GiB took most of this test's minutes.
+    kv_memory = (2 * 64 // 16 + 1) * 16 * model.config.kv_bytes_per_token(2)
     for attention, kernels in (("xla", "auto"), ("pallas-interpret", "mosaic")):
         engine = LLMEngine(EngineConfig(
             model=model.source, dtype="bfloat16", warmup=False, block_size=16, max_num_seqs=2,
             max_num_batched_tokens=16, max_model_len=64, attention_backend=attention,
-            linear_backend="xla", gpu_kernels=kernels), model=model)
+            linear_backend="xla", gpu_kernels=kernels, kv_cache_memory=kv_memory),
+            model=model)
         runner = engine.runner
         assert runner.unroll_layers and runner.branch_free_sampling
         assert runner.attention.name == attention
