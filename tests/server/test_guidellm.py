@@ -49,16 +49,15 @@ def test_guidellm_runs_every_request_at_the_asked_token_counts(server, tmp_path)
     (label, profile), = [p for p in bench.points(args) if p[0] == "concurrency 4"]
     report = bench.run_guidellm(
         args.guidellm, bench.scenario(server.url, str(tmp_path / "tokenizer"), profile, args,
-                                      model=MODEL), timeout_s=300)
+                                      seed=0, model=MODEL), timeout_s=300)
     f = bench.figures(report)
     assert f["errored"] == 0 and f["completed"] >= 4, f
     assert f["prompt_tokens_per_request"] == args.prompt_tokens == 32
     assert f["output_tokens_per_request"] == args.output_tokens == 8  # ignore_eos honoured
     assert 0 < f["ttft_ms"]["p50"] <= f["e2e_s"]["p50"] * 1000
     assert 0 < f["itl_ms"]["p50"] < f["e2e_s"]["p99"] * 1000
-    # throughput is completed requests' output tokens over the measured window
-    assert f["output_tok_s"] == pytest.approx(
-        f["completed"] * args.output_tokens / f["duration_s"], rel=1e-6)
+    # throughput: every token streamed in the window, completed requests' at least
+    assert f["output_tok_s"] >= f["completed"] * args.output_tokens / f["duration_s"] * 0.999
 
 
 def test_report_ratios_put_jaxserve_over_the_peer():
@@ -75,7 +74,7 @@ def test_report_ratios_put_jaxserve_over_the_peer():
                    "jaxserve": point(300.0, 50.0), "llama-server": point(100.0, 200.0)}}]}
     env = {"machine": "test CPU", "load_avg_start": (0.1, 0.1, 0.1),
            "load_avg_end": (0.2, 0.2, 0.2), "versions": {"guidellm": "0"}, "prompt_tokens": 32,
-           "output_tokens": 8, "seconds_per_point": 6, "transient": 0.1, "gguf": "m.gguf",
+           "output_tokens": 8, "seconds_per_point": 6, "long_seconds": 12, "transient": 0.1, "gguf": "m.gguf",
            "parallel": 8, "max_model_len": 256}
     md = bench.render_markdown(env, results, "cmd")
     assert "| concurrency 8 | 3.00x | 0.25x | 1.00x | 1.00x |" in md
