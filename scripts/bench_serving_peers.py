@@ -234,7 +234,6 @@ def seconds(args, profile: dict) -> float:
 
 
 def environment(args, gguf: str) -> dict:
-    sys.path.insert(0, str(REPO))
     from jaxserve.tools.machine import describe
     versions = {"guidellm": guidellm_version(args.guidellm)}
     if args.llama_server != "none":
@@ -346,7 +345,6 @@ def render_markdown(env: dict, results: dict, command: str) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    sys.path.insert(0, str(REPO))
     from models.registry import model_path
     from models.tokenizer import Tokenizer
     gguf = str(model_path(args.model)) if not args.model.endswith(".gguf") else args.model
