@@ -1,13 +1,21 @@
 """Serving benchmark with a third-party client: GuideLLM against `jaxserve serve` and llama.cpp's
 own `llama-server`, on the same GGUF file, in the same run.
 
-Both servers start once and stay up; each load point (a fixed concurrency, or a Poisson request
+Both servers start once and stay up; each load point (a fixed concurrency, or a fixed request
 rate) runs GuideLLM against one server and then the other, the order alternating from point to
-point, so a drift in this machine's speed falls on both sides alike. GuideLLM sends streaming
+point, so a drift in this machine's speed falls on both sides alike. Before each run both servers
+must be idle (under 5% of a core for a second): a server still finishing the work of the run
+before would slow the other one, as they share the cores. GuideLLM sends streaming
 `/v1/completions` requests of synthetic text with exactly `--prompt-tokens` prompt tokens (counted
 with the model's own tokenizer) and `max_tokens` = `--output-tokens` with `ignore_eos`, and
 measures TTFT, inter-token latency, end-to-end latency and output throughput; its first and last
 `--transient` fraction of each point (warm-up, cool-down) is left out of the figures.
+
+Rates are GuideLLM's `constant` profile (evenly spaced arrivals), not `poisson`: in GuideLLM 0.8.1
+the Poisson strategy's shared arrival clock is set after its start event fires, and a worker that
+reads it first schedules every request at time ~0 (on this machine a 0.5/s point sent ~500
+requests in its first second). The script checks each rate point's sent rate against the asked
+one and stops if they differ.
 
 Peers: llama-server built natively from the llama-cpp-python sdist's vendored llama.cpp
 (`bash scripts/build_llama_server.sh`, part of `scripts/setup.sh --peers`), `--parallel` slots
@@ -46,11 +54,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--llama-server", default=str(REPO / ".peers/llama-server/bin/llama-server"),
                     help="llama.cpp's server binary ('none': jaxserve only)")
     ap.add_argument("--guidellm", default=str(REPO / ".venv-bench/bin/guidellm"))
-    ap.add_argument("--prompt-tokens", type=int, default=256)
-    ap.add_argument("--output-tokens", type=int, default=128)
-    ap.add_argument("--concurrency", default="1,8,64", help="comma-separated stream counts")
-    ap.add_argument("--rates", default="0.5,1,1.5",
-                    help="comma-separated Poisson request rates (requests/s)")
+    ap.add_argument("--prompt-tokens", type=int, help="default 256 (32 with --quick)")
+    ap.add_argument("--output-tokens", type=int, help="default 128 (8 with --quick)")
+    ap.add_argument("--concurrency", help="comma-separated stream counts (default 1,8,64; 1,4 "
+                    "with --quick)")
+    ap.add_argument("--rates",
+                    help="comma-separated fixed request rates (requests/s); the defaults "
+                         "0.25,0.5,1 are below, near and past llama-server's capacity at the "
+                         "default shape on 2 CPUs (~0.5 requests/s); 1 with --quick")
     ap.add_argument("--seconds", type=float, help="length of each load point (default 60; 10 "
                     "with --quick)")
     ap.add_argument("--long-seconds", type=float, default=150.0,
@@ -73,11 +84,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--md", help="write the report here")
     args = ap.parse_args(argv)
-    if args.quick:
-        args.prompt_tokens, args.output_tokens = 32, 8
-        args.concurrency, args.rates = "1,4", "1"
-    if args.seconds is None:
-        args.seconds = 10.0 if args.quick else 60.0
+    # --quick changes the defaults only: what the command line names is kept
+    for name, full, quick in (("prompt_tokens", 256, 32), ("output_tokens", 128, 8),
+                              ("concurrency", "1,8,64", "1,4"), ("rates", "0.25,0.5,1", "1"),
+                              ("seconds", 60.0, 10.0)):
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else full)
     args.concurrency = [int(c) for c in str(args.concurrency).split(",") if c]
     args.rates = [float(r) for r in str(args.rates).split(",") if r]
     if not 0 <= args.transient < 0.5:
@@ -120,7 +132,10 @@ def run_guidellm(guidellm: str, spec: dict, timeout_s: float) -> dict:
         spec["spec"]["outputs"][0]["path"] = str(out)
         path = pathlib.Path(tmp) / "scenario.json"
         path.write_text(json.dumps(spec))
-        env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+        # one worker process per CPU, not GuideLLM's 10: the client shares the cores with the
+        # servers, and asyncio in each worker holds 64 streams easily
+        env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+                   GUIDELLM__MAX_WORKER_PROCESSES=os.environ.get("GUIDELLM__MAX_WORKER_PROCESSES", str(len(os.sched_getaffinity(0)))))
         proc = subprocess.run([guidellm, "run", "-c", str(path), "--disable-progress"],
                               capture_output=True, text=True, timeout=timeout_s, env=env, cwd=tmp)
         if proc.returncode != 0 or not out.exists():
@@ -142,6 +157,8 @@ def figures(benchmark: dict) -> dict:
            "errored": m["request_totals"]["errored"],
            "incomplete": m["request_totals"]["incomplete"],
            "duration_s": benchmark["duration"],
+           # every request started in the window, finished or not: the load actually offered
+           "sent_req_s": m["request_totals"]["total"] / benchmark["duration"],
            "output_tok_s": m["output_tokens_per_second"]["total"]["mean"],
            "requests_s": m["requests_per_second"]["successful"]["mean"],
            "output_tokens_per_request": m["output_token_count"]["successful"]["mean"],
@@ -192,7 +209,7 @@ def llama_server_cmd(args, gguf: str, port: int) -> list[str]:
 
 @contextlib.contextmanager
 def server(name: str, cmd: list[str], port: int, log_dir: str, timeout_s: float = 1200):
-    """Starts `cmd`, waits until GET /health answers 200; yields (url, start-up seconds)."""
+    """Starts `cmd`, waits until GET /health answers 200; yields (url, start-up seconds, pid)."""
     log = open(pathlib.Path(log_dir) / f"{name}.log", "w")
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
@@ -208,7 +225,7 @@ def server(name: str, cmd: list[str], port: int, log_dir: str, timeout_s: float 
                     if resp.status == 200:
                         break
             time.sleep(2)
-        yield url, time.perf_counter() - start
+        yield url, time.perf_counter() - start, proc.pid
     finally:
         proc.terminate()
         try:
@@ -218,13 +235,41 @@ def server(name: str, cmd: list[str], port: int, log_dir: str, timeout_s: float 
         log.close()
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU time `pid` has used (user + system), from /proc."""
+    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def wait_until_idle(pids: list[int], busy: float = 0.05, timeout_s: float = 300) -> float:
+    """Waits until every process in `pids` used under `busy` of a core over one second; returns
+    the seconds waited."""
+    start = time.perf_counter()
+    while time.perf_counter() - start < timeout_s:
+        before = [cpu_seconds(p) for p in pids]
+        time.sleep(1.0)
+        if all(cpu_seconds(p) - b < busy for p, b in zip(pids, before)):
+            return time.perf_counter() - start
+    raise RuntimeError(f"servers still busy after {timeout_s:.0f} s")
+
+
+def check_rate(label: str, profile: dict, f: dict, tolerance: float = 0.25) -> None:
+    """A rate point must offer the rate it names (see the module doc on GuideLLM's Poisson)."""
+    if profile["kind"] != "constant":
+        return
+    asked = profile["rate"][0]
+    if abs(f["sent_req_s"] - asked) > tolerance * asked:
+        raise RuntimeError(f"{label}: GuideLLM sent {f['sent_req_s']:.2f} requests/s, asked "
+                           f"{asked:g}/s: the figures would not be of the load they name")
+
+
 # ---- the run ---------------------------------------------------------------------------------
 
 def points(args) -> list[tuple[str, dict]]:
     """(label, GuideLLM profile) of every load point, in the order they run."""
     return ([(f"concurrency {c}", {"kind": "concurrent", "streams": [c]})
              for c in args.concurrency] +
-            [(f"rate {r:g}/s", {"kind": "poisson", "rate": [r]}) for r in args.rates])
+            [(f"rate {r:g}/s", {"kind": "constant", "rate": [r]}) for r in args.rates])
 
 
 def seconds(args, profile: dict) -> float:
@@ -258,24 +303,28 @@ def run(args, gguf: str, tokenizer_dir: str, log_dir: str) -> dict:
         systems["llama-server"] = llama_server_cmd
     results: dict = {"startup_s": {}, "commands": {}, "points": []}
     with contextlib.ExitStack() as stack:
-        urls = {}
+        urls, pids = {}, []
         for name, make in systems.items():  # one at a time: start-up is timed alone
             port = free_port()
             cmd = make(args, gguf, port)
             results["commands"][name] = " ".join(shlex.quote(c) for c in cmd)
-            urls[name], results["startup_s"][name] = stack.enter_context(
+            urls[name], results["startup_s"][name], pid = stack.enter_context(
                 server(name, cmd, port, log_dir))
+            pids.append(pid)
             print(f"{name}: ready in {results['startup_s'][name]:.1f}s", flush=True)
         for i, (label, profile) in enumerate(points(args)):
             order = list(urls) if i % 2 == 0 else list(reversed(urls))
             point = {"label": label, "profile": profile, "order": order, "systems": {}}
             for name in order:
+                waited = wait_until_idle(pids)
                 load = os.getloadavg()[0]
                 hits = prefix_hit_tokens(urls[name]) if name == "jaxserve" else None
                 bench = run_guidellm(args.guidellm, scenario(urls[name], tokenizer_dir, profile,
                                                              args, seed=args.seed + 1000 * i),
                                      timeout_s=seconds(args, profile) * 3 + 600)
-                point["systems"][name] = dict(figures(bench), load_avg_1m_before=load)
+                point["systems"][name] = dict(figures(bench), load_avg_1m_before=load,
+                                              idle_wait_s=waited)
+                check_rate(label, profile, point["systems"][name])
                 if hits is not None:
                     point["systems"][name]["prefix_hit_tokens"] = (
                         prefix_hit_tokens(urls[name]) - hits)
@@ -309,16 +358,23 @@ def render_markdown(env: dict, results: dict, command: str) -> str:
              f"{env['transient']:.0%} left out; both servers on `{env['gguf']}`, "
              f"{env['parallel']} sequences at once, {env['max_model_len']} tokens each.", ""]
     lines += ["| load | system | output tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | "
-              "e2e p50 / p99 s | done (errors) | load avg before |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+              "e2e p50 / p99 s | sent req/s | done (errors) | load avg before |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def pair(f: dict, key: str, fmt: str) -> str:
+        # no completed request: no latency to report (a 0 would read as instant)
+        if not f["completed"]:
+            return "-"
+        return f"{f[key]['p50']:{fmt}} / {f[key]['p99']:{fmt}}"
+
     for p in results["points"]:
         for name in names:
             f = p["systems"][name]
             lines.append(
-                f"| {p['label']} | {name} | {f['output_tok_s']:.1f} | "
-                f"{f['ttft_ms']['p50']:.0f} / {f['ttft_ms']['p99']:.0f} | "
-                f"{f['itl_ms']['p50']:.1f} / {f['itl_ms']['p99']:.1f} | "
-                f"{f['e2e_s']['p50']:.2f} / {f['e2e_s']['p99']:.2f} | "
-                f"{f['completed']} ({f['errored']}) | {f['load_avg_1m_before']:.2f} |")
+                f"| {p['label']} | {name} | {f['output_tok_s']:.1f} | {pair(f, 'ttft_ms', '.0f')} | "
+                f"{pair(f, 'itl_ms', '.1f')} | {pair(f, 'e2e_s', '.2f')} | "
+                f"{f.get('sent_req_s', float('nan')):.2f} | {f['completed']} ({f['errored']}) | "
+                f"{f['load_avg_1m_before']:.2f} |")
     if len(names) == 2:
         a, b = names
         lines += ["", f"Ratios, {a} / {b} (throughput: higher is better for {a}; "
@@ -326,16 +382,22 @@ def render_markdown(env: dict, results: dict, command: str) -> str:
                   "| load | output tok/s | TTFT p50 | ITL p50 | e2e p50 |", "|---|---:|---:|---:|---:|"]
         for p in results["points"]:
             fa, fb = p["systems"][a], p["systems"][b]
+
+            def lat(key: str) -> str:
+                if not (fa["completed"] and fb["completed"]):
+                    return "-"
+                return ratio(fa[key]["p50"], fb[key]["p50"])
+
             lines.append(f"| {p['label']} | {ratio(fa['output_tok_s'], fb['output_tok_s'])} | "
-                         f"{ratio(fa['ttft_ms']['p50'], fb['ttft_ms']['p50'])} | "
-                         f"{ratio(fa['itl_ms']['p50'], fb['itl_ms']['p50'])} | "
-                         f"{ratio(fa['e2e_s']['p50'], fb['e2e_s']['p50'])} |")
+                         f"{lat('ttft_ms')} | {lat('itl_ms')} | {lat('e2e_s')} |")
     hits = [f"{p['label']} {p['systems']['jaxserve'].get('prefix_hit_tokens', 0):.0f}"
             for p in results["points"] if "jaxserve" in p["systems"]]
-    lines += ["", "The load average before a point is the last minute's, mostly the point before "
-              "it: the servers and the client share the two cores. Tokens jaxserve's prefix "
-              "cache served, per point (each point's prompts are new to both servers): "
-              + ", ".join(hits) + "."]
+    lines += ["", "Each run starts with both servers idle (under 5% of a core for a second); the "
+              "load average before it is the last minute's, mostly the run before: the servers "
+              "and the client share the cores. Sent req/s counts every request started in the "
+              "window, finished or not. A '-' latency: no request finished in the window (the "
+              "server was past its capacity). Tokens jaxserve's prefix cache served, per point "
+              "(each point's prompts are new to both servers): " + ", ".join(hits) + "."]
     lines += ["", "Start-up (process start to /health 200, jaxserve's warm-up compile included): "
               + ", ".join(f"{n} {s:.1f} s" for n, s in results["startup_s"].items()) + ".", "",
               "Server commands:", ""]

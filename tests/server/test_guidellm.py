@@ -60,6 +60,33 @@ def test_guidellm_runs_every_request_at_the_asked_token_counts(server, tmp_path)
     assert f["output_tok_s"] >= f["completed"] * args.output_tokens / f["duration_s"] * 0.999
 
 
+def test_a_rate_point_offers_the_rate_it_names(server, tmp_path):
+    if not GUIDELLM.exists():
+        pytest.skip("GuideLLM missing: run `bash scripts/setup.sh --test`")
+    bench = bench_script()
+    args = bench.parse_args(["--quick", "--llama-server", "none", "--guidellm", str(GUIDELLM),
+                             "--transient", "0", "--seconds", "8", "--rates", "2"])
+    tiny_tokenizer().save(tmp_path / "tokenizer")
+    (label, profile), = [p for p in bench.points(args) if p[0].startswith("rate")]
+    report = bench.run_guidellm(
+        args.guidellm, bench.scenario(server.url, str(tmp_path / "tokenizer"), profile, args,
+                                      seed=0, model=MODEL), timeout_s=300)
+    f = bench.figures(report)
+    assert f["errored"] == 0 and f["completed"] >= 8, f
+    assert f["sent_req_s"] == pytest.approx(2.0, rel=0.25), f
+    bench.check_rate(label, profile, f)
+
+
+def test_a_rate_point_that_sent_another_rate_is_refused():
+    bench = bench_script()
+    profile = {"kind": "constant", "rate": [0.5]}
+    bench.check_rate("rate 0.5/s", profile, {"sent_req_s": 0.55})
+    # GuideLLM 0.8.1's Poisson race: hundreds of requests in the first second
+    with pytest.raises(RuntimeError, match="sent 10.23 requests/s, asked 0.5/s"):
+        bench.check_rate("rate 0.5/s", profile, {"sent_req_s": 10.23})
+    bench.check_rate("concurrency 8", {"kind": "concurrent", "streams": [8]}, {"sent_req_s": 9.0})
+
+
 def test_report_ratios_put_jaxserve_over_the_peer():
     bench = bench_script()
 
@@ -78,4 +105,9 @@ def test_report_ratios_put_jaxserve_over_the_peer():
            "parallel": 8, "max_model_len": 256}
     md = bench.render_markdown(env, results, "cmd")
     assert "| concurrency 8 | 3.00x | 0.25x | 1.00x | 1.00x |" in md
+    # a peer that finished nothing in the window has no latencies, not zeros
+    results["points"][0]["systems"]["llama-server"]["completed"] = 0
+    md = bench.render_markdown(env, results, "cmd")
+    assert "| concurrency 8 | 3.00x | - | - | - |" in md
+    assert "| concurrency 8 | llama-server | 100.0 | - | - | - |" in md
     assert "test CPU" in md and "0.10, 0.10, 0.10" in md
