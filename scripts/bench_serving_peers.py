@@ -60,8 +60,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "with --quick)")
     ap.add_argument("--rates",
                     help="comma-separated fixed request rates (requests/s); the defaults "
-                         "0.25,0.5,1 are below, near and past llama-server's capacity at the "
-                         "default shape on 2 CPUs (~0.5 requests/s); 1 with --quick")
+                         "0.25,0.5,0.75 are below, at and past llama-server's capacity at the "
+                         "default shape on 2 CPUs (~0.5 requests/s; jaxserve's is ~1); 1 with "
+                         "--quick")
     ap.add_argument("--seconds", type=float, help="length of each load point (default 60; 10 "
                     "with --quick)")
     ap.add_argument("--long-seconds", type=float, default=150.0,
@@ -75,6 +76,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "llama-server --parallel)")
     ap.add_argument("--max-model-len", type=int, default=1024,
                     help="context per sequence on both servers")
+    ap.add_argument("--kv-cache-dtype", default="bfloat16",
+                    help="jaxserve's KV cache (default bfloat16: llama-server keeps its cache in "
+                         "f16, while jaxserve's own default on CPU is the model's float32)")
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                     help="llama-server's threads (jaxserve's XLA pool takes every CPU)")
     ap.add_argument("--seed", type=int, default=0)
@@ -86,7 +90,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     # --quick changes the defaults only: what the command line names is kept
     for name, full, quick in (("prompt_tokens", 256, 32), ("output_tokens", 128, 8),
-                              ("concurrency", "1,8,64", "1,4"), ("rates", "0.25,0.5,1", "1"),
+                              ("concurrency", "1,8,64", "1,4"), ("rates", "0.25,0.5,0.75", "1"),
                               ("seconds", 60.0, 10.0)):
         if getattr(args, name) is None:
             setattr(args, name, quick if args.quick else full)
@@ -196,7 +200,8 @@ def free_port() -> int:
 def jaxserve_cmd(args, gguf: str, port: int) -> list[str]:
     return [str(REPO / ".venv/bin/jaxserve"), "serve", gguf, "--host", "127.0.0.1",
             "--port", str(port), "--served-model-name", SERVED_NAME,
-            "--max-num-seqs", str(args.parallel), "--max-model-len", str(args.max_model_len)]
+            "--max-num-seqs", str(args.parallel), "--max-model-len", str(args.max_model_len),
+            "--kv-cache-dtype", args.kv_cache_dtype]
 
 
 def llama_server_cmd(args, gguf: str, port: int) -> list[str]:
@@ -294,6 +299,7 @@ def environment(args, gguf: str) -> dict:
             "seconds_per_point": args.seconds, "long_seconds": args.long_seconds,
             "transient": args.transient,
             "parallel": args.parallel, "max_model_len": args.max_model_len,
+            "kv_cache_dtype": args.kv_cache_dtype,
             "llama_server_threads": args.threads, "versions": versions}
 
 
@@ -356,7 +362,9 @@ def render_markdown(env: dict, results: dict, command: str) -> str:
              f"{env['seconds_per_point']:g} s per load point ({env['long_seconds']:g} s at 32 "
              f"streams or more), its own prompts at each point, first and last "
              f"{env['transient']:.0%} left out; both servers on `{env['gguf']}`, "
-             f"{env['parallel']} sequences at once, {env['max_model_len']} tokens each.", ""]
+             f"{env['parallel']} sequences at once, {env['max_model_len']} tokens each; KV cache "
+             f"{env.get('kv_cache_dtype', 'auto')} in jaxserve, f16 (its default) in "
+             "llama-server.", ""]
     lines += ["| load | system | output tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | "
               "e2e p50 / p99 s | sent req/s | done (errors) | load avg before |",
               "|---|---|---:|---:|---:|---:|---:|---:|---:|"]

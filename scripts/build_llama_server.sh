@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds llama.cpp's own `llama-server` (the serving peer of scripts/bench_serving.py) from the
+# Builds llama.cpp's own `llama-server` (the serving peer of scripts/bench_serving_peers.py) from the
 # sources that the llama-cpp-python sdist vendors, with native CPU flags, into
 # .peers/llama-server. The sdist comes from PyPI, the one registry this machine reaches; the
 # version is the one the Python-API peer benchmarks use, so both peers are the same llama.cpp.
