@@ -13,9 +13,9 @@ measures TTFT, inter-token latency, end-to-end latency and output throughput; it
 
 Rates are GuideLLM's `constant` profile (evenly spaced arrivals), not `poisson`: in GuideLLM 0.8.1
 the Poisson strategy's shared arrival clock is set after its start event fires, and a worker that
-reads it first schedules every request at time ~0 (on this machine a 0.5/s point sent ~500
-requests in its first second). The script checks each rate point's sent rate against the asked
-one and stops if they differ.
+reads it first schedules every request at time ~0 (on this machine a 60 s point at 0.5/s sent
+491 requests at its start). The script checks each rate point's sent rate against the asked one
+and stops if they differ by more than 25%.
 
 Peers: llama-server built natively from the llama-cpp-python sdist's vendored llama.cpp
 (`bash scripts/build_llama_server.sh`, part of `scripts/setup.sh --peers`), `--parallel` slots
