@@ -67,6 +67,14 @@ def start_server_process(cmd: list[str], env: dict, timeout_s: float):
     raise AssertionError(f"server did not start (rc={proc.poll()})")
 
 
+def openai_client(server):
+    """The official `openai` client on a `serving` server: no retries (a failure shows at once),
+    a timeout long enough for a first-use compile."""
+    import openai
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0,
+                         timeout=120)
+
+
 def chat_stream(client, model: str, **kw):
     """A streamed chat completion through the `openai` client, gathered: (reasoning_content,
     content, tool calls as {index: [name, arguments]}, finish reason, the delta kinds in order)."""

@@ -11,13 +11,12 @@ import json
 import time
 
 import jsonschema
-import openai
 import pydantic
 import pytest
 import requests
 
 from jaxserve.server import ServerConfig
-from http_server import serving, tiny_chat_loop
+from http_server import openai_client, serving, tiny_chat_loop
 
 TINY = "tiny-chat"
 WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather in a city",
@@ -42,14 +41,9 @@ def server(loop):
         yield s
 
 
-def client_of(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0,
-                         timeout=120)
-
-
 @pytest.fixture(scope="module")
 def client(server):
-    return client_of(server)
+    return openai_client(server)
 
 
 def test_plain_response_is_the_chat_completion(client):
@@ -163,7 +157,7 @@ def test_parse_with_a_pydantic_model(client):
 def test_reasoning_items(loop):
     with serving(loop, ServerConfig(served_model_name=TINY, reasoning_parser="deepseek_r1")) \
             as s:
-        client = client_of(s)
+        client = openai_client(s)
         kw = dict(model=TINY, input="Hi", max_output_tokens=60,
                   extra_body={"guided_regex": r"<think>Greet back\.</think>Hello!"})
         out = client.responses.create(**kw)
@@ -203,7 +197,7 @@ def test_stored_responses_continue_and_are_bounded(server, client):
 
 def test_without_a_store_store_true_is_answered_false(loop):
     with serving(loop, ServerConfig(served_model_name=TINY)) as s:
-        out = client_of(s).responses.create(model=TINY, input="x", max_output_tokens=1)
+        out = openai_client(s).responses.create(model=TINY, input="x", max_output_tokens=1)
         assert out.model_extra.get("store") is False or out.store is False
         r = requests.post(s.url + "/v1/responses", timeout=30, json={
             "model": TINY, "input": "x", "previous_response_id": out.id})

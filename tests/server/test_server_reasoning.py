@@ -10,11 +10,10 @@ reasoning. The server without a parser, on the same engine, is the reference tex
 
 import json
 
-import openai
 import pytest
 
 from jaxserve.server import ServerConfig
-from http_server import chat_stream, serving, tiny_chat_loop
+from http_server import chat_stream, openai_client, serving, tiny_chat_loop
 
 TINY = "tiny-chat"
 CHAT = [{"role": "user", "content": "Name a colour."}]
@@ -31,15 +30,10 @@ def loop():
         yield loop
 
 
-def client_of(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0,
-                         timeout=120)
-
-
 @pytest.fixture(scope="module")
 def client(loop):
     with serving(loop, ServerConfig(served_model_name=TINY, reasoning_parser="qwen3")) as s:
-        yield client_of(s)
+        yield openai_client(s)
 
 
 def stream(client, **kw):
@@ -61,7 +55,7 @@ def test_thinking_and_answer_are_apart(client):
 def test_unconstrained_output_starts_inside_thinking(loop, client):
     kw = dict(messages=CHAT, max_tokens=12, temperature=0)
     with serving(loop, ServerConfig(served_model_name=TINY)) as plain:
-        reference = client_of(plain).chat.completions.create(model=TINY, **kw)
+        reference = openai_client(plain).chat.completions.create(model=TINY, **kw)
     text = reference.choices[0].message.content
     assert text and "</think>" not in text and "reasoning_content" not in \
         reference.choices[0].message.model_extra

@@ -10,12 +10,11 @@ parser, on the same engine, gives the raw text each split must add up to."""
 import json
 import pathlib
 
-import openai
 import pytest
 import requests
 
 from jaxserve.server import ServerConfig
-from http_server import chat_stream, serving, tiny_chat_loop
+from http_server import chat_stream, openai_client, serving, tiny_chat_loop
 
 TINY = "tiny-chat"
 TEMPLATE = (pathlib.Path(__file__).parents[1] / "chat_templates" / "qwen3.jinja").read_text()
@@ -36,11 +35,6 @@ def loop():
         yield loop
 
 
-def client_of(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0,
-                         timeout=120)
-
-
 @pytest.fixture(scope="module")
 def server(loop):
     with serving(loop, ServerConfig(served_model_name=TINY, reasoning_parser="qwen3")) as s:
@@ -49,14 +43,14 @@ def server(loop):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return client_of(server)
+    return openai_client(server)
 
 
 @pytest.fixture(scope="module")
 def plain(loop):
     """A client of the same engine without a reasoning parser: the raw text."""
     with serving(loop, ServerConfig(served_model_name=TINY)) as s:
-        yield client_of(s)
+        yield openai_client(s)
 
 
 def rendered(server, **body) -> str:

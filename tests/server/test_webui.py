@@ -9,7 +9,6 @@ up as cached. Every page must finish without console errors.
 
 import json
 import os
-import time
 
 import pytest
 import requests
