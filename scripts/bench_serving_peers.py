@@ -136,10 +136,11 @@ def run_guidellm(guidellm: str, spec: dict, timeout_s: float) -> dict:
         spec["spec"]["outputs"][0]["path"] = str(out)
         path = pathlib.Path(tmp) / "scenario.json"
         path.write_text(json.dumps(spec))
-        # one worker process per CPU, not GuideLLM's 10: the client shares the cores with the
-        # servers, and asyncio in each worker holds 64 streams easily
-        env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-                   GUIDELLM__MAX_WORKER_PROCESSES=os.environ.get("GUIDELLM__MAX_WORKER_PROCESSES", str(len(os.sched_getaffinity(0)))))
+        # one worker process per CPU (unless the caller's environment says otherwise), not
+        # GuideLLM's 10: the client shares the cores with the servers, and asyncio in each
+        # worker holds 64 streams easily
+        env = {"GUIDELLM__MAX_WORKER_PROCESSES": str(len(os.sched_getaffinity(0))),
+               **os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
         proc = subprocess.run([guidellm, "run", "-c", str(path), "--disable-progress"],
                               capture_output=True, text=True, timeout=timeout_s, env=env, cwd=tmp)
         if proc.returncode != 0 or not out.exists():
@@ -363,7 +364,7 @@ def render_markdown(env: dict, results: dict, command: str) -> str:
              f"streams or more), its own prompts at each point, first and last "
              f"{env['transient']:.0%} left out; both servers on `{env['gguf']}`, "
              f"{env['parallel']} sequences at once, {env['max_model_len']} tokens each; KV cache "
-             f"{env.get('kv_cache_dtype', 'auto')} in jaxserve, f16 (its default) in "
+             f"{env['kv_cache_dtype']} in jaxserve, f16 (its default) in "
              "llama-server.", ""]
     lines += ["| load | system | output tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | "
               "e2e p50 / p99 s | sent req/s | done (errors) | load avg before |",
@@ -379,15 +380,17 @@ def render_markdown(env: dict, results: dict, command: str) -> str:
         for name in names:
             f = p["systems"][name]
             lines.append(
-                f"| {p['label']} | {name} | {f['output_tok_s']:.1f} | {pair(f, 'ttft_ms', '.0f')} | "
-                f"{pair(f, 'itl_ms', '.1f')} | {pair(f, 'e2e_s', '.2f')} | "
-                f"{f.get('sent_req_s', float('nan')):.2f} | {f['completed']} ({f['errored']}) | "
+                f"| {p['label']} | {name} | {f['output_tok_s']:.1f} | "
+                f"{pair(f, 'ttft_ms', '.0f')} | {pair(f, 'itl_ms', '.1f')} | "
+                f"{pair(f, 'e2e_s', '.2f')} | "
+                f"{f['sent_req_s']:.2f} | {f['completed']} ({f['errored']}) | "
                 f"{f['load_avg_1m_before']:.2f} |")
     if len(names) == 2:
         a, b = names
         lines += ["", f"Ratios, {a} / {b} (throughput: higher is better for {a}; "
                   f"latencies: lower is better for {a}):", "",
-                  "| load | output tok/s | TTFT p50 | ITL p50 | e2e p50 |", "|---|---:|---:|---:|---:|"]
+                  "| load | output tok/s | TTFT p50 | ITL p50 | e2e p50 |",
+                  "|---|---:|---:|---:|---:|"]
         for p in results["points"]:
             fa, fb = p["systems"][a], p["systems"][b]
 

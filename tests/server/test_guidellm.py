@@ -38,19 +38,25 @@ def server():
             yield s
 
 
-def test_guidellm_runs_every_request_at_the_asked_token_counts(server, tmp_path):
+def run_point(server, tmp_path, options: list[str], label: str):
+    """GuideLLM through the script on the tiny server at the `--quick` point named `label`:
+    (the script's module, its args, the profile, the point's figures)."""
     if not GUIDELLM.exists():
         pytest.skip("GuideLLM missing: run `bash scripts/setup.sh --test` (it installs "
                     "tests/requirements-bench.txt into .venv-bench)")
     bench = bench_script()
     args = bench.parse_args(["--quick", "--llama-server", "none", "--guidellm", str(GUIDELLM),
-                             "--transient", "0", "--seconds", "6"])
+                             "--transient", "0", *options])
     tiny_tokenizer().save(tmp_path / "tokenizer")
-    (label, profile), = [p for p in bench.points(args) if p[0] == "concurrency 4"]
+    profile, = [prof for name, prof in bench.points(args) if name == label]
     report = bench.run_guidellm(
         args.guidellm, bench.scenario(server.url, str(tmp_path / "tokenizer"), profile, args,
                                       seed=0, model=MODEL), timeout_s=300)
-    f = bench.figures(report)
+    return bench, args, profile, bench.figures(report)
+
+
+def test_guidellm_runs_every_request_at_the_asked_token_counts(server, tmp_path):
+    _, args, _, f = run_point(server, tmp_path, ["--seconds", "6"], "concurrency 4")
     assert f["errored"] == 0 and f["completed"] >= 4, f
     assert f["prompt_tokens_per_request"] == args.prompt_tokens == 32
     assert f["output_tokens_per_request"] == args.output_tokens == 8  # ignore_eos honoured
@@ -61,20 +67,12 @@ def test_guidellm_runs_every_request_at_the_asked_token_counts(server, tmp_path)
 
 
 def test_a_rate_point_offers_the_rate_it_names(server, tmp_path):
-    if not GUIDELLM.exists():
-        pytest.skip("GuideLLM missing: run `bash scripts/setup.sh --test`")
-    bench = bench_script()
-    args = bench.parse_args(["--quick", "--llama-server", "none", "--guidellm", str(GUIDELLM),
-                             "--transient", "0", "--seconds", "8", "--rates", "2"])
-    tiny_tokenizer().save(tmp_path / "tokenizer")
-    (label, profile), = [p for p in bench.points(args) if p[0].startswith("rate")]
-    report = bench.run_guidellm(
-        args.guidellm, bench.scenario(server.url, str(tmp_path / "tokenizer"), profile, args,
-                                      seed=0, model=MODEL), timeout_s=300)
-    f = bench.figures(report)
+    # --rates given with --quick is kept (--quick once replaced it with 1/s)
+    bench, _, profile, f = run_point(server, tmp_path, ["--seconds", "8", "--rates", "2"],
+                                     "rate 2/s")
     assert f["errored"] == 0 and f["completed"] >= 8, f
     assert f["sent_req_s"] == pytest.approx(2.0, rel=0.25), f
-    bench.check_rate(label, profile, f)
+    bench.check_rate("rate 2/s", profile, f)
 
 
 def test_a_rate_point_that_sent_another_rate_is_refused():
@@ -93,7 +91,7 @@ def test_report_ratios_put_jaxserve_over_the_peer():
     def point(tok_s, ttft_ms):
         return {"output_tok_s": tok_s, "ttft_ms": {"p50": ttft_ms, "p99": 2 * ttft_ms},
                 "itl_ms": {"p50": 10.0, "p99": 20.0}, "e2e_s": {"p50": 1.0, "p99": 2.0},
-                "completed": 10, "errored": 0, "load_avg_1m_before": 0.1}
+                "completed": 10, "errored": 0, "sent_req_s": 1.0, "load_avg_1m_before": 0.1}
 
     results = {"startup_s": {"jaxserve": 30.0, "llama-server": 2.0},
                "commands": {"jaxserve": "jaxserve serve", "llama-server": "llama-server"},
@@ -101,8 +99,8 @@ def test_report_ratios_put_jaxserve_over_the_peer():
                    "jaxserve": point(300.0, 50.0), "llama-server": point(100.0, 200.0)}}]}
     env = {"machine": "test CPU", "load_avg_start": (0.1, 0.1, 0.1),
            "load_avg_end": (0.2, 0.2, 0.2), "versions": {"guidellm": "0"}, "prompt_tokens": 32,
-           "output_tokens": 8, "seconds_per_point": 6, "long_seconds": 12, "transient": 0.1, "gguf": "m.gguf",
-           "parallel": 8, "max_model_len": 256}
+           "output_tokens": 8, "seconds_per_point": 6, "long_seconds": 12, "transient": 0.1,
+           "gguf": "m.gguf", "parallel": 8, "max_model_len": 256, "kv_cache_dtype": "bfloat16"}
     md = bench.render_markdown(env, results, "cmd")
     assert "| concurrency 8 | 3.00x | 0.25x | 1.00x | 1.00x |" in md
     # a peer that finished nothing in the window has no latencies, not zeros
