@@ -62,8 +62,12 @@ def test_guidellm_runs_every_request_at_the_asked_token_counts(server, tmp_path)
     assert f["output_tokens_per_request"] == args.output_tokens == 8  # ignore_eos honoured
     assert 0 < f["ttft_ms"]["p50"] <= f["e2e_s"]["p50"] * 1000
     assert 0 < f["itl_ms"]["p50"] < f["e2e_s"]["p99"] * 1000
-    # throughput: every token streamed in the window, completed requests' at least
-    assert f["output_tok_s"] >= f["completed"] * args.output_tokens / f["duration_s"] * 0.999
+    # throughput counts the tokens streamed in the window; the completed requests' tokens differ
+    # from them only by the requests crossing its two edges (at most 4 streams at each, each at
+    # most 8 tokens). A ">=" does not hold: a request finishing inside began before it.
+    edge_tokens = 2 * 4 * args.output_tokens
+    assert abs(f["output_tok_s"] * f["duration_s"] - f["completed"] * args.output_tokens) \
+        <= edge_tokens, f
 
 
 def test_a_rate_point_offers_the_rate_it_names(server, tmp_path):
