@@ -6,16 +6,23 @@ EOS ignored, every prompt prefilled before timing starts). Per step:
   (`engine.last_step`: schedule_s, device_s, postprocess_s and any other field it reports);
 - bare: the device calls of that window, captured through `runner.before_call`, replayed back
   to back through `runner.run` with no hook, blocking on the last result;
-- un-hidden host time = engine - bare; ratio = engine / bare.
+- un-hidden host time = engine - bare; ratio = engine / bare;
+- dispatch: the calling thread's CPU time inside `runner.run` in that replay (jax's argument
+  handling and XLA's Execute for every argument buffer; the step runs on after it returns: its
+  wall time there is mostly waiting for CPUs the running step holds), with the step call's
+  device buffers counted (parameters, cache, slot state).
 
 `--model-size tiny` makes device work ~0, so the engine's time is its host work (issue 14's
 target: un-hidden host time <= 0.3 ms per step at 64 sequences). `--model-size medium` is sized
 so one decode step at 64 sequences takes 5-20 ms on a 2-core CPU (target: ratio <= 1.1); the
-bare column says whether it landed there.
+bare column says whether it landed there. `--model-size smollm2` serves the shipped default
+model (the GGUF file's own blocks, 30 layers): its real parameter count of buffers per call.
 
     .venv/bin/python scripts/bench_host_overhead.py                      # tiny, 1/16/64/256
     .venv/bin/python scripts/bench_host_overhead.py --model-size medium \
         --out docs/results/bench_host_overhead_medium
+    .venv/bin/python scripts/bench_host_overhead.py --model-size smollm2 --batch-sizes 1 16 64 \
+        --out docs/results/bench_host_overhead_smollm2
     .venv/bin/python scripts/bench_host_overhead.py --quick --out /tmp/host  # smoke run
 
 Uses only LLMEngine/EngineConfig and the runner's public `before_call` / `run`, so it runs
@@ -47,7 +54,9 @@ STEP_ID_FIELDS = ("step",)
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model-size", choices=("tiny", "medium"), default="tiny")
+    ap.add_argument("--model-size", choices=("tiny", "medium", "smollm2"), default="tiny",
+                    help="a random model (tiny, medium) or the shipped default model's GGUF "
+                    "file (smollm2)")
     ap.add_argument("--num-layers", type=int, default=None,
                     help="override the model's layer count (a medium step's time scales with "
                     "it: tune here if the bare time at 64 sequences misses 5-20 ms)")
@@ -90,6 +99,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.out = str(REPO / "docs" / "results" / "bench_host_overhead")
     if args.out is not None:
         args.out = str(pathlib.Path(args.out).with_suffix(""))
+    if args.model_size == "smollm2" and args.num_layers is not None:
+        ap.error("--num-layers changes a random model; smollm2 is the shipped model as it is")
     for name in ("steps", "prompt_len", "num_layers"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -126,7 +137,12 @@ def make_engine(model, num_seqs: int, max_len: int, async_scheduling: str = "def
     config = EngineConfig(model=model.source, dtype=model.dtype, block_size=BLOCK_SIZE,
                           max_num_seqs=num_seqs, max_num_batched_tokens=token_budget(num_seqs),
                           max_model_len=max_len, kv_cache_memory=kv_bytes, **extra)
-    return LLMEngine(config, model=model)
+    engine = LLMEngine(config, model=model)
+    # The structured-output step variants compile on a thread of their own after warm-up:
+    # timed steps must not share the CPUs with that (SmolLM2's take ~1 min on 2 cores).
+    if hasattr(engine, "wait_until_warm"):
+        engine.wait_until_warm()
+    return engine
 
 
 def step_record(engine) -> object:
@@ -188,19 +204,22 @@ def timed_steps(engine, steps: int, budget_s: float):
     return total / len(walls), walls, [as_dict(r) for r in records], calls, cpu / len(walls)
 
 
-def replay(runner, calls: list) -> float:
-    """Seconds to run `calls` back to back through runner.run (no hook), device work included."""
+def replay(runner, calls: list) -> tuple[float, float]:
+    """Seconds to run `calls` back to back through runner.run (no hook), device work included,
+    and the calling thread's CPU seconds inside runner.run (dispatch)."""
     import jax
     previous, runner.before_call = runner.before_call, None
     try:
         jax.block_until_ready(runner.run(calls[0]))  # untimed: caches and allocator warm
-        start = time.perf_counter()
+        start, dispatch = time.perf_counter(), 0.0
         last = None
         for call in calls:
+            t = time.thread_time()
             out = runner.run(call)
+            dispatch += time.thread_time() - t
             last = out if out is not None else last
         jax.block_until_ready(last)
-        return time.perf_counter() - start
+        return time.perf_counter() - start, dispatch
     except Exception as e:
         raise RuntimeError(
             f"replaying a captured {type(calls[0]).__name__} failed ({type(e).__name__}: {e}); "
@@ -256,7 +275,8 @@ def bench_one(model, num_seqs: int, args) -> dict:
     step_s, walls, records, calls, host_cpu_s = timed_steps(engine, args.steps, args.time_budget)
     compiles_after = compiles_after_warmup(engine)
     steps = len(walls)
-    bare_s = replay(engine.runner, calls) / steps
+    replay_s, dispatch_s = replay(engine.runner, calls)
+    bare_s = replay_s / steps
     split = mean_fields(records)
     row = {"num_seqs": num_seqs, "steps": steps, "untimed_steps": untimed,
            "calls": len(calls), "calls_per_step": len(calls) / steps,
@@ -264,6 +284,8 @@ def bench_one(model, num_seqs: int, args) -> dict:
            "engine_ms": 1e3 * step_s, "engine_p50_ms": 1e3 * statistics.median(walls),
            "bare_ms": 1e3 * bare_s, "unhidden_host_ms": 1e3 * (step_s - bare_s),
            "host_cpu_ms": 1e3 * host_cpu_s,
+           "dispatch_cpu_ms": 1e3 * dispatch_s / len(calls),
+           "step_buffers": step_buffers(engine.runner),
            "ratio": step_s / bare_s, "split": split,
            "warmup_s": getattr(engine, "warmup_seconds", None),
            "num_compiled": getattr(engine.runner, "num_compiled", None),
@@ -274,6 +296,14 @@ def bench_one(model, num_seqs: int, args) -> dict:
     return row
 
 
+def step_buffers(runner) -> dict:
+    """Device buffers a step call takes, by argument (each is handled on every call)."""
+    import jax
+    return {"params": len(jax.tree.leaves(runner.model.params)),
+            "cache": len(jax.tree.leaves(runner.cache)),
+            "state": len(jax.tree.leaves(runner.state))}
+
+
 def split_text(split: dict) -> str:
     """Times and byte counts; the batch-shape fields stay in the JSON."""
     return ", ".join(f"{k} {v:.3f}" if k.endswith("_ms") else f"{k} {v:.0f}"
@@ -282,11 +312,13 @@ def split_text(split: dict) -> str:
 
 def table(rows: list[dict]) -> str:
     lines = ["| seqs | engine ms/step | bare ms/step | un-hidden host ms | host CPU ms/step | "
-             "engine/bare | calls/step | steps | split (engine's own, mean per step) |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "engine/bare | dispatch CPU ms/call | buffers/step call | calls/step | steps | "
+             "split (engine's own, mean per step) |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         lines.append(f"| {r['num_seqs']} | {r['engine_ms']:.3f} | {r['bare_ms']:.3f} | "
                      f"{r['unhidden_host_ms']:.3f} | {r['host_cpu_ms']:.3f} | {r['ratio']:.2f} | "
+                     f"{r['dispatch_cpu_ms']:.3f} | {sum(r['step_buffers'].values())} | "
                      f"{r['calls_per_step']:g} | {r['steps']} | {split_text(r['split'])} |")
     return "\n".join(lines)
 
@@ -296,7 +328,8 @@ def write_outputs(report: dict, prefix: str) -> list[pathlib.Path]:
     base.parent.mkdir(parents=True, exist_ok=True)
     js, md = base.with_suffix(".json"), base.with_suffix(".md")
     js.write_text(json.dumps(report, indent=2) + "\n")
-    md.write_text(f"# Host overhead per engine step ({report['model_size']} random model)\n\n"
+    kind = "the shipped GGUF model" if report["model_size"] == "smollm2" else "random model"
+    md.write_text(f"# Host overhead per engine step ({report['model_size']} {kind})\n\n"
                   f"{report['environment']}\n\n{table(report['rows'])}\n\n"
                   f"Command: `{report['command']}`\n")
     return [js, md]
@@ -315,10 +348,15 @@ def main(argv=None) -> dict:
     # load_model turns on for users) lets a second run skip most of that.
     enable_compilation_cache()
     load_start = os.getloadavg()
-    config = model_config(args.model_size, max(lengths(n, args)[2] for n in args.batch_sizes))
-    if args.num_layers is not None:
-        config = dataclasses.replace(config, num_layers=args.num_layers)
-    model = random_model(config, "float32", seed=args.seed)
+    if args.model_size == "smollm2":
+        from models.model import load_model
+        model = load_model()  # the registry's default: SmolLM2-135M-Instruct's GGUF file
+        config = model.config
+    else:
+        config = model_config(args.model_size, max(lengths(n, args)[2] for n in args.batch_sizes))
+        if args.num_layers is not None:
+            config = dataclasses.replace(config, num_layers=args.num_layers)
+        model = random_model(config, "float32", seed=args.seed)
     env = (f"jax {jax.__version__} ({jax.default_backend()}, {jax.devices()[0].device_kind}), "
            f"python {platform.python_version()}, {os.cpu_count()} CPUs, load average at start "
            f"{'/'.join(f'{x:.2f}' for x in load_start)}")
@@ -334,7 +372,8 @@ def main(argv=None) -> dict:
         print(f"{n:4d} seqs: engine {row['engine_ms']:.3f} ms/step, bare {row['bare_ms']:.3f} "
               f"ms/step, un-hidden host {row['unhidden_host_ms']:.3f} ms, host CPU "
               f"{row['host_cpu_ms']:.3f} ms/step, ratio "
-              f"{row['ratio']:.2f} ({row['steps']} steps, {row['compiles_in_window']} compiles "
+              f"{row['ratio']:.2f}, dispatch {row['dispatch_cpu_ms']:.3f} CPU ms/call over "
+              f"{sum(row['step_buffers'].values())} buffers ({row['steps']} steps, {row['compiles_in_window']} compiles "
               f"in the window; {split_text(row['split'])})", flush=True)
     load_end = os.getloadavg()
     env += f", at end {'/'.join(f'{x:.2f}' for x in load_end)}"

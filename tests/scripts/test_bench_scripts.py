@@ -56,12 +56,18 @@ def test_host_overhead_quick(tmp_path):
         assert math.isclose(r["ratio"], r["engine_ms"] / r["bare_ms"], rel_tol=1e-9)
         # One thread's CPU time cannot exceed the wall time it ran in (small slack: clocks).
         assert 0 < r["host_cpu_ms"] <= 1.05 * r["engine_ms"] + 0.01
+        # Dispatch CPU time is part of the replay it was timed in (one thread's CPU time within
+        # that wall time); the tiny model's 2 layers hold more parameter buffers than its cache.
+        assert 0 < r["dispatch_cpu_ms"] * r["calls"] <= 1.05 * r["bare_ms"] * r["steps"]
+        buffers = r["step_buffers"]
+        assert buffers["params"] > buffers["cache"] >= 1 and buffers["state"] >= 1
         times = {k: v for k, v in r["split"].items() if k.endswith("_ms")}
         assert times and all(v >= 0 for v in times.values())
         assert r["split"]["num_decode_seqs"] == r["num_seqs"]  # every sequence decodes
         assert r["split"].get("num_prefill_seqs", 0) == 0
     md = out.with_suffix(".md").read_text()
     assert md.startswith("# Host overhead per engine step (tiny random model)")
+    assert "| dispatch CPU ms/call | buffers/step call |" in md
     for n in (1, 3):
         assert f"\n| {n} | " in md
     assert "load average at end" in proc.stdout and "engine/bare" in proc.stdout
