@@ -10,9 +10,10 @@ named tool-choice grammar produces, so a constrained output always comes back as
 `ToolCallParser.feed(text)` takes text deltas and returns (content delta, tool-call deltas in
 the shape of OpenAI's stream: a call's id, type and name first, with empty arguments, then
 argument fragments as they are generated); `finish()` ends the output. `parse_tool_calls`
-runs the same parser over a whole text and joins the deltas, so a whole response and a stream
-always agree. A block that is not a call to a known tool (another name, not a JSON object) stays
-in the content as written.
+runs the same parser over a whole text and joins the deltas, so a whole response's content is
+exactly what a stream of it sends, however the stream is cut. Whitespace just before a call,
+or ending an output that has calls, is content of neither. A block that is not a call to a
+known tool (another name, not a JSON object) stays in the content as written.
 """
 
 from __future__ import annotations
@@ -147,8 +148,9 @@ class _Block:
 class ToolCallParser:
     """Incremental parser of one output: feed text deltas, get content and call deltas.
 
-    Text that may be the start of a `<tool_call>` tag, and whitespace after a call, is held
-    until what follows shows what it is."""
+    Text that may be the start of a `<tool_call>` tag, and whitespace with nothing else
+    after it yet, are held until what follows shows what they are: whitespace before a call
+    is dropped, before other text sent with it."""
 
     def __init__(self, names: set[str]):
         self.names = names
@@ -157,6 +159,7 @@ class ToolCallParser:
         self.num_calls = 0
         self._sent = 0             # characters of the current call's arguments emitted
         self._header = False       # the current call's name delta went out
+        self._lead = ""            # whitespace before the open block: dropped if it is a call
 
     def feed(self, text: str) -> tuple[str, list[dict]]:
         content, deltas = [], []
@@ -171,14 +174,16 @@ class ToolCallParser:
             text = ""
             start = self.buf.find(OPEN)
             if start < 0:
-                cut = len(self.buf) - _partial_tag(self.buf)
-                if self.num_calls == 0 or self.buf[:cut].strip():
-                    content.append(self.buf[:cut])
-                    self.buf = self.buf[cut:]
-                break  # else whitespace after a call: held until something follows it
+                # Trailing whitespace (and a partial tag) wait for what follows them.
+                cut = len(self.buf[:len(self.buf) - _partial_tag(self.buf)].rstrip(WHITESPACE))
+                content.append(self.buf[:cut])
+                self.buf = self.buf[cut:]
+                break
             before = self.buf[:start]
-            if self.num_calls == 0 or before.strip():  # not the whitespace between calls
-                content.append(before)
+            cut = len(before.rstrip(WHITESPACE))
+            content.append(before[:cut])
+            # Whitespace just before a block: dropped if it is a call, else sent with it.
+            self._lead = before[cut:]
             text, self.buf = self.buf[start + len(OPEN):], ""
             self.block, self._sent, self._header = _Block(), 0, False
         return "".join(content), deltas
@@ -201,7 +206,7 @@ class ToolCallParser:
         if not self._known():
             return
         if not self._header:
-            self._header = True
+            self._header, self._lead = True, ""
             deltas.append({"index": self.num_calls, "id": f"call_{uuid.uuid4().hex[:24]}",
                            "type": "function",
                            "function": {"name": self.block.name, "arguments": ""}})
@@ -216,20 +221,21 @@ class ToolCallParser:
         if self._header:
             self.num_calls += 1
         else:  # not a call: the text as it was written
-            content.append(OPEN + block.raw)
+            content.append(self._lead + OPEN + block.raw)
+        self._lead = ""
 
 
 def parse_tool_calls(text: str, names: set[str]) -> tuple[str | None, list[dict]]:
-    """(content, tool_calls) of a whole output, in OpenAI's message shape; content is None
-    when only whitespace is left beside the calls, and the text as it is when there are none."""
+    """(content, tool_calls) of a whole output, in OpenAI's message shape: content is what a
+    stream of the output sends (None if that is nothing), and the text as it is when there
+    are no calls."""
     parser = ToolCallParser(names)
     content, deltas = parser.feed(text)
     more, more_deltas = parser.finish()
     calls = join_deltas(deltas + more_deltas)
     if not calls:
         return text, []
-    rest = (content + more).strip()
-    return rest or None, calls
+    return content + more or None, calls
 
 
 def join_deltas(deltas: list[dict]) -> list[dict]:

@@ -137,7 +137,8 @@ def test_text_and_calls_on_both_sides(client):
     out = client.responses.create(model=TINY, input="Weather?", tools=[WEATHER],
                                   max_output_tokens=120, extra_body={"guided_regex": forced})
     assert [i.type for i in out.output] == ["message", "function_call", "message"]
-    assert out.output_text == "Sure.  Done." and json.loads(out.output[1].arguments) == \
+    # The space just before the call is dropped (server/tool_parser.py), the one after it kept.
+    assert out.output_text == "Sure. Done." and json.loads(out.output[1].arguments) == \
         {"city": "Rome"}
 
 

@@ -57,7 +57,7 @@ ITEM_CASES = [  # (id, text, reasoning start, tools, items)
     ("cut-in-thinking", "<think>still", "content", None, [("reasoning", "still")]),
     ("call", CALL, None, TOOLS, [("function_call", "get_weather", {"city": "Paris"})]),
     ("text-call-text", "Sure. " + CALL + " Done.", None, TOOLS,
-     [("message", "Sure. "), ("function_call", "get_weather", {"city": "Paris"}),
+     [("message", "Sure."), ("function_call", "get_weather", {"city": "Paris"}),
       ("message", " Done.")]),
     ("thinking-space-call", "<think>plan</think>\n\n" + CALL, "content", TOOLS,
      [("reasoning", "plan"), ("function_call", "get_weather", {"city": "Paris"})]),

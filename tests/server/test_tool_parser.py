@@ -39,8 +39,8 @@ def assert_stream_equals_whole(text: str, names=NAMES) -> None:
     for step in (1, 2, 3, 7, len(text) or 1):
         got_content, got_calls, deltas = streamed(text, step, names)
         assert functions(got_calls) == functions(calls), step
-        assert (got_content.strip() or None) == (content.strip() if content else None) or \
-            not calls, step
+        # Exactly the whole response's content, or the text itself when it holds no call.
+        assert got_content == (content or "" if calls else text), step
         seen = set()
         for d in deltas:  # the name (with the id) comes first, then only argument fragments
             if d["index"] not in seen:
@@ -116,6 +116,20 @@ def test_odd_blocks(text, want_calls, want_content):
     assert_stream_equals_whole(text)
 
 
+@pytest.mark.parametrize("lead", ["\n", " \n\n", "\t"])
+def test_whitespace_around_calls_is_content_of_neither_a_stream_nor_a_whole_output(lead):
+    call = block({"name": "get_time", "arguments": {}})
+    for text in (lead + call, lead + call + lead + call + lead):
+        assert parse_tool_calls(text, NAMES)[0] is None
+        for step in (1, 2, len(text)):
+            assert streamed(text, step)[0] == ""
+    # before text or a block that is no call, whitespace stays, in both
+    text = lead + block({"name": "nope"}) + lead + "ok" + lead + call
+    content = parse_tool_calls(text, NAMES)[0]
+    assert content == lead + block({"name": "nope"}) + lead + "ok"
+    assert all(streamed(text, step)[0] == content for step in (1, 3, len(text)))
+
+
 def test_arguments_stream_as_fragments_while_they_are_generated():
     text = block({"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2, 3]}})
     _, calls, deltas = streamed(text, 2)
@@ -148,5 +162,5 @@ def test_any_arguments_come_back_exactly(args, step, before, indent):
     text = before + block(json.dumps(obj, indent=indent))
     content, calls, _ = streamed(text, step)
     assert [json.loads(a) for _, a in functions(calls)] == [args]
-    assert content.strip() == before.strip()
+    assert content == before.rstrip(" \t\r\n")  # the whitespace before the call dropped
     assert functions(parse_tool_calls(text, NAMES)[1]) == functions(calls)
