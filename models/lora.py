@@ -131,9 +131,10 @@ def slot_leaves(params: dict, num_layers: int) -> dict:
     """{(module, layer or None): (lora_a, lora_b, lora_on)} of params, stacked ("layers":
     layer None) or unrolled ("layers_i")."""
     found = {}
-    keys = ["layers"] if "layers" in params else [f"layers_{i}" for i in range(num_layers)]
-    for i, key in enumerate(keys):
-        layer = None if key == "layers" else i
+    # Unrolled params may keep some leaves stacked under "layers" too (llama.layer_views).
+    keys = [k for k in ("layers", *(f"layers_{i}" for i in range(num_layers))) if k in params]
+    for key in keys:
+        layer = None if key == "layers" else int(key.removeprefix("layers_"))
         for name, parent in MODULE_PARENT.items():
             node = params.get(key, {}).get(parent, {}).get(name, {})
             if "lora_a" in node:

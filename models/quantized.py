@@ -109,10 +109,20 @@ class CpuPackedWeight:
     shift: int = _static()     # 8 for int4 with offsets (w = s u + o), else 0
     out_features: int = _static()  # N (the padded outputs are cut off)
     group_size: int = _static()
+    # Inside a step only: the arrays are the whole [L, ...] stack and this is layer `layer`'s
+    # weight, which the kernel reads in place (models/llama.py layer_views).
+    layer: int | None = _static(default=None)
 
     @property
     def in_features(self) -> int:
         return self.codes.shape[-2] * (8 if self.bits == 4 else 4)
+
+    def at_layer(self, layer: int) -> "CpuPackedWeight":
+        """Layer `layer`'s weight of a stack `[L, ...]`, without slicing (no copy)."""
+        if self.codes.ndim != 4:
+            raise ValueError(f"at_layer needs stacked codes [L, N/16, K/c, 64], got "
+                             f"{self.codes.shape}")
+        return dataclasses.replace(self, layer=layer)
 
 
 WEIGHT_TYPES = (Int4Weight, Int8Weight)  # the stored types (from_stored, sharding)

@@ -364,12 +364,25 @@ TileFn pick(int limbs, int bits) {
 
 ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> codes,
                 ffi::AnyBuffer scales, ffi::AnyBuffer offsets, ffi::ResultBuffer<ffi::F32> out,
-                int32_t bits, int32_t zero, int32_t shift, int32_t limbs) {
-  auto xd = x.dimensions(), cd = codes.dimensions(), sd = scales.dimensions();
-  if (xd.size() != 2 || cd.size() != 3 || sd.size() != 3 || cd[2] != 64 || sd[2] != 16 ||
-      cd[0] != sd[0])
+                int32_t bits, int32_t zero, int32_t shift, int32_t limbs, int32_t layer) {
+  auto xd = x.dimensions(), cd_all = codes.dimensions(), sd_all = scales.dimensions();
+  // Weights stacked over the layers ([L, ...]) are read in place at `layer`: an XLA slice of
+  // a parameter handed to a custom call would be a copy, and one buffer per layer and array
+  // costs the step's dispatch microseconds each (docs/performance.md).
+  const bool stacked = cd_all.size() == 4;
+  if (xd.size() != 2 || cd_all.size() != sd_all.size() || (cd_all.size() != 3 && !stacked))
     return ffi::Error::InvalidArgument(
-        "expected x [M, K], codes [N/16, K/c, 64], scales [N/16, G, 16]");
+        "expected x [M, K], codes [(L,) N/16, K/c, 64], scales [(L,) N/16, G, 16]");
+  const int64_t num_layers = stacked ? cd_all[0] : 1;
+  if (stacked && sd_all[0] != num_layers)
+    return ffi::Error::InvalidArgument("codes and scales have different layer counts");
+  if (layer < 0 || layer >= num_layers)
+    return ffi::Error::InvalidArgument("layer " + std::to_string(layer) + " is out of range [0, " +
+                                       std::to_string(num_layers) + ")");
+  auto cd = cd_all.last(3), sd = sd_all.last(3);
+  if (cd[2] != 64 || sd[2] != 16 || cd[0] != sd[0])
+    return ffi::Error::InvalidArgument(
+        "expected x [M, K], codes [(L,) N/16, K/c, 64], scales [(L,) N/16, G, 16]");
   const ffi::DataType st = scales.element_type();
   if (st != ffi::DataType::F32 && st != ffi::DataType::F16)
     return ffi::Error::InvalidArgument("scales must be float32 or float16");
@@ -382,11 +395,16 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::
   if (has_offsets && (offsets.element_count() != scales.element_count() ||
                       offsets.element_type() != st))
     return ffi::Error::InvalidArgument("offsets must be empty or shaped and typed like scales");
+  const int64_t layer_codes = cd[0] * cd[1] * cd[2];
+  const int64_t layer_scale_bytes =
+      sd[0] * sd[1] * sd[2] * (st == ffi::DataType::F32 ? 4 : 2);
   Problem p;
   p.x = x.typed_data();
-  p.codes = codes.typed_data();
-  p.scales = scales.untyped_data();
-  p.offsets = has_offsets ? offsets.untyped_data() : nullptr;
+  p.codes = codes.typed_data() + layer * layer_codes;
+  p.scales = static_cast<const char*>(scales.untyped_data()) + layer * layer_scale_bytes;
+  p.offsets = has_offsets
+                  ? static_cast<const char*>(offsets.untyped_data()) + layer * layer_scale_bytes
+                  : nullptr;
   p.out = out->typed_data();
   p.m = m;
   p.k = k;
@@ -401,7 +419,7 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::
   quantize_rows(p);
   const int64_t items = (p.tiles + kTilesPerItem - 1) / kTilesPerItem;
   // Waking a pool thread costs microseconds: small products run on the calling thread.
-  const int64_t bytes = codes.element_count() * std::max<int64_t>(1, m / kRows);
+  const int64_t bytes = layer_codes * std::max<int64_t>(1, m / kRows);
   jaxserve::run_items(pool, items, bytes >= kMinSplitBytes, [&p, fn](int64_t i) {
     const int64_t t0 = i * kTilesPerItem;
     fn(p, t0, std::min(p.tiles, t0 + kTilesPerItem));
@@ -419,11 +437,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQuantMatmul, Impl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
-                                  .Arg<ffi::Buffer<ffi::U8>>()   // codes [N/16, K/c, 64]
-                                  .Arg<ffi::AnyBuffer>()  // scales [N/16, G, 16] f32 / f16
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // codes [(L,) N/16, K/c, 64]
+                                  .Arg<ffi::AnyBuffer>()  // scales [(L,) N/16, G, 16] f32 / f16
                                   .Arg<ffi::AnyBuffer>()  // offsets: like scales, or [0]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out [M, N/16 * 16]
                                   .Attr<int32_t>("bits")
                                   .Attr<int32_t>("zero")
                                   .Attr<int32_t>("shift")
-                                  .Attr<int32_t>("limbs"));
+                                  .Attr<int32_t>("limbs")
+                                  .Attr<int32_t>("layer"));  // 0 unless stacked

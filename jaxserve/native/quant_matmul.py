@@ -20,15 +20,20 @@ def simd() -> bool:
 
 def quant_matmul_cpu(x, w: CpuPackedWeight, limbs: int, target: str = "jaxserve_quant_matmul"):
     """x [M, K] -> [M, N] float32 = x @ w, activations int8 per row (`limbs` 1: W4A8 / W8A8;
-    2: the 16-bit two-limb fixed point of W8A16). w carries no leading axes. `target`: the
-    FFI target (tests register other levels' builds under other names: native.load_build)."""
+    2: the 16-bit two-limb fixed point of W8A16). w carries no leading axes, or is one layer
+    of a stack (`w.layer` set: the kernel reads it in place). `target`: the FFI target (tests
+    register other levels' builds under other names: native.load_build)."""
     native.load()
     m = x.shape[0]
-    n16 = w.codes.shape[0] * 16
+    n16 = w.codes.shape[-3] * 16
+    if (w.codes.ndim == 4) != (w.layer is not None):
+        raise ValueError(f"codes {w.codes.shape} with layer {w.layer}: a stacked weight "
+                         "[L, ...] needs its layer (CpuPackedWeight.at_layer), others none")
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((m, n16), jnp.float32))
     offsets = w.offsets if w.offsets is not None else jnp.zeros((0,), w.scales.dtype)
     y = call(x.astype(jnp.float32), w.codes, w.scales, offsets, bits=np.int32(w.bits),
-             zero=np.int32(w.zero), shift=np.int32(w.shift), limbs=np.int32(limbs))  # [M, N16]
+             zero=np.int32(w.zero), shift=np.int32(w.shift), limbs=np.int32(limbs),
+             layer=np.int32(w.layer or 0))  # [M, N16]
     return y if n16 == w.out_features else y[:, :w.out_features]
 
 

@@ -50,6 +50,7 @@ from jaxserve.runtime.step_call import (ROW_FIELDS, TOKEN_FIELDS, CopyCall, LoRA
                                         StepCall, StepInputs, copy_blocks)
 from jaxserve.runtime.step_layout import Row
 from models import lora as lora_slots
+from models.llama import layer_views
 from models.model import Model
 
 log = logging.getLogger("jaxserve")
@@ -178,6 +179,8 @@ class ModelRunner:
             lora = (self.lora_backend.index(state.lora[token_slot], self.lora.max_loras)
                     if self.lora is not None else None)
             pools = inp.pool is not None  # static: the pooled variant
+            if self.unroll_layers:  # stacked leaves kept so (runner_factory) seen per layer
+                params = layer_views(params, self.model.config.num_layers)
             result = self._module.apply({"params": params}, tokens[None], meta.positions,
                                         cache, meta, logits_index=logits_index, lora=lora,
                                         **({"return_hidden": True} if pools else {}))

@@ -118,12 +118,17 @@ def _merged_on_dequantized(ref, base_float, quantized, adapter):
     return params
 
 
-def test_adapters_over_an_int8_base_equal_the_dequantized_merge():
+# w8a16: per-channel int8 on XLA's dot, layers in a scan; w4a16: the native matmul's packed
+# weights, layers unrolled with the weights left stacked (the adapter slots per layer).
+@pytest.mark.parametrize("quantization", ["w8a16", "w4a16"])
+def test_adapters_over_a_quantized_base_equal_the_dequantized_merge(quantization):
     ref = lora_reference()
     base = load_model(ref.model_dir("llama"), dtype="float32")
-    quantized, _ = prepare_model(base, "w8a16")
-    engine = LLMEngine(EngineConfig(model="llama", max_loras=2, quantization="w8a16", **ENGINE),
-                       model=base)
+    quantized, _ = prepare_model(base, quantization)
+    engine = LLMEngine(EngineConfig(model="llama", max_loras=2, quantization=quantization,
+                                    **ENGINE), model=base)
+    layout = set(engine.runner.model.params) & {"layers", "layers_0"}
+    assert layout == ({"layers"} if quantization == "w8a16" else {"layers", "layers_0"})
     names = ["llama_all_r8", "llama_qv_r4"]
     jobs = [(PROMPTS[i], LoRARequest(n, k + 1, str(ref.adapter_dir(n))))
             for i in (0, 2) for k, n in enumerate(names)]

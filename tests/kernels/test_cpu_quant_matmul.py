@@ -165,6 +165,38 @@ def test_rows_are_independent_and_zero_rows_give_the_bias_sums():
     np.testing.assert_array_equal(both[4], 0.0)
 
 
+@pytest.mark.parametrize("bits,offsets,f16", [(4, True, True), (4, False, False),
+                                               (8, True, False)])
+def test_a_stacked_weight_is_read_in_place_at_its_layer(bits, offsets, f16):
+    """Layer i of a stack [L, ...] (CpuPackedWeight.at_layer, what the unrolled step hands
+    the kernel) against the numpy reference on layer i's own weight: every layer, so a wrong
+    offset of the codes, scales or offsets reads another layer's numbers."""
+    rng = np.random.default_rng(11)
+    k, n, g = 128, 48, 32
+    ws = [random_weight(bits, k, n, g, offsets, rng, f16) for _ in range(3)]
+    stacked = pack_weight(jax.tree.map(lambda *a: np.stack(a), *ws))
+    assert stacked.codes.ndim == 4 and (stacked.scales.dtype == jnp.float16) == f16
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    for i, w in enumerate(ws):
+        u, s, b = decode(pack_weight(w))
+        want = quant_matmul_reference(x, u, s, b, stacked.zero, 2)
+        got = np.asarray(quant_matmul_cpu(jnp.asarray(x), stacked.at_layer(i), 2))
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_a_stacked_weight_needs_its_layer_and_a_layer_in_range():
+    rng = np.random.default_rng(12)
+    stacked = pack_weight(jax.tree.map(lambda *a: np.stack(a), *[
+        random_weight(4, 64, 16, 32, True, rng) for _ in range(2)]))
+    x = jnp.ones((1, 64), jnp.float32)
+    with pytest.raises(ValueError, match="needs its layer"):
+        quant_matmul_cpu(x, stacked, 2)
+    with pytest.raises(Exception, match=r"layer 2 is out of range \[0, 2\)"):
+        jax.block_until_ready(quant_matmul_cpu(x, stacked.at_layer(2), 2))
+    with pytest.raises(ValueError, match="needs stacked codes"):
+        pack_weight(random_weight(4, 64, 16, 32, True, rng)).at_layer(0)
+
+
 def test_quantized_activations_round_half_to_even_like_xla():
     """Ties of x / sx land on even codes in the kernel as in jnp.round (the W8A8 path)."""
     from jaxserve.quantization.linear import quantize_activations

@@ -9,6 +9,7 @@ import jax
 import numpy as np
 import pytest
 
+from jaxserve import native
 from jaxserve.config import EngineConfig
 from jaxserve.quantization.paths import prepare_model
 from jaxserve.runtime import backends
@@ -16,7 +17,9 @@ from jaxserve.runtime.draft_model import draft_proposer
 from jaxserve.runtime.runner_factory import build_runner, prepare_weights
 from jaxserve.runtime.runner_spec import RunnerSpec, StepProgram
 from jaxserve.runtime.sharding import TensorParallel, make_mesh
+from models.llama import layer_views, unstack_layers
 from models.moe import ragged_gmm
+from models.quantized import CpuPackedWeight
 from models.random_init import random_model
 from models.config import ModelConfig
 from jaxserve.testing.tiny_models import TINY_GQA, TINY_TIED
@@ -179,3 +182,40 @@ def test_build_runner_splits_the_layers_once_and_refuses_them_with_tensor_parall
     assert runner.unroll_layers and "layers_0" in runner.model.params
     with pytest.raises(ValueError, match="unroll_layers runs on one device"):
         build_runner(model, spec, tp=TensorParallel(make_mesh(1)))
+
+
+@pytest.mark.skipif(native.unavailable_reason() is not None, reason="no native library")
+def test_unrolled_packed_weights_stay_stacked_and_each_layer_sees_its_own():
+    """The native matmul's weights and the norms stay [L, ...] (one buffer each for the step
+    call, not one per layer); layer_views gives each layer what a full split would."""
+    model, _ = prepare_model(random_model(TINY_GQA, seed=3), "w4a16")
+    program = StepProgram(linear_backend="cpu", unroll_layers=True)
+    prepared = prepare_weights(model, program).params
+    is_packed = lambda x: isinstance(x, CpuPackedWeight)  # noqa: E731
+    kept = jax.tree.leaves(prepared["layers"], is_leaf=is_packed)
+    assert sum(map(is_packed, kept)) == 7 and all(w.codes.ndim == 4 for w in kept
+                                                   if is_packed(w))
+    assert not any(is_packed(w) for i in range(TINY_GQA.num_layers)
+                   for w in jax.tree.leaves(prepared[f"layers_{i}"], is_leaf=is_packed))
+    again = prepare_weights(dataclasses.replace(model, params=prepared), program).params
+    assert jax.tree.structure(again, is_leaf=is_packed) == jax.tree.structure(
+        prepared, is_leaf=is_packed)
+
+    full = unstack_layers(backends.prepare_params("cpu", model).params, TINY_GQA.num_layers)
+    views = layer_views(prepared, TINY_GQA.num_layers)
+    assert len(jax.tree.leaves(prepared)) < len(jax.tree.leaves(full))
+    assert jax.tree.structure(views, is_leaf=is_packed) == jax.tree.structure(
+        full, is_leaf=is_packed)
+    for i in range(TINY_GQA.num_layers):
+        got = jax.tree.leaves(views[f"layers_{i}"], is_leaf=is_packed)
+        want = jax.tree.leaves(full[f"layers_{i}"], is_leaf=is_packed)
+        for g, w in zip(got, want):
+            if is_packed(w):
+                assert g.layer == i
+                for name in ("codes", "scales", "offsets"):
+                    a, b = getattr(g, name), getattr(w, name)
+                    assert (a is None) == (b is None)
+                    if a is not None:
+                        np.testing.assert_array_equal(np.asarray(a)[i], np.asarray(b))
+            else:
+                np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
