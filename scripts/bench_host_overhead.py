@@ -373,8 +373,9 @@ def main(argv=None) -> dict:
               f"ms/step, un-hidden host {row['unhidden_host_ms']:.3f} ms, host CPU "
               f"{row['host_cpu_ms']:.3f} ms/step, ratio "
               f"{row['ratio']:.2f}, dispatch {row['dispatch_cpu_ms']:.3f} CPU ms/call over "
-              f"{sum(row['step_buffers'].values())} buffers ({row['steps']} steps, {row['compiles_in_window']} compiles "
-              f"in the window; {split_text(row['split'])})", flush=True)
+              f"{sum(row['step_buffers'].values())} buffers ({row['steps']} steps, "
+              f"{row['compiles_in_window']} compiles in the window; "
+              f"{split_text(row['split'])})", flush=True)
     load_end = os.getloadavg()
     env += f", at end {'/'.join(f'{x:.2f}' for x in load_end)}"
     report = {"model_size": args.model_size, "model_config": dataclasses.asdict(config),
