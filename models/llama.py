@@ -1,7 +1,7 @@
 """Flax Llama-family decoder (Llama, SmolLM2, Qwen2/3, Phi-3): RMSNorm, RoPE, GQA, SwiGLU.
 
 Layers are stacked and run with `nn.scan`, so compile time stays flat in model depth (the GPU
-step runs them as separate blocks instead: `unroll_layers`, `unstack_layers`). Attention
+step runs them as separate blocks instead: `unroll_layers`, models/layer_layout.py). Attention
 goes through a backend function so the paged KV cache (and Pallas kernels) plug in without
 touching the model: `attention(q, k, v, cache, layer, meta) -> (out, cache)`. The whole cache
 (all layers) rides in the scan carry and each layer updates its slice in place: a cache passed
@@ -28,8 +28,9 @@ from models import windowed
 from models.config import ModelConfig
 from models.moe import GroupedMatmulFn, MoEMLP, ragged_gmm
 from models.gemma import GemmaRMSNorm
+from models.layer_layout import layer_name
 from models.lora import SLOT_LEAVES, LoRAFn, apply_lora, dense_lora_delta
-from models.quantized import CpuPackedWeight, is_quantized
+from models.quantized import is_quantized
 from models.rope import apply_rope, attention_factor, inv_frequencies
 
 # Megatron roles: "column" splits the output features over devices, "row" the input features
@@ -128,75 +129,6 @@ def layer_rope(config: ModelConfig, x, positions, layer):
                                                 rope_scaling=None))
     is_local = jnp.asarray(windows != windowed.NO_WINDOW)[layer]
     return jnp.where(is_local, apply_rope(x, positions, local), full)
-
-
-def layer_name(i: int) -> str:
-    """Layer i's params key when the layers are unrolled (stacked: all under "layers")."""
-    return f"layers_{i}"
-
-
-def _is_packed(x) -> bool:
-    return isinstance(x, CpuPackedWeight)
-
-
-def _split_tree(tree: dict, keep: Callable[[tuple, Any], bool], path=()) -> tuple[dict, dict]:
-    """(the leaves `keep` rejects, the leaves it keeps), as two trees of the same nesting."""
-    split, kept = {}, {}
-    for key, node in tree.items():
-        if isinstance(node, dict):
-            a, b = _split_tree(node, keep, (*path, key))
-            split.update({key: a} if a else {})
-            kept.update({key: b} if b else {})
-        elif keep((*path, key), node):
-            kept[key] = node
-        else:
-            split[key] = node
-    return split, kept
-
-
-def _merge(a: dict, b: dict) -> dict:
-    """Two trees with disjoint leaves merged into one."""
-    out = dict(a)
-    for key, node in b.items():
-        out[key] = _merge(out[key], node) if key in out else node
-    return out
-
-
-def unstack_layers(params: dict, num_layers: int,
-                   keep: Callable[[tuple, Any], bool] | None = None) -> dict:
-    """Params with the stacked "layers" `[L, ...]` split into L per-layer trees (what
-    `unroll_layers` reads); arrays are copied once, ShapeDtypeStructs stay abstract.
-
-    keep(path, leaf): leaves left stacked under "layers" (path: keys inside a layer, e.g.
-    ("attn", "q_proj", "kernel")), which `layer_views` hands each layer inside the step
-    without a copy; it saves the step call a buffer per layer for each of them."""
-    if "layers" not in params or layer_name(0) in params:  # nothing stacked, or done
-        return params
-    def take(i):
-        return lambda a: (jax.ShapeDtypeStruct(a.shape[1:], a.dtype)
-                          if isinstance(a, jax.ShapeDtypeStruct) else a[i])
-    split, kept = (_split_tree(params["layers"], keep) if keep is not None
-                   else (params["layers"], {}))
-    rest = {k: v for k, v in params.items() if k != "layers"}
-    per_layer = {layer_name(i): jax.tree.map(take(i), split) for i in range(num_layers)}
-    return {**rest, **per_layer, **({"layers": kept} if kept else {})}
-
-
-def layer_views(params: dict, num_layers: int) -> dict:
-    """Inside a step: params unstacked with `keep` (unstack_layers) as `unroll_layers` reads
-    them, each layer's share of the stacked leaves merged into its tree: packed weights as
-    views of the stack (CpuPackedWeight.at_layer: the native kernel reads them in place),
-    other arrays sliced (small vectors the fusions that use them read in place)."""
-    if "layers" not in params or layer_name(0) not in params:
-        return params  # all stacked (the scan) or all per layer
-    stacked = params["layers"]
-    def view(i):
-        return lambda a: a.at_layer(i) if _is_packed(a) else a[i]
-    out = {k: v for k, v in params.items() if k != "layers"}
-    for i in range(num_layers):
-        name = layer_name(i)
-        out[name] = _merge(out[name], jax.tree.map(view(i), stacked, is_leaf=_is_packed))
-    return out
 
 
 class Linear(nn.Module):

@@ -131,7 +131,7 @@ def slot_leaves(params: dict, num_layers: int) -> dict:
     """{(module, layer or None): (lora_a, lora_b, lora_on)} of params, stacked ("layers":
     layer None) or unrolled ("layers_i")."""
     found = {}
-    # Unrolled params may keep some leaves stacked under "layers" too (llama.layer_views).
+    # Unrolled params may keep some leaves stacked under "layers" too (layer_layout.layer_views).
     keys = [k for k in ("layers", *(f"layers_{i}" for i in range(num_layers))) if k in params]
     for key in keys:
         layer = None if key == "layers" else int(key.removeprefix("layers_"))

@@ -110,7 +110,7 @@ class CpuPackedWeight:
     out_features: int = _static()  # N (the padded outputs are cut off)
     group_size: int = _static()
     # Inside a step only: the arrays are the whole [L, ...] stack and this is layer `layer`'s
-    # weight, which the kernel reads in place (models/llama.py layer_views).
+    # weight, which the kernel reads in place (models/layer_layout.py layer_views).
     layer: int | None = _static(default=None)
 
     @property

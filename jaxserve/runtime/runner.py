@@ -50,7 +50,7 @@ from jaxserve.runtime.step_call import (ROW_FIELDS, TOKEN_FIELDS, CopyCall, LoRA
                                         StepCall, StepInputs, copy_blocks)
 from jaxserve.runtime.step_layout import Row
 from models import lora as lora_slots
-from models.llama import layer_views
+from models.layer_layout import layer_views
 from models.model import Model
 
 log = logging.getLogger("jaxserve")

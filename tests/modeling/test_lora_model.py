@@ -9,7 +9,7 @@ import pytest
 
 from jaxserve.testing.tiny_models import TINY_GQA
 from models import lora
-from models.llama import unstack_layers
+from models.layer_layout import unstack_layers
 from models.random_init import random_model
 
 TOL = {"float32": dict(rtol=1e-5, atol=1e-5), "bfloat16": dict(rtol=2e-2, atol=2e-2)}

@@ -11,7 +11,7 @@ from compile_guard import count_compiles
 from hf_reference import run_reference
 from jaxserve import EngineConfig, LLMEngine, SamplingParams
 from models import load_model
-from models.llama import unstack_layers
+from models.layer_layout import unstack_layers
 
 pytestmark = pytest.mark.hf_ref
 

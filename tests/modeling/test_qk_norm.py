@@ -61,7 +61,7 @@ def test_qk_norm_in_the_gpu_step_shape(qk_norm):
     CUDA (abstract H200)."""
     import jax.numpy as jnp
     from cuda_lowering import lower_for_h200
-    from models.llama import unstack_layers
+    from models.layer_layout import unstack_layers
     model = _perturbed(random_model(dataclasses.replace(BASE, qk_norm=qk_norm), seed=3))
     per_layer = unstack_layers(model.params, BASE.num_layers)
     module = model.module(unroll_layers=True)

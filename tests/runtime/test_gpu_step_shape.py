@@ -8,7 +8,7 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.runtime import backends
-from models.llama import unstack_layers
+from models.layer_layout import unstack_layers
 from models.random_init import random_model
 from jaxserve.testing.tiny_models import TINY_GQA
 

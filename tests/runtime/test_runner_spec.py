@@ -17,7 +17,7 @@ from jaxserve.runtime.draft_model import draft_proposer
 from jaxserve.runtime.runner_factory import build_runner, prepare_weights
 from jaxserve.runtime.runner_spec import RunnerSpec, StepProgram
 from jaxserve.runtime.sharding import TensorParallel, make_mesh
-from models.llama import layer_views, unstack_layers
+from models.layer_layout import layer_views, unstack_layers
 from models.moe import ragged_gmm
 from models.quantized import CpuPackedWeight
 from models.random_init import random_model
