@@ -53,6 +53,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.gpu_tiling import (MIN_DOT_ROWS, NO_WINDOW, default_num_splits,
                                       default_pages_per_step, next_pow2)
+from pallas_kernels.merge_splits import merge_splits
 from pallas_kernels.ragged_attention_kernel import ragged_kernel
 from pallas_kernels.paged_attention import check_scales
 # The reference lives in its own module; importable from here as before.
@@ -140,14 +141,6 @@ def _schedule(num_tiles: int, num_kv_heads: int, num_pages: int, block_size: int
     # 8 warps only for the tall prefill tile: the 16-row tile spills with 8 (sm_90a ptxas).
     tall = rows >= _PREFILL_DOT_ROWS
     return step, splits, num_warps or (8 if tall and step * block_size >= 128 else 4)
-
-
-def _merge_splits(o, m, l):
-    """The output `[N, Dh]` f32 from S partial ones `[S, N, Dh]` (max, sum `[S, N]`): each
-    split's normalised output weighted by its share of the softmax mass."""
-    w = l * jnp.exp(m - m.max(axis=0))  # [S, N]; empty splits have l = 0
-    total = w.sum(axis=0)
-    return (o * w[..., None]).sum(axis=0) / jnp.where(total > 0, total, 1.0)[..., None]
 
 
 _STATIC = ("num_heads", "queries_per_tile", "short_queries_per_tile", "num_splits",
@@ -288,7 +281,7 @@ def _attend(q, k_cache, v_cache, layer, page_table, query_start, context_lens, *
         prev, caches = tuple(x for x in outs if x is not None), written or caches
     o, m, l, written = call(*args, *caches, num_tiles=num_tiles, block_q=bq, num_warps=warps,
                             short_rows=-short_q if short_q else None, prev=prev)
-    if m is not None:
-        o = _merge_splits(o.reshape(splits, rows, head_dim), m.reshape(splits, rows),
-                          l.reshape(splits, rows))
+    if m is not None:  # one kernel for the combine and the cast (merge_splits.py)
+        o = merge_splits(o.reshape(splits, rows, head_dim), m.reshape(splits, rows),
+                         l.reshape(splits, rows), out_dtype=q.dtype, interpret=interpret)
     return o.reshape(num_tokens, num_heads, head_dim).astype(q.dtype), written or caches

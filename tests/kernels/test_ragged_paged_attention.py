@@ -172,12 +172,14 @@ def test_short_rows_on_their_own_tile(short, num_splits, interpret):
     check(out, (q, k, v, LAYER, pt, qs, cl), jnp.float32)
 
 
-def _pallas_calls(*args, **kw):
+def _pallas_calls(*args, name="ragged_paged_attention", **kw):
+    """The traced function's pallas_calls named `name` (the attention kernel; merge_splits:
+    the combine of its splits)."""
     jaxpr = jax.make_jaxpr(functools.partial(ragged_paged_attention, **kw))(*args)
     eqns = jaxpr.jaxpr.eqns
     if not any(e.primitive.name == "pallas_call" for e in eqns):  # inside the jit's jaxpr
         eqns = eqns[0].params["jaxpr"].jaxpr.eqns
-    return [e for e in eqns if e.primitive.name == "pallas_call"]
+    return [e for e in eqns if e.primitive.name == "pallas_call" and e.params["name"] == name]
 
 
 def test_mixed_step_runs_decodes_on_the_short_tile():
@@ -200,21 +202,18 @@ def test_mixed_step_runs_decodes_on_the_short_tile():
     assert len(_pallas_calls(*args(16, 512), queries_per_tile=16, interpret=True)) == 1
 
 
-def _kernel_outputs(*args, **kw):
-    """Shapes of the pallas_call's outputs in the traced function."""
-    jaxpr = jax.make_jaxpr(functools.partial(ragged_paged_attention, **kw))(*args)
-    calls = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "pallas_call"]
-    if not calls:  # inside the jit's inner jaxpr
-        inner = jaxpr.jaxpr.eqns[0].params["jaxpr"].jaxpr
-        calls = [e for e in inner.eqns if e.primitive.name == "pallas_call"]
-    assert len(calls) == 1
+def _kernel_outputs(*args, name="ragged_paged_attention", **kw):
+    """Shapes of the outputs of the traced function's one pallas_call named `name`."""
+    calls = _pallas_calls(*args, name=name, **kw)
+    assert len(calls) == 1, calls
     return [(v.aval.shape, v.aval.dtype) for v in calls[0].outvars]
 
 
 @pytest.mark.parametrize("model", sorted(ATTENTION_MODELS))
 def test_batch_one_decode_splits_at_most_16_ways(model):
-    """At batch 1 with 256 pages the row's pages go to <= 16 programs per KV head; a full decode
-    batch takes no split and writes its output in the cache's dtype, no f32 partials."""
+    """At batch 1 with 256 pages the row's pages go to <= 16 programs per KV head, whose
+    partials one merge_splits kernel combines into the cache's dtype; a full decode batch takes
+    no split and writes its output in the cache's dtype, no f32 partials, no merge."""
     kv_heads, group, head_dim, _ = ATTENTION_MODELS[model]
     s = jax.ShapeDtypeStruct
     cache = s((2, 300, 16, kv_heads, head_dim), jnp.bfloat16)
@@ -227,8 +226,11 @@ def test_batch_one_decode_splits_at_most_16_ways(model):
     outs = _kernel_outputs(*args(1, 1), interpret=True)
     splits = outs[0][0][0] // (kv_heads * group)  # partials [S * T * H, Dh], T = 1
     assert len(outs) == 3 and 1 < splits <= 16, outs
+    merged = _kernel_outputs(*args(1, 1), name="merge_splits", interpret=True)
+    assert merged == [((kv_heads * group, head_dim), jnp.bfloat16)], merged
     outs = _kernel_outputs(*args(64, 64), interpret=True)
     assert len(outs) == 1 and outs[0][1] == jnp.bfloat16, outs
+    assert not _pallas_calls(*args(64, 64), name="merge_splits", interpret=True)
     assert outs[0][0] == (64 * kv_heads * group, head_dim), outs  # q's rows, no copy
 
 
