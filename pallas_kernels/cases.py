@@ -343,3 +343,105 @@ def check_sampling(interpret: bool, small: bool) -> dict:
 
 # gpu_check's kernel_correctness runs each (jaxserve/tools/gpu_check/kernel_correctness.py).
 GPU_CHECK_CASES = {"sampling": check_sampling}
+
+
+# ---- fused linear ------------------------------------------------------------------------------
+
+# Bound on |kernel - reference| as a multiple of A, the output's magnitude without cancellation
+# (|h| @ |W| per weight, times the other factor under the gated activation, plus |bias| and
+# |residual|), computed in float64.
+# - f32: the same f32 math on both sides (IEEE dots), summed in another order.
+# - bf16: the normed row, each weight's output and the result are rounded to bf16 on both
+#   sides, from f32 sums that differ in order: where the two straddle a rounding point they
+#   differ by one bf16 ulp (<= 2^-7 relative) at each of those roundings, and the reference
+#   may round silu(gate) before the product where the kernel does not (2^-8): 2^-6 covers the
+#   stack.
+FUSED_LINEAR_TOLERANCE = {"float32": 1e-5, "bfloat16": 2.0**-6}
+
+# The engine's fused calls, per model: (K, widths, kind) for q/k/v with the norm and RoPE, o_proj
+# with the residual, gate/up with the norm and SiLU, down with the residual.
+FUSED_LINEAR_SHAPES = {
+    "smollm2": [(576, (576, 192, 192), "qkv_rope"), (576, (576,), "residual"),
+                (576, (1536, 1536), "gated"), (1536, (576,), "residual")],
+    "llama3_8b": [(4096, (4096, 1024, 1024), "qkv_rope"), (4096, (4096,), "residual"),
+                  (4096, (14336, 14336), "gated"), (14336, (4096,), "residual")]}
+FUSED_LINEAR_HEAD_DIM = {"smollm2": 64, "llama3_8b": 128}
+
+
+def fused_linear_case(seed: int, *, m: int, k: int, widths: Sequence[int], kind: str, dtype,
+                      head_dim: int = 64) -> dict:
+    """fused_linear's arguments for `kind` ("qkv": norm and biases; "qkv_rope": those and RoPE
+    on the first two weights, heads of `head_dim`, positions up to 4096 and a scale; "gated":
+    norm and SiLU; "residual": a residual; "plain": none of them), drawn so the output is
+    O(1), as keywords."""
+    import jax.numpy as jnp
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.normal(size=(m, k)) * 3.0, dtype)  # the norm takes the scale out
+    weights = tuple(jnp.asarray(rng.normal(size=(k, n)) / np.sqrt(k), dtype) for n in widths)
+    gated = kind == "gated"
+    normed = kind in ("qkv", "qkv_rope", "gated")
+    n_out = widths[0] if gated else sum(widths)
+    args = dict(x=x, weights=weights,
+                norm_scale=(jnp.asarray(1.0 + 0.2 * rng.normal(size=(k,)), dtype) if normed
+                            else None),
+                biases=(tuple(jnp.asarray(rng.normal(size=(n,)), dtype) for n in widths)
+                        if kind.startswith("qkv") else None),
+                residual=(jnp.asarray(rng.normal(size=(m, n_out)), dtype)
+                          if kind == "residual" else None),
+                activation="silu" if gated else None)
+    if kind == "qkv_rope":
+        half = head_dim // 2
+        args.update(positions=jnp.asarray(rng.integers(0, 4096, size=m), jnp.int32),
+                    inv_freq=jnp.asarray(1e4 ** (-np.arange(half) / half), jnp.float32),
+                    rope_weights=2, rope_scale=1.1)
+    return args
+
+
+def fused_linear_numpy(*, x, weights, norm_scale=None, biases=None, residual=None,
+                       positions=None, inv_freq=None, activation=None, rope_weights=0,
+                       rope_scale=1.0, eps):
+    """(y, A): the fused linear in float64 numpy from the same (rounded) inputs, the normed
+    row rounded to the inputs' dtype as the contract says, and A, the magnitude the tolerance
+    scales (FUSED_LINEAR_TOLERANCE; with RoPE |a| |cos| + |b| |sin| per rotated element)."""
+    import jax.numpy as jnp
+    dtype = x.dtype
+    f64 = lambda a: np.asarray(np.asarray(a, np.float32), np.float64)  # noqa: E731
+    h = f64(x)
+    if norm_scale is not None:
+        normed = h / np.sqrt(np.mean(h * h, axis=-1, keepdims=True) + eps)
+        normed = f64(jnp.asarray(normed, jnp.float32).astype(dtype))
+        h = f64(jnp.asarray(f64(norm_scale) * normed, jnp.float32).astype(dtype))
+    outs, mags = [], []
+    for i, w in enumerate(weights):
+        y, a = h @ f64(w), np.abs(h) @ np.abs(f64(w))
+        if biases is not None:
+            y, a = y + f64(biases[i]), a + np.abs(f64(biases[i]))
+        if i < rope_weights:
+            y, a = _rope_numpy(y, a, f64(positions), f64(inv_freq), rope_scale)
+        outs.append(y)
+        mags.append(a)
+    if activation == "silu":
+        g, u = outs
+        y = g / (1.0 + np.exp(-g)) * u
+        a = 1.1 * mags[0] * (np.abs(u) + mags[1])  # |silu'| <= 1.1
+    else:
+        y, a = np.concatenate(outs, -1), np.concatenate(mags, -1)
+    if residual is not None:
+        y, a = y + f64(residual), a + np.abs(f64(residual))
+    return y, a
+
+
+def _rope_numpy(y, a, positions, inv_freq, scale):
+    """Rotate-half RoPE of `[M, heads * Dh]` in float64, and its magnitude."""
+    m, half = y.shape[0], inv_freq.shape[0]
+    # The angle as the contract makes it, a float32 product (exact f64 angles would differ
+    # by up to |position| * 2^-24 rad); cos and sin of it in float64.
+    angle = np.asarray(positions.astype(np.float32)[:, None, None]
+                       * inv_freq.astype(np.float32)[None, None, :], np.float64)  # [M, 1, Dh/2]
+    cos, sin = np.cos(angle) * scale, np.sin(angle) * scale
+    y1, y2 = np.split(y.reshape(m, -1, 2 * half), 2, axis=-1)
+    a1, a2 = np.split(a.reshape(m, -1, 2 * half), 2, axis=-1)
+    rot = np.concatenate([y1 * cos - y2 * sin, y2 * cos + y1 * sin], -1).reshape(m, -1)
+    mag = np.concatenate([a1 * abs(cos) + a2 * abs(sin), a2 * abs(cos) + a1 * abs(sin)],
+                         -1).reshape(m, -1)
+    return rot, mag
