@@ -26,6 +26,8 @@ import jax.numpy as jnp
 
 from models import windowed
 from models.config import ModelConfig
+from models.fused import (FusedLinearFn, LinearParams, NormScale, PackedAttentionFn, fusable,
+                          rope_fusable)
 from models.moe import GroupedMatmulFn, MoEMLP, ragged_gmm
 from models.gemma import GemmaRMSNorm
 from models.layer_layout import layer_name
@@ -201,18 +203,44 @@ class Attention(nn.Module):
     dtype: Any = jnp.float32
     linear: LinearFn = dense_linear
     lora_fn: LoRAFn = dense_lora_delta
+    fused: FusedLinearFn | None = None  # with norm_scale and residual given (Block's choice)
+    # The attention on q, k, v side by side, as the fused q/k/v kernel makes them with RoPE.
+    attention_packed: PackedAttentionFn | None = None
 
     @nn.compact
-    def __call__(self, x, positions, cache, layer, meta, lora=None):
+    def __call__(self, x, positions, cache, layer, meta, lora=None, norm_scale=None,
+                 residual=None):
+        """Plain: x is the normed input, returns (o_proj's output, cache). Fused (`fused`
+        with norm_scale `[D]` and residual `[B, T, D]`): x is the block's input, normed by the
+        projections' kernel, and the result is residual + o_proj's output."""
         c = self.config
-        b, t, _ = x.shape
+        b, t, d = x.shape
         bias, lin = c.attention_bias, self.linear
+        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         def proj(name, features, use_bias=False):
             return linear_layer(name, features, self.dtype, lin, use_bias,
                                 lora_fn=self.lora_fn)
-        q = proj("q_proj", c.num_heads * c.head_dim, bias)(x, lora)
-        k = proj("k_proj", c.num_kv_heads * c.head_dim, bias)(x, lora)
-        v = proj("v_proj", c.num_kv_heads * c.head_dim, bias)(x, lora)
+        if norm_scale is not None:  # one kernel: the norm and q, k, v side by side
+            w = [LinearParams(n, d, bias, self.dtype, name=name)() for name, n in
+                 (("q_proj", q_size), ("k_proj", kv_size), ("v_proj", kv_size))]
+            packed = self.attention_packed is not None and rope_fusable(c)
+            rope = dict(positions=positions.reshape(-1), inv_freq=inv_frequencies(c),
+                        rope_weights=2, rope_scale=attention_factor(c)) if packed else {}
+            qkv = self.fused(x.reshape(b * t, d), tuple(k for k, _ in w), norm_scale,
+                             tuple(bb for _, bb in w) if bias else None,
+                             eps=c.rms_norm_eps, **rope)  # [B * T, (H + 2K) * Dh]
+            if packed:  # q and k rotated: the attention kernel reads the kernel's output
+                heads = qkv.reshape(b, t, c.num_heads + 2 * c.num_kv_heads, c.head_dim)
+                with jax.named_scope("attention"):
+                    out, cache = self.attention_packed(heads, cache, layer, meta,
+                                                       num_heads=c.num_heads,
+                                                       **attention_kwargs(c, layer))
+                return self._output(out, residual, lora), cache
+            q, k, v = jnp.split(qkv.reshape(b, t, -1), (q_size, q_size + kv_size), axis=-1)
+        else:
+            q = proj("q_proj", q_size, bias)(x, lora)
+            k = proj("k_proj", kv_size, bias)(x, lora)
+            v = proj("v_proj", kv_size, bias)(x, lora)
         if c.qk_norm == "full":  # OLMoE: over the whole projection, before the head split
             q = RMSNorm(c.rms_norm_eps, self.dtype, name="q_norm")(q)  # [B, T, H * Dh]
             k = RMSNorm(c.rms_norm_eps, self.dtype, name="k_norm")(k)  # [B, T, K * Dh]
@@ -225,8 +253,23 @@ class Attention(nn.Module):
         q, k = layer_rope(c, q, positions, layer), layer_rope(c, k, positions, layer)
         with jax.named_scope("attention"):  # the paged-attention kernel, not the projections
             out, cache = self.attention(q, k, v, cache, layer, meta, **attention_kwargs(c, layer))
-        out = out.reshape(b, t, c.num_heads * c.head_dim)
-        return proj("o_proj", c.hidden_size)(out, lora), cache
+        return self._output(out, residual, lora), cache
+
+    def _output(self, out, residual, lora):
+        """o_proj of the attention's output `[B, T, H, Dh]`; fused (residual given): one
+        kernel for it and the residual add."""
+        c = self.config
+        b, t, _, _ = out.shape
+        q_size = c.num_heads * c.head_dim
+        out = out.reshape(b, t, q_size)
+        if residual is not None:
+            d = residual.shape[-1]
+            wo, _ = LinearParams(c.hidden_size, q_size, False, self.dtype, name="o_proj")()
+            y = self.fused(out.reshape(b * t, q_size), (wo,),
+                           residual=residual.reshape(b * t, d))  # [B * T, D]
+            return y.reshape(b, t, d)
+        return linear_layer("o_proj", c.hidden_size, self.dtype, self.linear,
+                            lora_fn=self.lora_fn)(out, lora)
 
 
 class MLP(nn.Module):
@@ -234,10 +277,22 @@ class MLP(nn.Module):
     dtype: Any = jnp.float32
     linear: LinearFn = dense_linear
     lora_fn: LoRAFn = dense_lora_delta
+    fused: FusedLinearFn | None = None  # with norm_scale and residual given (Block's choice)
 
     @nn.compact
-    def __call__(self, x, lora=None):
+    def __call__(self, x, lora=None, norm_scale=None, residual=None):
+        """Plain: x normed, returns down_proj's output. Fused: x is the residual stream
+        (normed in the gate/up kernel), returns residual + down_proj's output."""
         f, lin = self.config.intermediate_size, self.linear
+        if norm_scale is not None:  # two kernels: norm, gate, up, SiLU; down and the residual
+            b, t, d = x.shape
+            (wg, _), (wu, _) = (LinearParams(f, d, False, self.dtype, name=name)()
+                                for name in ("gate_proj", "up_proj"))
+            h = self.fused(x.reshape(b * t, d), (wg, wu), norm_scale,
+                           eps=self.config.rms_norm_eps, activation="silu")  # [B * T, F]
+            wd, _ = LinearParams(d, f, False, self.dtype, name="down_proj")()
+            y = self.fused(h, (wd,), residual=residual.reshape(b * t, d))  # [B * T, D]
+            return y.reshape(b, t, d)
         def proj(name, features):
             return linear_layer(name, features, self.dtype, lin, lora_fn=self.lora_fn)
         gate = proj("gate_proj", f)(x, lora)
@@ -255,11 +310,24 @@ class Block(nn.Module):
     linear: LinearFn = dense_linear
     grouped_matmul: GroupedMatmulFn = ragged_gmm  # MoE experts (models/moe.py)
     lora_fn: LoRAFn = dense_lora_delta
+    fused: FusedLinearFn | None = None
+    attention_packed: PackedAttentionFn | None = None
 
     @nn.compact
     def __call__(self, carry, positions, meta, lora=None):
         x, cache, layer = carry
         c = self.config
+        b, t, d = x.shape
+        if self.fused is not None and b * t <= self.fused.max_rows and lora is None:
+            # A decode-sized step: each norm goes into the projections' kernel and each
+            # residual add into the kernel before it (models/fused.py). Same params.
+            x, cache = Attention(c, self.attention, self.dtype, self.linear, self.lora_fn,
+                                 self.fused, self.attention_packed, name="attn")(
+                x, positions, cache, layer, meta, None,
+                norm_scale=NormScale(d, self.dtype, name="input_norm")(), residual=x)
+            x = MLP(c, self.dtype, self.linear, self.lora_fn, self.fused, name="mlp")(
+                x, None, norm_scale=NormScale(d, self.dtype, name="post_norm")(), residual=x)
+            return (x, cache, layer + 1), None
         norm = functools.partial(norm_class(c), c.rms_norm_eps, self.dtype)
         h = norm(name="input_norm")(x)
         h, cache = Attention(c, self.attention, self.dtype, self.linear, self.lora_fn,
@@ -297,6 +365,12 @@ class Llama(nn.Module):
     head: HeadFn = tied_head
     # LoRA adapters' delta in every adapted linear (models/lora.py).
     lora_fn: LoRAFn = dense_lora_delta
+    # Decode-sized steps run each block's linears with their norms and residual adds fused
+    # (models/fused.py; the GPU step's kernel). Only for a model fusable() takes.
+    fused_linear: FusedLinearFn | None = None
+    # With fused linears: the attention backend's entry point for q, k, v as the q/k/v kernel
+    # packs and rotates them (attention_backends.py attend_packed), where RoPE can be fused.
+    attention_packed: PackedAttentionFn | None = None
 
     @nn.compact
     def __call__(self, tokens, positions, kv_cache=None, meta=None, logits_index=None,
@@ -311,6 +385,8 @@ class Llama(nn.Module):
         norm, `[B * T, D]` in the model's dtype (what embeddings pool), as a third output.
         """
         c = self.config
+        if self.fused_linear is not None and fusable(c):
+            raise ValueError(f"fused linears cannot run this model: {fusable(c)}")
         embedding = self.param("embedding", nn.initializers.normal(0.02),
                                (c.vocab_size, c.hidden_size), self.dtype)
         x = jnp.take(embedding, tokens, axis=0)  # [B, T, D]
@@ -320,14 +396,17 @@ class Llama(nn.Module):
         if self.unroll_layers:
             for i in range(c.num_layers):
                 carry, _ = Block(c, self.attention, self.dtype, self.linear,
-                                 self.grouped_matmul, self.lora_fn, name=layer_name(i))(
+                                 self.grouped_matmul, self.lora_fn, self.fused_linear,
+                                 self.attention_packed, name=layer_name(i))(
                     carry, positions, meta, lora)
         else:
             layers = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
                              in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
                              length=c.num_layers)
             carry, _ = layers(c, self.attention, self.dtype, self.linear, self.grouped_matmul,
-                              self.lora_fn, name="layers")(carry, positions, meta, lora)
+                              self.lora_fn, self.fused_linear, self.attention_packed,
+                              name="layers")(
+                carry, positions, meta, lora)
         x, kv_cache, _ = carry
         final_norm = norm_class(c)(c.rms_norm_eps, self.dtype, name="final_norm")
         # Normed apart from the logits rows, so that the logits are computed as without it.

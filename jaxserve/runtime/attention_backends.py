@@ -71,6 +71,15 @@ class AttentionBackend(abc.ABC):
         mask; scale, a static float: the logit scale (default 1 / sqrt(Dh)). None: not used.
         """
 
+    def attend_packed(self, qkv, cache: KVCache, layer, meta: PagedMeta, *, num_heads: int,
+                      **kw):
+        """attend() on q, k and v side by side, `[1, T, H + 2K, Dh]` (H = num_heads; q and k
+        already rotated): what the fused-linear kernel makes (models/fused.py). Split here;
+        a backend whose kernel reads them packed takes them as they are."""
+        kv_heads = (qkv.shape[2] - num_heads) // 2
+        q, k, v = jnp.split(qkv, (num_heads, num_heads + kv_heads), axis=2)
+        return self.attend(q, k, v, cache, layer, meta, **kw)
+
     def supports(self, config: ModelConfig, block_size: int) -> tuple[str, ...]:
         """Why this backend cannot run `config` with `block_size`; empty when it can."""
         return ()
@@ -181,8 +190,23 @@ class PallasAttention(AttentionBackend):
         # One array [T, H + 2K, Dh] in the cache's dtype (kv_cache_dtype may differ from the
         # model's): XLA makes q, k and v (RoPE, casts) in one fusion, and one kernel reads
         # them by row, writes k and v into the cache and attends.
-        qkv = jnp.concatenate([q[0], k[0], v[0]], axis=1).astype(cache.k.dtype)
-        heads, kv_heads = q.shape[2], k.shape[2]
+        qkv = jnp.concatenate([q[0], k[0], v[0]], axis=1)
+        out, cache = self._attend_triton(qkv, q.shape[2], cache, layer, meta, kw)
+        return out[None].astype(q.dtype), cache
+
+    def attend_packed(self, qkv, cache, layer, meta, *, num_heads, **kw):
+        if self.kernels == "mosaic" or cache.quantized:
+            return super().attend_packed(qkv, cache, layer, meta, num_heads=num_heads, **kw)
+        kw = dict(window=kw.get("window"), softcap=kw.get("softcap"), sm_scale=kw.get("scale"),
+                  interpret=self.interpret)
+        out, cache = self._attend_triton(qkv[0], num_heads, cache, layer, meta, kw)
+        return out[None].astype(qkv.dtype), cache
+
+    def _attend_triton(self, qkv, heads, cache, layer, meta, kw):
+        """The Triton kernel on a float cache: qkv `[T, H + 2K, Dh]` (heads = H). Returns
+        (`[T, H, Dh]`, cache)."""
+        qkv = qkv.astype(cache.k.dtype)
+        kv_heads = (qkv.shape[1] - heads) // 2
         args = (meta.page_table, meta.query_start, meta.context_lens)
         if cache.k.dtype == jnp.float32:
             # f32 (IEEE dots): the fused write's key loop spills in the tall prefill tile at
@@ -195,7 +219,7 @@ class PallasAttention(AttentionBackend):
             out, kc, vc = ragged_paged_attention_write(qkv, cache.k, cache.v, layer,
                                                        meta.slots[0], *args, num_heads=heads,
                                                        **kw)  # [T, H, Dh]
-        return out[None].astype(q.dtype), KVCache(k=kc, v=vc)
+        return out, KVCache(k=kc, v=vc)
 
     def _attend_mosaic(self, q, k, v, cache, layer, meta, *, window, softcap, scale):
         # XLA scatters the step's keys and values (an int8 cache: quantized) into the donated

@@ -25,6 +25,7 @@ from jaxserve.quantization.cpu_packed import pack_params, repacks
 from jaxserve.quantization.gpu_format import gpu_params
 from jaxserve.quantization.linear import ACTIVATION_BITS, quantized_linear
 from models.config import ModelConfig
+from models.fused import fusable
 from models.llama import Parallel, dense_linear, tied_head
 from models.quantized import CpuPackedWeight, Int4Weight, Int8Weight, is_quantized
 
@@ -225,6 +226,45 @@ def linear_backend(kind: str, activation_bits: int = 16, gpu_kernels: str = "tri
                                 gpu_kernels=gpu_kernels)
 
     return linear
+
+
+@dataclasses.dataclass(frozen=True)
+class PallasFusedLinear:
+    """models/fused.py's FusedLinearFn on pallas_kernels/fused_linear.py (interpreted on CPU
+    for tests)."""
+
+    interpret: bool = False
+
+    @property
+    def max_rows(self) -> int:
+        from pallas_kernels.fused_linear import MAX_ROWS
+        return MAX_ROWS
+
+    def __call__(self, x, weights, norm_scale=None, biases=None, residual=None,
+                 positions=None, inv_freq=None, *, eps: float = 1e-6,
+                 activation: str | None = None, rope_weights: int = 0,
+                 rope_scale: float = 1.0):
+        from pallas_kernels.fused_linear import fused_linear
+        return fused_linear(x, weights, norm_scale, biases, residual, positions, inv_freq,
+                            eps=eps, activation=activation, rope_weights=rope_weights,
+                            rope_scale=rope_scale, interpret=self.interpret)
+
+
+def fused_linear_backend(program, model) -> PallasFusedLinear | None:
+    """The fused-linear backend of `program` (StepProgram.fused_linears) for `model`, or None
+    where the plain linears run: a model the fused block does not cover (models/fused.py
+    fusable), quantized weights (the kernel reads float ones), LoRA slots (the adapters' delta
+    sits between a projection and what follows it)."""
+    if not program.fused_linears:
+        return None
+    leaves = jax.tree.leaves(model.params, is_leaf=is_quantized)
+    why = (fusable(model.config) or
+           ("quantized weights" if any(is_quantized(w) for w in leaves) else None) or
+           ("LoRA adapters" if program.lora is not None else None))
+    if why is not None:
+        log.info("fused linears off: %s", why)
+        return None
+    return PallasFusedLinear(interpret=program.linear_backend == "pallas-interpret")
 
 
 def head_backend(kind: str):

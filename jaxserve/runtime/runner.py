@@ -68,7 +68,7 @@ class ModelRunner:
 
     def __init__(self, model: Model, spec: RunnerSpec, *, attention: AttentionBackend,
                  linear=None, head=None, grouped_matmul=None, tp: TensorParallel | None = None,
-                 lora_backend=None):
+                 lora_backend=None, fused_linear=None):
         """Built by runner_factory.build_runner, which prepares the arguments for `spec`.
 
         model: params as spec.program's step reads them (per-layer trees when it unrolls the
@@ -79,6 +79,8 @@ class ModelRunner:
         already wrapped for tp where it needs to be. lora_backend: the adapters' delta
         (jaxserve/runtime/lora.py's kernel; None: models/lora.py's XLA path, DENSE), used when
         spec.program has LoRA slots (the params then hold them: prepare_weights).
+        fused_linear: decode-sized steps' linears with their norms and residual adds
+        (backends.fused_linear_backend; None: the plain ones).
         spec.program's unroll_layers and branch_free_sampling are the GPU program's shape
         (backends.gpu_step): layers unrolled so no weight slice is copied, and a sampler
         without conditionals, each of which would make the host wait for the device mid-step.
@@ -138,8 +140,10 @@ class ModelRunner:
         # steps without adapters.
         self.lora_backend = lora_backend or (lora_slots.DENSE if program.branch_free_sampling
                                              else lora_slots.SKIPPING)
+        self.fused_linear = fused_linear
         self._module = step_module(model, attention, linear, self.unroll_layers, grouped_matmul,
-                                   head, self.lora_backend.delta if self.lora else None)
+                                   head, self.lora_backend.delta if self.lora else None,
+                                   fused_linear)
         self.lora_writer = (SlotWriter(model.params, c.num_layers, self.lora.max_loras,
                                        sharded=tp is not None)
                             if self.lora is not None else None)
@@ -627,10 +631,13 @@ def _checked(attention, config, block_size: int) -> AttentionBackend:
 
 
 def step_module(model: Model, attention: AttentionBackend, linear=None,
-                unroll_layers: bool = False, grouped_matmul=None, head=None, lora_fn=None):
+                unroll_layers: bool = False, grouped_matmul=None, head=None, lora_fn=None,
+                fused_linear=None):
     """The model with the backend's attention (and linear, MoE grouped matmul, tied head,
-    LoRA delta) entry points."""
+    LoRA delta, fused linears) entry points."""
     kw = {"linear": linear} if linear else {}
+    if fused_linear:
+        kw.update(fused_linear=fused_linear, attention_packed=attention.attend_packed)
     if lora_fn:
         kw["lora_fn"] = lora_fn
     if grouped_matmul:

@@ -86,4 +86,6 @@ def build_runner(model: Model, spec: RunnerSpec, *, tp: TensorParallel | None = 
         lora_backend = kernel_lora_backend(interpret=kind == "pallas-interpret")
     return ModelRunner(model, spec, attention=attention, linear=linear,
                        head=backends.head_backend(kind), grouped_matmul=gmm, tp=tp,
-                       lora_backend=lora_backend)
+                       lora_backend=lora_backend,
+                       fused_linear=backends.fused_linear_backend(program, model)
+                       if tp is None else None)

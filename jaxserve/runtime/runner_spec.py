@@ -32,8 +32,8 @@ GpuKernelsResolved = Literal["mosaic", "triton"]
 # The sampler: XLA's (sampler.py), or the GPU step's kernel (sampler_kernel.py; interpreted).
 SamplerBackend = Literal["xla", "pallas", "pallas-interpret"]
 
-_FLAGS = ("attention_fallback", "gpu_kernels_fallback", "unroll_layers", "branch_free_sampling", "fine_decode_buckets",
-          "structured_outputs", "poison_rows", "pooling")
+_FLAGS = ("attention_fallback", "gpu_kernels_fallback", "unroll_layers", "branch_free_sampling",
+          "fused_linears", "fine_decode_buckets", "structured_outputs", "poison_rows", "pooling")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -95,6 +95,9 @@ class StepProgram:
     branch_free_sampling: bool = False   # a sampler without conditionals (the GPU's)
     # The branch-free sampler's filters, draw and top logprobs in one Pallas kernel (the GPU's).
     sampler_backend: SamplerBackend = "xla"
+    # Decode-sized steps run each block's linears with its norms, SiLU and residual adds in
+    # the Pallas fused-linear kernel (the GPU's; backends.fused_linear_backend says where).
+    fused_linears: bool = False
     fine_decode_buckets: bool = False    # also the 3/4 decode token buckets (the CPU's)
     kv_cache_dtype: KVCacheDtype = "auto"  # "auto": the weights' dtype
     structured_outputs: bool = False     # a token-bitmask variant of every step program
@@ -116,6 +119,9 @@ class StepProgram:
             raise ValueError("the Mosaic GPU kernels run interpreted in the unrolled (GPU) "
                              "layer loop only: set layer_loop='unrolled', or "
                              "gpu_kernels='triton'")
+        if self.fused_linears and self.linear_backend not in ("pallas", "pallas-interpret"):
+            raise ValueError("fused_linears runs the Pallas fused-linear kernel: set "
+                             "linear_backend to 'pallas' (or 'pallas-interpret' on CPU)")
         if self.sampler_backend != "xla" and not self.branch_free_sampling:
             raise ValueError(f"sampler_backend={self.sampler_backend!r} is the branch-free "
                              "sampler's kernel: set branch_free_sampling=True, or use "
@@ -155,6 +161,7 @@ class StepProgram:
                                                  params=params, linear_kind=linear),
             branch_free_sampling=backends.gpu_step(),
             sampler_backend=backends.sampler_backend(),
+            fused_linears=backends.gpu_step() and linear in ("pallas", "pallas-interpret"),
             fine_decode_buckets=backends.fine_decode_buckets(),
             kv_cache_dtype=config.kv_cache_dtype,
             structured_outputs=config.structured_outputs and tokenizer and not draft,

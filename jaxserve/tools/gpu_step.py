@@ -52,6 +52,9 @@ class StepSpec:
     # The attention and int4 kernels' Pallas backend: an H200's default (gpu_kernels="auto" on
     # compute capability 9.0) is Mosaic GPU; "triton" is what older GPUs run.
     gpu_kernels: Literal["mosaic", "triton"] = "mosaic"
+    # The GPU default: decode-sized steps run each block's linears with their norms, SiLU and
+    # residual adds in the fused-linear kernel (bf16 weights; int4 keeps its own kernel).
+    fused_linears: bool = True
     compiler_options: tuple = ()     # extra XLA options, as (name, value) pairs
     lora: LoRASlots | None = None    # adapter slots: every adapted linear runs the LoRA kernel
     context_len: int = 1024          # the performance model's context per live row
@@ -102,6 +105,7 @@ def _runner(spec: StepSpec, params) -> ModelRunner:
                             branch_free_sampling=spec.branch_free_sampling,
                             sampler_backend=(spec.sampler_backend if spec.branch_free_sampling
                                              else "xla"),
+                            fused_linears=spec.fused_linears and spec.unroll_layers,
                             lora=spec.lora)))
 
 

@@ -86,7 +86,8 @@ H100 = Hardware(name="H100", hbm_bytes_per_s=3.0e12, peak_hbm_bytes_per_s=3.35e1
 class KernelCost:
     name: str            # the thunk's kernel name (what a profiler trace shows)
     hlo: str | None      # the HLO instruction it runs
-    kind: str            # attention | int4_matmul | pallas | gemm | fusion | copy | other
+    # attention | int4_matmul | fused_linear | pallas | gemm | fusion | copy | other
+    kind: str
     bytes: int           # read + written in HBM
     flops: int
     kv_bytes: int = 0    # of `bytes`: KV-cache pages attention must read
@@ -278,6 +279,15 @@ def _pallas_cost(name, ins, hm, ctx, rows, scope) -> KernelCost:
             k, n = 2 * math.prod(packed[1][:-1]), packed[1][-1]
             flops = 2 * (math.prod(x[1]) // k) * n * k
         return KernelCost(name, ins.name, "int4_matmul", moved, flops, scope=scope)
+    if "fused_linear" in name:
+        # x [M, K] first, then the weights [K, N_i]: 2 M K N_i FLOPs each. The norm scale,
+        # biases and RoPE vectors are 1-D; a residual [M, N] would pass for a weight only
+        # where M = K (M <= 64 rows, K a model width).
+        (_, (m, k)), flops = ops[0], 0
+        for _, shape in ops[1:]:
+            if len(shape) == 2 and shape[0] == k:
+                flops += 2 * m * k * shape[1]
+        return KernelCost(name, ins.name, "fused_linear", moved, flops, scope=scope)
     return KernelCost(name, ins.name, "pallas", moved, 0, scope=scope)
 
 

@@ -59,6 +59,8 @@ def test_gpu_program_greedy_matches_hf(reference, name, monkeypatch):
     runner = engine.runner
     assert runner.unroll_layers and runner.branch_free_sampling
     assert runner.attention.name.startswith("pallas")
+    # Every step here has <= 16 tokens: each block's linears run the fused-linear kernel.
+    assert runner.fused_linear is not None and runner.fused_linear.interpret
     for i, got in enumerate(engine_greedy(engine)):
         assert got == reference[f"{name}/greedy/{i}"].tolist(), (name, i)
 

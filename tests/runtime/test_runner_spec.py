@@ -66,11 +66,16 @@ def test_from_config_resolves_auto_for_a_gpu(machine):
         attention_backend="pallas", attention_fallback=True, linear_backend="pallas",
         gpu_kernels="triton", gpu_kernels_fallback=True,  # this CPU has no capability 9.0
         unroll_layers=True, branch_free_sampling=True, sampler_backend="pallas",
-        fine_decode_buckets=False, kv_cache_dtype="auto", structured_outputs=True)
+        fused_linears=True, fine_decode_buckets=False, kv_cache_dtype="auto",
+        structured_outputs=True)
     # Tensor parallel keeps the layer loop; a model without a tokenizer has no grammars; a
     # draft neither grammars nor verification.
     assert not StepProgram.from_config(config(), tensor_parallel=True).unroll_layers
     assert not StepProgram.from_config(config(), tokenizer=False).structured_outputs
+    # Fused linears are the Pallas kernel's: XLA linears on a GPU take none.
+    assert not StepProgram.from_config(config(linear_backend="xla")).fused_linears
+    with pytest.raises(ValueError, match="fused_linears runs the Pallas fused-linear kernel"):
+        dataclasses.replace(program, linear_backend="xla")
     draft = StepProgram.from_config(config(speculative_config={
         "method": "draft_model", "model": "tiny", "num_speculative_tokens": 2}), draft=True)
     assert (draft.structured_outputs, draft.num_speculative_tokens) == (False, 0)
@@ -219,3 +224,24 @@ def test_unrolled_packed_weights_stay_stacked_and_each_layer_sees_its_own():
                         np.testing.assert_array_equal(np.asarray(a)[i], np.asarray(b))
             else:
                 np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_fused_linears_only_where_the_fused_block_runs_the_model():
+    """backends.fused_linear_backend: the interpreted kernel for float weights of a Llama-
+    family model; none for quantized weights, LoRA slots, a program without fused linears or a
+    model the fused block does not cover (Gemma's norms)."""
+    from jaxserve.runtime.runner_spec import LoRASlots
+    program = StepProgram(linear_backend="pallas-interpret", attention_backend="xla",
+                          unroll_layers=True, fused_linears=True)
+    model = random_model(TINY_TIED)
+    assert backends.fused_linear_backend(program, model) == backends.PallasFusedLinear(
+        interpret=True)
+    quantized, _ = prepare_model(model, "w8a16")
+    assert backends.fused_linear_backend(program, quantized) is None
+    with_lora = dataclasses.replace(program, lora=LoRASlots(max_loras=2, max_rank=8))
+    assert backends.fused_linear_backend(with_lora, model) is None
+    off = dataclasses.replace(program, fused_linears=False)
+    assert backends.fused_linear_backend(off, model) is None
+    gemma = dataclasses.replace(model, config=dataclasses.replace(
+        model.config, architecture="gemma2", hidden_act="gelu_pytorch_tanh"))
+    assert backends.fused_linear_backend(program, gemma) is None

@@ -71,11 +71,14 @@ def test_pallas_kernels_do_not_spill(report):
     if extra["ptxas_note"]:
         pytest.skip(f"no ptxas report: {extra['ptxas_note']}")
     pallas = {n: k for n, k in r.kernels.items()
-              if n.startswith(("ragged_paged_attention", "int4_matmul", "sample_rows"))}
+              if n.startswith(("ragged_paged_attention", "int4_matmul", "sample_rows",
+                               "fused_linear"))}
     # the report did read the Triton kernels: attention's (unless on Mosaic GPU, which
-    # compiles its own cubins, outside ptxas' report) and the sampler's
+    # compiles its own cubins, outside ptxas' report), the sampler's and, with bf16 weights,
+    # the fused linears'
     triton = {"sample_rows"} | ({"ragged_paged_attention"}
-                                if extra["gpu_kernels"] == "triton" else set())
+                                if extra["gpu_kernels"] == "triton" else set()) | (
+        {"fused_linear"} if extra["weights"] == "bf16" else set())
     assert triton <= set(pallas), pallas
     assert all(k["registers"] for k in pallas.values()), pallas
     assert all(k["spill_bytes"] == 0 for k in pallas.values()), pallas
@@ -100,7 +103,7 @@ def test_performance_model_reads_every_kernel(report):
         assert int4 and any("_mgpu" in c.name for c in int4) == mosaic, int4
     assert all(c.kv_bytes == 64 * 1024 * 3 * 64 * 2 * 2 for c in attention), attention[0]
     layer_weights = extra["weight_bytes"] - 49152 * 576 * 2 - 576 * 2  # less embedding, norm
-    linears = sum(c.bytes for c in costs if c.kind in ("gemm", "int4_matmul")
+    linears = sum(c.bytes for c in costs if c.kind in ("gemm", "int4_matmul", "fused_linear")
                   and c.scope == "layer")
     assert layer_weights <= linears, (layer_weights, linears)
     assert max(c.bytes for c in costs) < r.cache_bytes / 2, max(costs, key=lambda c: c.bytes)

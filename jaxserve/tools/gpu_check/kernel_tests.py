@@ -17,13 +17,16 @@ REPO = pathlib.Path(__file__).resolve().parents[3]  # the checkout: jaxserve/too
 # test_kv_int8.py: both attention kernels reading an int8 KV cache (codes + scales);
 # test_fused_kv_write.py / test_kv_write.py: the KV write inside the ragged kernel / on its own;
 # test_grouped_matmul.py: the MoE experts' grouped matmul kernel; test_lora_kernel.py: the
-# multi-LoRA (SGMV) kernel; test_sampling_kernel.py: the GPU step's sampling kernel.
+# multi-LoRA (SGMV) kernel; test_sampling_kernel.py: the GPU step's sampling kernel;
+# test_fused_linear.py / test_merge_splits.py: the decode step's fused linears and the combine
+# of the attention's splits.
 KERNEL_TESTS = ("tests/kernels/test_paged_attention.py",
                 "tests/kernels/test_ragged_paged_attention.py",
                 "tests/kernels/test_fused_kv_write.py", "tests/kernels/test_kv_write.py",
                 "tests/kernels/test_int4_matmul.py",
                 "tests/kernels/test_kv_int8.py", "tests/kernels/test_grouped_matmul.py",
-                "tests/kernels/test_lora_kernel.py", "tests/kernels/test_sampling_kernel.py")
+                "tests/kernels/test_lora_kernel.py", "tests/kernels/test_sampling_kernel.py",
+                "tests/kernels/test_fused_linear.py", "tests/kernels/test_merge_splits.py")
 
 
 def section_kernel_tests(ctx: Ctx) -> dict:
