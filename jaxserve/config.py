@@ -107,6 +107,12 @@ class EngineConfig:
         "which Pallas backend the GPU attention and int4 kernels use: mosaic (Mosaic GPU, "
         "compute capability >= 9.0), triton (any CUDA GPU); auto: mosaic on compute "
         "capability >= 9.0, triton below and when interpreted on CPU"))
+    # A decode step's block as six kernels instead of ~15 on a GPU (docs/gpu_step_report.md);
+    # off compiles XLA's fusions and GEMMs, for comparison.
+    fused_linears: bool = dataclasses.field(default=True, metadata=_help(
+        "GPU decode steps run each block's norms, projections, RoPE, SiLU and residual adds "
+        "in the Pallas fused-linear kernel (float weights, Llama-family blocks, no LoRA); "
+        "off: XLA's fusions and GEMMs"))
     quantization: Quantization = dataclasses.field(default="auto", metadata=_help(
         "w8a16, w4a16 (alias int4), w8a8, w4a8: int8/int4 weights by round-to-nearest, int8 "
         "activations per token (w8a8, w4a8); gguf: a .gguf file's own Q4_0/Q4_1/Q8_0 blocks; "

@@ -42,12 +42,17 @@ warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated
 
 STEPS = {"decode1": 1, "decode": 64, "mixed": 512}
 PALLAS = ("ragged_paged_attention", "int4_matmul", "paged_attention",  # ptxas entry names
-          "lora_sgmv", "sample_rows")  # the LoRA kernel, once a step carries adapters
+          "lora_sgmv", "sample_rows",  # the LoRA kernel, once a step carries adapters
+          "fused_linear", "merge_splits")
 VARIANTS = {
     # What an H200 runs: attention and int4 matmul on Mosaic GPU (gpu_kernels="auto").
     "gpu": dict(unroll_layers=True, branch_free_sampling=True),
     # The same program with those kernels on Triton (gpu_kernels="triton"; older GPUs).
     "gpu-triton": dict(unroll_layers=True, branch_free_sampling=True, gpu_kernels="triton"),
+    # The Triton program without the fused-linear kernel: each block's norms, projections,
+    # SiLU and residual adds as XLA's fusions and GEMMs (StepProgram.fused_linears off).
+    "gpu-triton-unfused": dict(unroll_layers=True, branch_free_sampling=True,
+                               gpu_kernels="triton", fused_linears=False),
     # The GPU program with the branch-free sampler in XLA (candidates' top-k and two unrolled
     # bisections) instead of the sampling kernel.
     "gpu-xla-sampler": dict(unroll_layers=True, branch_free_sampling=True,

@@ -161,7 +161,8 @@ class StepProgram:
                                                  params=params, linear_kind=linear),
             branch_free_sampling=backends.gpu_step(),
             sampler_backend=backends.sampler_backend(),
-            fused_linears=backends.gpu_step() and linear in ("pallas", "pallas-interpret"),
+            fused_linears=(config.fused_linears and backends.gpu_step()
+                           and linear in ("pallas", "pallas-interpret")),
             fine_decode_buckets=backends.fine_decode_buckets(),
             kv_cache_dtype=config.kv_cache_dtype,
             structured_outputs=config.structured_outputs and tokenizer and not draft,

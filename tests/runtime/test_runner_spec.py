@@ -74,6 +74,7 @@ def test_from_config_resolves_auto_for_a_gpu(machine):
     assert not StepProgram.from_config(config(), tokenizer=False).structured_outputs
     # Fused linears are the Pallas kernel's: XLA linears on a GPU take none.
     assert not StepProgram.from_config(config(linear_backend="xla")).fused_linears
+    assert not StepProgram.from_config(config(fused_linears=False)).fused_linears
     with pytest.raises(ValueError, match="fused_linears runs the Pallas fused-linear kernel"):
         dataclasses.replace(program, linear_backend="xla")
     draft = StepProgram.from_config(config(speculative_config={

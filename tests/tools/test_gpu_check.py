@@ -569,3 +569,15 @@ def test_prediction_takes_seconds_per_launch_from_the_trace():
     costs = [cost("loop_add", "add.1"), cost("loop_add", "add.1"), cost("gemm", "dot.2")]
     got = per_launch({"add.1": 4e-6, "dot.2": 3e-6, "elsewhere.9": 1e-6}, costs)
     assert got == {"add.1": 2e-6, "dot.2": 3e-6}
+
+
+def test_engine_variant_labels_name_backend_kernels_and_fusion():
+    """An e2e variant's backend label: the backend, the Pallas kernels' backend and the fused
+    linears (on unless "/unfused"); every label of the GPU profile parses."""
+    assert engine_bench.parse_backend("pallas") == ("pallas", "auto", True)
+    assert engine_bench.parse_backend("pallas/triton/unfused") == ("pallas", "triton", False)
+    assert engine_bench.parse_backend("xla") == ("xla", "auto", True)
+    for _, label in profiles.GPU_PROFILE.e2e_variants + profiles.GPU_PROFILE.e2e_variants_8b:
+        engine_bench.parse_backend(label)
+    with pytest.raises(ValueError, match="unknown backend option"):
+        engine_bench.parse_backend("pallas/fast")

@@ -97,23 +97,35 @@ def ensure_params_on_device(engine) -> str | None:
             "device every step); moved to the device by gpu_check")
 
 
+def parse_backend(label: str) -> tuple[str, str, bool]:
+    """(attention and linear backend, EngineConfig.gpu_kernels, fused_linears) of a variant's
+    backend label: "pallas", "pallas/triton", "pallas/unfused", "pallas/triton/unfused"."""
+    backend, *options = label.split("/")
+    bad = [o for o in options if o not in ("triton", "mosaic", "unfused")]
+    if bad:
+        raise ValueError(f"unknown backend option(s) {bad} in {label!r}")
+    kernels = next((o for o in options if o in ("triton", "mosaic")), "auto")
+    return backend, kernels, "unfused" not in options
+
+
 def build_llm(ctx: Ctx, model, quantization, backend: str | None = None):
     """An engine sized for the benchmark: a token budget that admits every prompt in the first
     step (so decode runs at one batch bucket and only a few programs compile), a KV cache for
     max_num_seqs full-length sequences, and no warm-up (the first run compiles what it uses).
     backend: attention and linear backend both (default: the profile's Pallas one); a
-    "/triton" or "/mosaic" suffix forces the Pallas kernels' backend (EngineConfig.gpu_kernels;
-    otherwise "auto": Mosaic GPU on the H200)."""
+    "/triton" or "/mosaic" option forces the Pallas kernels' backend (EngineConfig.gpu_kernels;
+    otherwise "auto": Mosaic GPU on the H200), "/unfused" turns the fused linears off."""
     from jaxserve import LLM
     p = ctx.prof
-    backend, _, kernels = (backend or p.backend).partition("/")
+    backend, kernels, fused = parse_backend(backend or p.backend)
     seqs = max(p.e2e_batches)
     pages = seqs * -(-p.max_model_len // p.block_size) + 2
     kv = pages * p.block_size * model.config.kv_bytes_per_token(2 if model.dtype == "bfloat16"
                                                                   else 4)
     t0 = time.perf_counter()
     llm = LLM(model, attention_backend=backend, linear_backend=backend,
-              gpu_kernels=kernels or "auto", quantization=quantization or "none", max_num_seqs=seqs, max_model_len=p.max_model_len,
+              gpu_kernels=kernels, fused_linears=fused, quantization=quantization or "none",
+              max_num_seqs=seqs, max_model_len=p.max_model_len,
               max_num_batched_tokens=next_pow2(max(512, seqs * (p.prompt_len + 1))),
               kv_cache_memory=int(kv), block_size=p.block_size, warmup=False)
     note = ensure_params_on_device(llm.engine)

@@ -100,11 +100,13 @@ GPU_PROFILE = Profile(
     iters=20, reps=7, copy_bytes=2 << 30, matmul_n=8192, max_layers=32, max_copies=64,
     e2e_batches=(1, 64), prompt_len=136, new_tokens=64,
     # "pallas": the kernels on Mosaic GPU (gpu_kernels auto on an H200); "pallas/triton": the
-    # same engine with them on Triton, side by side.
-    e2e_variants=((None, "pallas"), (None, "pallas/triton"), (None, "xla"), ("int4", "pallas"),
-                  ("int4", "pallas/triton"), ("int4", "xla")),
+    # same engine with them on Triton, side by side; "/unfused": without the fused linears.
+    e2e_variants=((None, "pallas"), (None, "pallas/triton"), (None, "pallas/triton/unfused"),
+                  (None, "xla"), ("int4", "pallas"), ("int4", "pallas/triton"),
+                  ("int4", "xla")),
     e2e_variants_8b=((None, "pallas"), ("int4", "pallas"), (None, "pallas/triton"),
-                     ("int4", "pallas/triton"), (None, "xla"), ("int4", "xla")),
+                     (None, "pallas/triton/unfused"), ("int4", "pallas/triton"),
+                     (None, "xla"), ("int4", "xla")),
     max_model_len=256, ragged_cases=(("llama3_8b", 16, 2048, 48),),
     ragged_extra_cases=(("smollm2", 16, 1024, 8, "float32", 0.0),
                         ("llama3_8b", 16, 2048, 8, "bfloat16", 4.5)),
