@@ -3,6 +3,7 @@ shared by the engine-state endpoint tests and the browser tests of the web page.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -76,3 +77,44 @@ def wait_idle(loop, timeout=60.0) -> dict:
             return snap
         time.sleep(0.05)
     raise AssertionError(f"not idle after {timeout}s: in flight {loop.in_flight()}")
+
+
+@contextlib.contextmanager
+def held_once(engine, ready, timeout=60.0):
+    """Steps `engine` as usual until `ready(engine)` is true after one of its steps, then
+    steps it no more until the block exits (or raises): what it holds then stays put for as
+    long as the test looks, however slowly the test (or a browser polling the page) runs.
+
+    `ready` is checked on the engine thread right after each step, so nothing can finish
+    between the check and the hold. Held, the engine loop keeps iterating (taking commands,
+    refreshing its snapshot every interval) but nothing is scheduled, so no request
+    progresses, finishes or frees a block. Yields `wait_held()`, to call once the requests
+    to hold are sent (AssertionError when not held within `timeout`); on exit the engine
+    runs on as before.
+    """
+    held, release = threading.Event(), threading.Event()
+
+    def gated_step():
+        if held.is_set() and not release.wait(0.05):
+            return []  # held: the loop comes back in 50 ms (and refreshes its snapshot)
+        outputs = step()
+        if not release.is_set() and ready(engine):
+            held.set()
+        return outputs
+
+    def wait_held():
+        if not held.wait(timeout):
+            raise AssertionError(f"the engine did not become ready to hold in {timeout}s")
+
+    step = engine.step
+    engine.step = gated_step  # the engine loop looks it up on every iteration
+    try:
+        yield wait_held
+    finally:
+        release.set()
+        del engine.step  # the class's method again
+
+
+def decoding(engine) -> int:
+    """How many running requests are past their prefill (engine thread only)."""
+    return sum(1 for seq in engine.scheduler.running if not seq.is_prefill)

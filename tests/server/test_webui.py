@@ -102,13 +102,18 @@ def test_engine_view_follows_requests_and_frees_blocks(page, server):
     page.click("#tab-engine")
     page.wait_for_function("Number(document.getElementById('view-engine').dataset.updates) > 1",
                            timeout=WAIT_MS)
-    threads = fx.in_background(server.url, [f"request {i} says hello" for i in range(3)], 110)
-    page.wait_for_function("document.querySelectorAll('#slots tbody tr[data-request-id]')"
-                           ".length >= 2", timeout=WAIT_MS)
-    rows, busy = page.evaluate(  # one read: the page redraws between two calls
-        "[document.querySelectorAll('#slots tbody tr[data-request-id]').length,"
-        " JSON.parse(document.getElementById('block-map').dataset.counts)]")
-    assert rows >= 2 and busy["used"] + busy["cached"] + busy["shared"] >= rows
+    # The engine is held once two of the requests decode together, until the page has shown
+    # them: a page that polls slowly (a loaded machine) cannot miss them.
+    with fx.held_once(server.engine, lambda e: fx.decoding(e) >= 2) as wait_held:
+        threads = fx.in_background(server.url, [f"request {i} says hello" for i in range(3)],
+                                   110)
+        wait_held()
+        page.wait_for_function("document.querySelectorAll('#slots tbody tr[data-request-id]')"
+                               ".length >= 2", timeout=WAIT_MS)
+        rows, busy = page.evaluate(  # one read: the page redraws between two calls
+            "[document.querySelectorAll('#slots tbody tr[data-request-id]').length,"
+            " JSON.parse(document.getElementById('block-map').dataset.counts)]")
+        assert rows >= 2 and busy["used"] + busy["cached"] + busy["shared"] >= rows
     for t in threads:
         t.join(120)
     page.wait_for_function("document.querySelector('#slots tbody td.empty') !== null",
@@ -127,13 +132,20 @@ def test_a_repeated_prompt_shows_cached_blocks(page, server):
     assert cached >= 2  # the prompt's full blocks, all free now
     page.wait_for_function("JSON.parse(document.getElementById('block-map').dataset.counts"
                            f" || '{{}}').evictable === {cached}", timeout=WAIT_MS)
-    # 86 prompt tokens + 36 fit in 128; two waves of 4 slots keep the prefix in use a while.
-    threads = fx.in_background(server.url, [fx.SHARED_PREFIX] * 8, 36)
-    # The cached prefix in use again (shared by the requests running together).
-    page.wait_for_function("JSON.parse(document.getElementById('block-map').dataset.counts)"
-                           ".cached_in_use > 0", timeout=WAIT_MS)
+    # 86 prompt tokens + 36 fit in 128. The engine is held once two of the requests decode
+    # together, until the page has shown them: a page that polls slowly cannot miss them.
+    with fx.held_once(server.engine, lambda e: fx.decoding(e) >= 2) as wait_held:
+        threads = fx.in_background(server.url, [fx.SHARED_PREFIX] * 8, 36)
+        wait_held()
+        # The cached prefix in use again (shared by the requests running together).
+        page.wait_for_function("JSON.parse(document.getElementById('block-map').dataset"
+                               ".counts).cached_in_use > 0", timeout=WAIT_MS)
     for t in threads:
         t.join(120)
+    # All done: the page shows the blocks freed, then the hit rate of what ran.
+    page.wait_for_function("(() => { const c = JSON.parse(document.getElementById('block-map')"
+                           ".dataset.counts); return c.used + c.cached + c.shared === 0; })()",
+                           timeout=WAIT_MS)
     hit_rate = page.locator("#card-hits .value").inner_text()
     assert float(hit_rate.rstrip("%")) > 0
 
