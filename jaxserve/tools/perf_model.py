@@ -248,6 +248,10 @@ def _cost(t: thunks.Thunk, hm: HloModule, ctx: int, rows: int) -> KernelCost:
         moved = sum(map(type_bytes, hm.operand_types(ins.name))) + type_bytes(ins.result[0])
         return KernelCost(name, ins.name, "gemm", moved, hlo_costs.cublas_flops(hm, ins),
                           scope=scope)
+    inner = _wrapped_pallas_call(hm, ins)
+    if inner is not None:  # XLA's dynamic-slice fusion hands a Pallas call operand slices
+        label = mosaic_kernel_name(inner.line) if _MOSAIC in inner.line else name
+        return _pallas_cost(label, inner, hm, ctx, rows, scope)
     if ins.opcode == "fusion":
         moved, flops = hlo_costs.fusion_cost(hm, ins.name)
         has_dot = any(hm.instrs[n].opcode == "dot" for n in hm.computations.get(ins.called, []))
@@ -255,6 +259,20 @@ def _cost(t: thunks.Thunk, hm: HloModule, ctx: int, rows: int) -> KernelCost:
                           scope=scope)
     moved, flops = hlo_costs.plain_cost(hm, ins.name)
     return KernelCost(name, ins.name, "other", moved, flops, scope=scope)
+
+
+def _wrapped_pallas_call(hm: HloModule, ins):
+    """The Pallas custom call (Triton or Mosaic GPU) a kCustom fusion wraps, or None. XLA
+    wraps one in a `dynamic_slice_fusion` to pass it slices of buffers without copies (the
+    q heads of a packed q/k/v array): costed as the call on its operands' (sliced) shapes, not
+    as a fusion reading every parameter (the whole KV cache) whole."""
+    if ins.opcode != "fusion" or "kind=kCustom" not in ins.line:
+        return None
+    for n in hm.computations.get(ins.called, []):
+        inner = hm.instrs[n]
+        if inner.opcode == "custom-call" and (_TRITON in inner.line or _MOSAIC in inner.line):
+            return inner
+    return None
 
 
 def mosaic_kernel_name(line: str) -> str:

@@ -23,21 +23,23 @@ LAYERS = 8
 MAX_LAUNCHES = LAYERS // 2
 
 
-# (weights, the attention and int4 kernels' Pallas backend): an H200 runs Mosaic GPU, older
-# GPUs Triton (EngineConfig.gpu_kernels).
-PROGRAMS = [("bf16", "mosaic"), ("int4", "mosaic"), ("bf16", "triton"), ("int4", "triton")]
+# (weights, the attention and int4 kernels' Pallas backend, rows): an H200 runs Mosaic GPU,
+# older GPUs Triton (EngineConfig.gpu_kernels); batch 64, and batch 1 on Mosaic GPU.
+PROGRAMS = [("bf16", "mosaic", 64), ("int4", "mosaic", 64), ("bf16", "triton", 64),
+            ("int4", "triton", 64), ("bf16", "mosaic", 1)]
 
 
-@pytest.fixture(scope="module", params=PROGRAMS, ids=["-".join(p) for p in PROGRAMS])
+@pytest.fixture(scope="module", params=PROGRAMS,
+                ids=["-".join(map(str, p)) for p in PROGRAMS])
 def report(request):
     why = deviceless.unavailable_reason()
     if why:
         pytest.skip(why)
     config = dataclasses.replace(gpu_step.model_shapes()["smollm2"], num_layers=LAYERS)
-    weights, kernels = request.param
+    weights, kernels, rows = request.param
     r, extra = gpu_step.step_report(gpu_step.StepSpec(config=config, weights=weights,
-                                                      gpu_kernels=kernels))
-    return r, {**extra, "gpu_kernels": kernels, "weights": weights}
+                                                      gpu_kernels=kernels, tokens=rows))
+    return r, {**extra, "gpu_kernels": kernels, "weights": weights, "rows": rows}
 
 
 def test_no_layer_weight_is_copied(report):
@@ -86,7 +88,7 @@ def test_pallas_kernels_do_not_spill(report):
 
 def test_performance_model_reads_every_kernel(report):
     """jaxserve/tools/perf_model.py on the real compiled step: one cost per kernel the report
-    counts, attention charged the live context's pages (64 rows of 1024 tokens, 3 KV heads of
+    counts, attention charged the live context's pages (each row's 1024 tokens, 3 KV heads of
     64, K and V in bf16), every layer weight read by a linear kernel, no kernel charged a
     whole cache operand (the KV writes and attention touch pages), a prediction above its
     floor."""
@@ -101,7 +103,8 @@ def test_performance_model_reads_every_kernel(report):
         int4 = [c for c in costs if c.kind == "int4_matmul"]
         # Mosaic GPU where it takes the shape (not K = 576: Triton runs those), else Triton.
         assert int4 and any("_mgpu" in c.name for c in int4) == mosaic, int4
-    assert all(c.kv_bytes == 64 * 1024 * 3 * 64 * 2 * 2 for c in attention), attention[0]
+    rows = extra["rows"]
+    assert all(c.kv_bytes == rows * 1024 * 3 * 64 * 2 * 2 for c in attention), attention[0]
     layer_weights = extra["weight_bytes"] - 49152 * 576 * 2 - 576 * 2  # less embedding, norm
     linears = sum(c.bytes for c in costs if c.kind in ("gemm", "int4_matmul", "fused_linear")
                   and c.scope == "layer")
@@ -120,3 +123,24 @@ def test_weight_bytes_are_what_a_decode_step_reads():
     assert tied == 49152 * 576 * 2 + 2 * layer + 576 * 2
     u = dataclasses.replace(c, tie_word_embeddings=False)
     assert gpu_step.weight_bytes(gpu_step.abstract_params(u, "bf16"), u) == tied  # LM head
+
+
+def test_a_pallas_call_xla_hands_slices_is_costed_as_the_call():
+    """The 8B shape's Mosaic GPU batch-1 step: XLA passes the attention call its q heads as a
+    slice of the packed q/k/v, wrapping the call in a dynamic-slice fusion. The performance
+    model costs it as the attention (the row's pages), not as a fusion reading the whole KV
+    cache it is handed (17 GB a layer at full size: a 150 ms step)."""
+    why = deviceless.unavailable_reason()
+    if why:
+        pytest.skip(why)
+    config = dataclasses.replace(gpu_step.model_shapes()["llama3-8b"], num_layers=2)
+    r, extra = gpu_step.step_report(gpu_step.StepSpec(config=config, tokens=1,
+                                                      gpu_kernels="mosaic"))
+    costs = extra["kernel_costs"]
+    attention = [c for c in costs if c.kind == "attention"]
+    assert len(attention) == 2 and all("_mgpu" in c.name for c in attention), attention
+    assert all(c.kv_bytes == 1024 * 8 * 128 * 2 * 2 for c in attention), attention
+    not_gemm = [c for c in costs if c.kind != "gemm"]  # 2 layers: the LM head is ~ the cache
+    assert max(c.bytes for c in not_gemm) < r.cache_bytes / 2, max(not_gemm,
+                                                                  key=lambda c: c.bytes)
+
