@@ -253,12 +253,18 @@ class PallasFusedLinear:
 def fused_linear_backend(program, model) -> PallasFusedLinear | None:
     """The fused-linear backend of `program` (StepProgram.fused_linears) for `model`, or None
     where the plain linears run: a model the fused block does not cover (models/fused.py
-    fusable), quantized weights (the kernel reads float ones), LoRA slots (the adapters' delta
-    sits between a projection and what follows it)."""
+    fusable), widths the kernel's 16-column tiles do not divide, quantized weights (the kernel
+    reads float ones), LoRA slots (the adapters' delta sits between a projection and what
+    follows it)."""
     if not program.fused_linears:
         return None
+    c = model.config
+    widths = (c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim,
+              c.num_kv_heads * c.head_dim)
     leaves = jax.tree.leaves(model.params, is_leaf=is_quantized)
-    why = (fusable(model.config) or
+    why = (fusable(c) or
+           (f"widths {widths} not all multiples of the kernel's 16-column tile"
+            if any(w % 16 for w in widths) else None) or
            ("quantized weights" if any(is_quantized(w) for w in leaves) else None) or
            ("LoRA adapters" if program.lora is not None else None))
     if why is not None:

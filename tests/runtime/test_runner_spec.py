@@ -246,3 +246,6 @@ def test_fused_linears_only_where_the_fused_block_runs_the_model():
     gemma = dataclasses.replace(model, config=dataclasses.replace(
         model.config, architecture="gemma2", hidden_act="gelu_pytorch_tanh"))
     assert backends.fused_linear_backend(program, gemma) is None
+    odd = dataclasses.replace(model, config=dataclasses.replace(model.config,
+                                                                intermediate_size=200))
+    assert backends.fused_linear_backend(program, odd) is None  # 200: not 16-column tiles
