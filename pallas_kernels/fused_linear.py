@@ -38,7 +38,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.gpu_tiling import MIN_DOT_ROWS, NUM_SMS, next_pow2
+from pallas_kernels.gpu_tiling import MIN_DOT_ROWS, NUM_SMS, load_rows, next_pow2, store_rows
 
 MAX_ROWS = 64          # decode buckets; a prefill-sized step keeps XLA's GEMMs
 ACTIVATIONS = (None, "silu")
@@ -65,21 +65,6 @@ def _block_k(k: int, block_k: int) -> int:
     if k % bk:
         raise ValueError(f"the fused linear needs K divisible by 16, got K={k}")
     return bk
-
-
-def _load_rows(ref, rows, ok, col0, width):
-    """ref[rows, col0:col0 + width] `[M, width]`, zeros where `ok` `[M]` is false."""
-    col = col0 + lax.broadcasted_iota(jnp.int32, (rows.shape[0], width), 1)
-    at = jnp.where(ok, rows, 0)[:, None] + 0 * col
-    return plgpu.load(ref.at[at, col], mask=ok[:, None] & (col >= 0), other=0)
-
-
-def _store_rows(ref, rows, ok, col0, value):
-    """ref[rows, col0:col0 + W] = value `[M, W]` where ok; masked lanes point past the array
-    (gpu_tiling.store_rows)."""
-    col = col0 + lax.broadcasted_iota(jnp.int32, value.shape, 1)
-    at = jnp.where(ok, rows, ref.shape[0])[:, None] + 0 * col
-    plgpu.store(ref.at[at, col], value, mask=ok[:, None] & (col >= 0))
 
 
 def _fused_kernel(*refs, m, widths, activation, has_norm, has_bias, has_residual, eps,
@@ -109,13 +94,13 @@ def _fused_kernel(*refs, m, widths, activation, has_norm, has_bias, has_residual
     inv_rms = None
     if has_norm:
         def squares(i, ss):
-            xs = _load_rows(x_ref, rows, ok, i * block_k, block_k).astype(f32)  # [bm, bk]
+            xs = load_rows(x_ref, rows, ok, block_k, i * block_k).astype(f32)  # [bm, bk]
             return ss + jnp.sum(xs * xs, axis=1)
         ss = lax.fori_loop(0, steps, squares, jnp.zeros((block_m,), f32))
         inv_rms = lax.rsqrt(ss / k + eps)[:, None]  # [bm, 1]
 
     def x_chunk(i):
-        xs = _load_rows(x_ref, rows, ok, i * block_k, block_k)  # [bm, bk]
+        xs = load_rows(x_ref, rows, ok, block_k, i * block_k)  # [bm, bk]
         if not has_norm:
             return xs
         normed = (xs.astype(f32) * inv_rms).astype(dtype)
@@ -151,9 +136,9 @@ def _fused_kernel(*refs, m, widths, activation, has_norm, has_bias, has_residual
 
     def finish(y, out_col):
         if res_ref is not None:
-            r = _load_rows(res_ref, rows, ok, out_col, block_n)
+            r = load_rows(res_ref, rows, ok, block_n, out_col)
             y = (r.astype(f32) + y.astype(f32)).astype(dtype)
-        _store_rows(out_ref, rows, ok, out_col, y.astype(out_ref.dtype))
+        store_rows(out_ref, rows, ok, y.astype(out_ref.dtype), out_col)
 
     if activation is not None:  # gate and up: one program per block_n columns of both
         col = j * block_n

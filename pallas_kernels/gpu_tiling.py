@@ -75,24 +75,24 @@ def default_num_splits(programs: int, num_pages: int) -> int:
     return max(1, min(MAX_SPLITS, num_pages, pl.cdiv(TARGET_PROGRAMS, programs)))
 
 
-def load_rows(ref, rows, ok, width: int):
-    """ref[rows] `[M, width]` for row indices `rows` `[M]` into a 2-D whole-array ref; zeros
-    where `ok` `[M]` is false (those lanes read nothing on a GPU)."""
-    col = lax.broadcasted_iota(jnp.int32, (rows.shape[0], width), 1)
+def load_rows(ref, rows, ok, width: int, col0=0):
+    """ref[rows, col0:col0 + width] `[M, width]` for row indices `rows` `[M]` into a 2-D
+    whole-array ref; zeros where `ok` `[M]` is false (those lanes read nothing on a GPU)."""
+    col = col0 + lax.broadcasted_iota(jnp.int32, (rows.shape[0], width), 1)
     at = jnp.where(ok, rows, 0)[:, None] + 0 * col
     return plgpu.load(ref.at[at, col], mask=ok[:, None] & (col >= 0), other=0)
 
 
-def store_rows(ref, rows, ok, value):
-    """ref[rows] = value (`[M]` or `[M, W]`) where ok `[M]`: a scatter of whole rows into a
-    whole-array ref. Masked lanes point past the array: the interpreter drops such writes,
-    where a negative or clamped index could land on a row another lane writes (a GPU never
-    touches them)."""
+def store_rows(ref, rows, ok, value, col0=0):
+    """ref[rows] = value (`[M]`, or `[M, W]` at columns col0 .. col0 + W) where ok `[M]`: a
+    scatter of rows into a whole-array ref. Masked lanes point past the array: the interpreter
+    drops such writes, where a negative or clamped index could land on a row another lane
+    writes (a GPU never touches them)."""
     rows = jnp.where(ok, rows, ref.shape[0])
     if value.ndim == 1:
         plgpu.store(ref.at[rows], value, mask=ok)
         return
-    col = lax.broadcasted_iota(jnp.int32, value.shape, 1)
+    col = col0 + lax.broadcasted_iota(jnp.int32, value.shape, 1)
     plgpu.store(ref.at[rows[:, None] + 0 * col, col], value, mask=ok[:, None] & (col >= 0))
 
 

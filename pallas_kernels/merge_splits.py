@@ -19,7 +19,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.gpu_tiling import MASK_VALUE, MIN_DOT_ROWS
+from pallas_kernels.gpu_tiling import MASK_VALUE, MIN_DOT_ROWS, load_rows, store_rows
 
 BLOCK_ROWS = MIN_DOT_ROWS  # rows a program merges
 
@@ -38,24 +38,20 @@ def _merge_kernel(o_ref, m_ref, l_ref, out_ref, *, splits: int, rows: int):
     r = pl.program_id(0) * BLOCK_ROWS + lax.broadcasted_iota(jnp.int32, (BLOCK_ROWS,), 0)
     ok = r < rows
     head_dim = o_ref.shape[1]
-    col = lax.broadcasted_iota(jnp.int32, (BLOCK_ROWS, head_dim), 1)
 
-    def vec(ref, s):
-        return plgpu.load(ref.at[jnp.where(ok, s * rows + r, 0)], mask=ok, other=0.0)
+    def vec(ref, s, other):
+        return plgpu.load(ref.at[jnp.where(ok, s * rows + r, 0)], mask=ok, other=other)
 
-    ms = [plgpu.load(m_ref.at[jnp.where(ok, s * rows + r, 0)], mask=ok, other=MASK_VALUE)
-          for s in range(splits)]
+    ms = [vec(m_ref, s, MASK_VALUE) for s in range(splits)]
     top = functools.reduce(jnp.maximum, ms)  # [bn]
     acc = jnp.zeros((BLOCK_ROWS, head_dim), jnp.float32)
     total = jnp.zeros((BLOCK_ROWS,), jnp.float32)
     for s in range(splits):
-        w = vec(l_ref, s) * jnp.exp(ms[s] - top)  # [bn]; empty splits have l = 0
-        at = jnp.where(ok, s * rows + r, 0)[:, None] + 0 * col
-        o = plgpu.load(o_ref.at[at, col], mask=ok[:, None] & (col >= 0), other=0.0)
+        w = vec(l_ref, s, 0.0) * jnp.exp(ms[s] - top)  # [bn]; empty splits have l = 0
+        o = load_rows(o_ref, s * rows + r, ok, head_dim)  # [bn, Dh]
         acc, total = acc + w[:, None] * o, total + w
     out = acc / jnp.where(total > 0, total, 1.0)[:, None]
-    at = jnp.where(ok, r, rows)[:, None] + 0 * col  # masked lanes point past the array
-    plgpu.store(out_ref.at[at, col], out.astype(out_ref.dtype), mask=ok[:, None] & (col >= 0))
+    store_rows(out_ref, r, ok, out.astype(out_ref.dtype))
 
 
 def merge_splits(o, m, l, *, out_dtype, interpret=False):

@@ -177,7 +177,7 @@ class PallasAttention(AttentionBackend):
         if self.kernels == "mosaic":
             return self._attend_mosaic(q, k, v, cache, layer, meta, window=window,
                                        softcap=softcap, scale=scale)
-        kw = dict(window=window, softcap=softcap, sm_scale=scale, interpret=self.interpret)
+        kw = self._kernel_kw(window, softcap, scale)
         if cache.quantized:  # the codes are written, q is read in its own dtype
             (kc, ks), (vc, vs) = kv_quant.quantize(k[0]), kv_quant.quantize(v[0])
             leaves = write_kv_cache((cache.k, cache.v, cache.k_scale, cache.v_scale), layer,
@@ -194,13 +194,18 @@ class PallasAttention(AttentionBackend):
         out, cache = self._attend_triton(qkv, q.shape[2], cache, layer, meta, kw)
         return out[None].astype(q.dtype), cache
 
-    def attend_packed(self, qkv, cache, layer, meta, *, num_heads, **kw):
+    def attend_packed(self, qkv, cache, layer, meta, *, num_heads, window=None, softcap=None,
+                      scale=None):
         if self.kernels == "mosaic" or cache.quantized:
-            return super().attend_packed(qkv, cache, layer, meta, num_heads=num_heads, **kw)
-        kw = dict(window=kw.get("window"), softcap=kw.get("softcap"), sm_scale=kw.get("scale"),
-                  interpret=self.interpret)
-        out, cache = self._attend_triton(qkv[0], num_heads, cache, layer, meta, kw)
+            return super().attend_packed(qkv, cache, layer, meta, num_heads=num_heads,
+                                         window=window, softcap=softcap, scale=scale)
+        out, cache = self._attend_triton(qkv[0], num_heads, cache, layer, meta,
+                                         self._kernel_kw(window, softcap, scale))
         return out[None].astype(qkv.dtype), cache
+
+    def _kernel_kw(self, window, softcap, scale) -> dict:
+        """The layer's attention arguments as the Triton kernels take them."""
+        return dict(window=window, softcap=softcap, sm_scale=scale, interpret=self.interpret)
 
     def _attend_triton(self, qkv, heads, cache, layer, meta, kw):
         """The Triton kernel on a float cache: qkv `[T, H + 2K, Dh]` (heads = H). Returns

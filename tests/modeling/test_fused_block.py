@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -41,9 +42,9 @@ def test_fused_block_equals_the_plain_block(packed, tokens):
     model = random_model(CONFIG, seed=11)
     # Biases and norm scales away from their init (zeros, ones), so both are really applied.
     rng = np.random.default_rng(0)
-    params = jax_tree_map(lambda p, path: (p + rng.normal(size=p.shape).astype(p.dtype) * 0.3
-                                           if path[-1] in ("bias", "scale") else p),
-                          model.params)
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, p: (p + rng.normal(size=p.shape).astype(p.dtype) * 0.3
+                         if path[-1].key in ("bias", "scale") else p), model.params)
     seq = np.asarray([[5, 9, 33, 2, 7, 100, 17][:tokens]], np.int32)  # [1, T]
     pos = np.arange(3, 3 + tokens, dtype=np.int32)[None]  # not from 0: RoPE angles vary
     plain = model.module()
@@ -59,7 +60,6 @@ def test_fused_block_equals_the_plain_block(packed, tokens):
 
 def test_fused_params_are_the_plain_ones():
     """A fused model initialises the same tree (names, shapes) as the plain one."""
-    import jax
     tokens = jnp.zeros((1, 1), jnp.int32)
     plain = jax.eval_shape(lambda k: Llama(CONFIG).init(k, tokens, tokens),
                            jax.random.key(0))
@@ -88,16 +88,9 @@ def test_models_the_fused_block_does_not_cover_are_refused():
     assert fusable(CONFIG) is None
     tokens = jnp.zeros((1, 1), jnp.int32)
     with pytest.raises(ValueError, match="fused linears cannot run this model"):
-        import jax
         jax.eval_shape(lambda k: Llama(gemma, fused_linear=FUSED).init(k, tokens, tokens),
                        jax.random.key(0))
     assert rope_fusable(CONFIG)
     assert not rope_fusable(dataclasses.replace(CONFIG, qk_norm="per_head"))
     assert not rope_fusable(dataclasses.replace(CONFIG, head_dim=16))  # half a head: 8
 
-
-def jax_tree_map(fn, tree):
-    """fn(leaf, path keys) over a params tree."""
-    import jax
-    return jax.tree_util.tree_map_with_path(
-        lambda path, leaf: fn(leaf, tuple(getattr(k, "key", k) for k in path)), tree)
