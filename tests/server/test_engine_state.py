@@ -116,15 +116,20 @@ def test_running_requests_show_slots_and_blocks_then_free_them(server, loop, eng
     tok = engine.model.tokenizer
     prompts = [f"request number {i} says hello" for i in range(3)]
     lens = {len(tok.encode(p)) + (1 if tok.add_bos else 0) for p in prompts}
-    threads = fx.in_background(server.url, prompts, max_tokens=100)
-    seen, deadline = [], time.monotonic() + 60
-    while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
-        snap = fx.get_state(server.url)
+    # Two snapshots while the requests run, each taken with the engine held (after two of them
+    # decode together, then once more a step later), so a slow poll on a loaded machine cannot
+    # miss them or see the requests finished between the two.
+    seen = []
+    threads = []
+    for _ in range(2):
+        with fx.held_once(engine, lambda e: fx.decoding(e) >= 2) as wait_held:
+            threads = threads or fx.in_background(server.url, prompts, max_tokens=100)
+            wait_held()
+            snap = fx.fresh_state(server.url)
         check_consistent(snap)
-        if snap["slots"]:
-            seen.append(snap)
-        time.sleep(0.05)
-    assert seen, "no snapshot caught the requests running"
+        seen.append(snap)
+    for t in threads:
+        t.join(120)
     busiest = max(seen, key=lambda s: len(s["slots"]))
     assert len(busiest["slots"]) >= 2
     assert {s["prompt_tokens"] for s in busiest["slots"]} <= lens
