@@ -16,14 +16,17 @@ from models.config import ModelConfig
 
 class FusedLinearFn(Protocol):
     """`y = residual + epilogue(rmsnorm(x) @ [W_0 | W_1 ...])` for x `[M, K]`, M <= max_rows
-    (pallas_kernels/fused_linear.py `fused_linear` gives the contract)."""
+    (pallas_kernels/fused_linear.py `fused_linear` gives the contract); the LM head takes
+    x_rows (the rows of x to compute), transposed weights (a tied head's `[V, D]`) and
+    float32 out. Every weight's width must be a multiple of `tile`."""
 
     max_rows: int
+    tile: int
 
     def __call__(self, x, weights, norm_scale=None, biases=None, residual=None,
-                 positions=None, inv_freq=None, *, eps: float = 1e-6,
+                 positions=None, inv_freq=None, x_rows=None, *, eps: float = 1e-6,
                  activation: str | None = None, rope_weights: int = 0,
-                 rope_scale: float = 1.0): ...
+                 rope_scale: float = 1.0, transposed: bool = False, out_dtype=None): ...
 
 
 # attend_packed(qkv [1, T, H + 2K, Dh], cache, layer, meta, *, num_heads, **attention kwargs)

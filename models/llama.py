@@ -408,20 +408,42 @@ class Llama(nn.Module):
                               name="layers")(
                 carry, positions, meta, lora)
         x, kv_cache, _ = carry
-        final_norm = norm_class(c)(c.rms_norm_eps, self.dtype, name="final_norm")
-        # Normed apart from the logits rows, so that the logits are computed as without it.
-        hidden = final_norm(x.reshape(-1, x.shape[-1])) if return_hidden else None  # [B*T, D]
-        if logits_index is not None:
-            x = x.reshape(-1, x.shape[-1])[logits_index]  # [R, D]
-        x = final_norm(x)
         # A quantized model may carry its own (quantized) copy of a tied head under lm_head.
-        if c.tie_word_embeddings and not self.has_variable("params", "lm_head"):
-            logits = self.head(x, embedding)
+        tied = c.tie_word_embeddings and not self.has_variable("params", "lm_head")
+        rows = x.shape[0] * x.shape[1] if logits_index is None else logits_index.shape[0]
+        if (self.fused_linear is not None and not return_hidden and
+                rows <= self.fused_linear.max_rows and c.vocab_size % self.fused_linear.tile == 0):
+            logits = self._fused_head(x.reshape(-1, x.shape[-1]), logits_index, embedding, tied)
+            if logits_index is None:
+                logits = logits.reshape(*x.shape[:2], c.vocab_size)  # [B, T, V]
         else:
-            logits = linear_layer("lm_head", c.vocab_size, self.dtype, self.linear,
-                                  out_dtype=jnp.float32)(x)
+            final_norm = norm_class(c)(c.rms_norm_eps, self.dtype, name="final_norm")
+            # Normed apart from the logits rows, so the logits are computed as without it.
+            hidden = (final_norm(x.reshape(-1, x.shape[-1])) if return_hidden
+                      else None)  # [B * T, D]
+            if logits_index is not None:
+                x = x.reshape(-1, x.shape[-1])[logits_index]  # [R, D]
+            x = final_norm(x)
+            if tied:
+                logits = self.head(x, embedding)
+            else:
+                logits = linear_layer("lm_head", c.vocab_size, self.dtype, self.linear,
+                                      out_dtype=jnp.float32)(x)
         if c.final_logit_softcapping is not None:
             logits = soft_cap(logits.astype(jnp.float32), c.final_logit_softcapping)
         if return_hidden:
             return logits.astype(jnp.float32), kv_cache, hidden
         return logits.astype(jnp.float32), kv_cache
+
+    def _fused_head(self, x, logits_index, embedding, tied):
+        """The logits rows' gather, the final norm and the LM head in one fused call: x
+        `[B * T, D]`, returns `[R, V]` float32 (R: logits_index's rows, else all). The params
+        are the plain head's (final_norm's scale; lm_head's kernel, or the embedding)."""
+        c = self.config
+        scale = NormScale(c.hidden_size, self.dtype, name="final_norm")()
+        w = (embedding if tied else
+             LinearParams(c.vocab_size, c.hidden_size, False, self.dtype, name="lm_head")()[0])
+        rows = (jnp.arange(x.shape[0], dtype=jnp.int32) if logits_index is None
+                else logits_index)  # [R]
+        return self.fused_linear(x, (w,), scale, x_rows=rows, eps=c.rms_norm_eps,
+                                 transposed=tied, out_dtype=jnp.float32)  # [R, V]

@@ -359,12 +359,15 @@ GPU_CHECK_CASES = {"sampling": check_sampling}
 FUSED_LINEAR_TOLERANCE = {"float32": 1e-5, "bfloat16": 2.0**-6}
 
 # The engine's fused calls, per model: (K, widths, kind) for q/k/v with the norm and RoPE, o_proj
-# with the residual, gate/up with the norm and SiLU, down with the residual.
+# with the residual, gate/up with the norm and SiLU, down with the residual, the final norm
+# and the LM head (SmolLM2's tied: the embedding read transposed).
 FUSED_LINEAR_SHAPES = {
     "smollm2": [(576, (576, 192, 192), "qkv_rope"), (576, (576,), "residual"),
-                (576, (1536, 1536), "gated"), (1536, (576,), "residual")],
+                (576, (1536, 1536), "gated"), (1536, (576,), "residual"),
+                (576, (49152,), "head")],
     "llama3_8b": [(4096, (4096, 1024, 1024), "qkv_rope"), (4096, (4096,), "residual"),
-                  (4096, (14336, 14336), "gated"), (14336, (4096,), "residual")]}
+                  (4096, (14336, 14336), "gated"), (14336, (4096,), "residual"),
+                  (4096, (128256,), "lm_head")]}
 FUSED_LINEAR_HEAD_DIM = {"smollm2": 64, "llama3_8b": 128}
 
 
@@ -372,14 +375,19 @@ def fused_linear_case(seed: int, *, m: int, k: int, widths: Sequence[int], kind:
                       head_dim: int = 64) -> dict:
     """fused_linear's arguments for `kind` ("qkv": norm and biases; "qkv_rope": those and RoPE
     on the first two weights, heads of `head_dim`, positions up to 4096 and a scale; "gated":
-    norm and SiLU; "residual": a residual; "plain": none of them), drawn so the output is
-    O(1), as keywords."""
+    norm and SiLU; "residual": a residual; "plain": none of them; "lm_head": an LM head, the
+    norm, m rows taken from x of m + 3 in a shuffled order, float32 out; "head": a tied one,
+    the same with the weight `[N, K]` read transposed), drawn so the output is O(1), as
+    keywords."""
     import jax.numpy as jnp
     rng = np.random.default_rng(seed)
-    x = jnp.asarray(rng.normal(size=(m, k)) * 3.0, dtype)  # the norm takes the scale out
-    weights = tuple(jnp.asarray(rng.normal(size=(k, n)) / np.sqrt(k), dtype) for n in widths)
+    head, tied = kind in ("head", "lm_head"), kind == "head"
+    t = m + 3 if head else m
+    x = jnp.asarray(rng.normal(size=(t, k)) * 3.0, dtype)  # the norm takes the scale out
+    weights = tuple(jnp.asarray(rng.normal(size=(n, k) if tied else (k, n)) / np.sqrt(k),
+                                dtype) for n in widths)
     gated = kind == "gated"
-    normed = kind in ("qkv", "qkv_rope", "gated")
+    normed = kind in ("qkv", "qkv_rope", "gated", "head", "lm_head")
     n_out = widths[0] if gated else sum(widths)
     args = dict(x=x, weights=weights,
                 norm_scale=(jnp.asarray(1.0 + 0.2 * rng.normal(size=(k,)), dtype) if normed
@@ -389,6 +397,9 @@ def fused_linear_case(seed: int, *, m: int, k: int, widths: Sequence[int], kind:
                 residual=(jnp.asarray(rng.normal(size=(m, n_out)), dtype)
                           if kind == "residual" else None),
                 activation="silu" if gated else None)
+    if head:
+        args.update(x_rows=jnp.asarray(rng.permutation(t)[:m], jnp.int32), transposed=tied,
+                    out_dtype=jnp.float32)
     if kind == "qkv_rope":
         half = head_dim // 2
         args.update(positions=jnp.asarray(rng.integers(0, 4096, size=m), jnp.int32),
@@ -399,14 +410,16 @@ def fused_linear_case(seed: int, *, m: int, k: int, widths: Sequence[int], kind:
 
 def fused_linear_numpy(*, x, weights, norm_scale=None, biases=None, residual=None,
                        positions=None, inv_freq=None, activation=None, rope_weights=0,
-                       rope_scale=1.0, eps):
+                       rope_scale=1.0, x_rows=None, transposed=False, out_dtype=None, eps):
     """(y, A): the fused linear in float64 numpy from the same (rounded) inputs, the normed
     row rounded to the inputs' dtype as the contract says, and A, the magnitude the tolerance
     scales (FUSED_LINEAR_TOLERANCE; with RoPE |a| |cos| + |b| |sin| per rotated element)."""
     import jax.numpy as jnp
     dtype = x.dtype
     f64 = lambda a: np.asarray(np.asarray(a, np.float32), np.float64)  # noqa: E731
-    h = f64(x)
+    h = f64(x) if x_rows is None else f64(x)[np.asarray(x_rows)]
+    if transposed:
+        weights = [np.asarray(w).T for w in weights]
     if norm_scale is not None:
         normed = h / np.sqrt(np.mean(h * h, axis=-1, keepdims=True) + eps)
         normed = f64(jnp.asarray(normed, jnp.float32).astype(dtype))

@@ -19,7 +19,11 @@ in bytes (docs/perf_model.md). One call of this kernel does
   apply_rope: cos and sin in f32, times `rope_scale`, rounded to the dtype. A program then
   computes a column tile and its partner half a head away, so the pair never leaves it; the
   outputs, q, k and v side by side, are what the attention kernel reads (no pack or RoPE
-  fusion between them).
+  fusion between them);
+- the LM head (plain, `out_dtype` float32: the logits unrounded): the rows to take from x
+  (`x_rows`, the step's last token of each sequence) gathered in the prologue, and a tied
+  head's embedding read in its stored `[V, D]` layout (`transposed`), so the final norm, the
+  row gather and the head are one kernel.
 
 Grid: one program per `block_n` output columns (per weight pair with the activation); each
 sums over all of K (no split-K, so the epilogue sees whole sums). A step's rows are padded to
@@ -67,14 +71,15 @@ def _block_k(k: int, block_k: int) -> int:
     return bk
 
 
-def _fused_kernel(*refs, m, widths, activation, has_norm, has_bias, has_residual, eps,
-                  block_m, block_n, block_k, rope_weights, rope_scale):
-    """refs: x [M, K], (norm scale [K]), weights [K, N_i]..., (biases [N_i]...), (residual
-    [M, N_out]), (positions [M] int32, inv_freq [Dh/2] f32 with RoPE), out [M, N_out].
-    Program j: `block_n` columns of one weight (of both with the activation; and the columns
-    half a head further with RoPE)."""
+def _fused_kernel(*refs, m, widths, activation, has_rows, has_norm, has_bias, has_residual,
+                  eps, block_m, block_n, block_k, rope_weights, rope_scale, transposed):
+    """refs: x [T, K], (x_rows [M] int32), (norm scale [K]), weights [K, N_i] ([N_i, K]
+    transposed)..., (biases [N_i]...), (residual [M, N_out]), (positions [M] int32, inv_freq
+    [Dh/2] f32 with RoPE), out [M, N_out]. Program j: `block_n` columns of one weight (of both
+    with the activation; and the columns half a head further with RoPE)."""
     it = iter(refs)
     x_ref = next(it)
+    rows_ref = next(it) if has_rows else None
     scale_ref = next(it) if has_norm else None
     w_refs = [next(it) for _ in widths]
     b_refs = [next(it) for _ in widths] if has_bias else [None] * len(widths)
@@ -89,32 +94,40 @@ def _fused_kernel(*refs, m, widths, activation, has_norm, has_bias, has_residual
     j = pl.program_id(0)
     rows = lax.broadcasted_iota(jnp.int32, (block_m,), 0)
     ok = rows < m
+    # The rows of x this call computes: x's own, or those x_rows names (the LM head's).
+    x_at = (plgpu.load(rows_ref.at[jnp.where(ok, rows, 0)], mask=ok, other=0) if has_rows
+            else rows)
     steps = k // block_k
 
     inv_rms = None
     if has_norm:
         def squares(i, ss):
-            xs = load_rows(x_ref, rows, ok, block_k, i * block_k).astype(f32)  # [bm, bk]
+            xs = load_rows(x_ref, x_at, ok, block_k, i * block_k).astype(f32)  # [bm, bk]
             return ss + jnp.sum(xs * xs, axis=1)
         ss = lax.fori_loop(0, steps, squares, jnp.zeros((block_m,), f32))
         inv_rms = lax.rsqrt(ss / k + eps)[:, None]  # [bm, 1]
 
     def x_chunk(i):
-        xs = load_rows(x_ref, rows, ok, block_k, i * block_k)  # [bm, bk]
+        xs = load_rows(x_ref, x_at, ok, block_k, i * block_k)  # [bm, bk]
         if not has_norm:
             return xs
         normed = (xs.astype(f32) * inv_rms).astype(dtype)
         g = scale_ref[pl.ds(i * block_k, block_k)].astype(f32)  # [bk]
         return (g[None, :] * normed.astype(f32)).astype(dtype)
 
+    def tile(w, i, col):
+        """x_chunk(i) @ the weight's [bk, bn] tile at (i * bk, col), f32."""
+        xs, ks, cs = x_chunk(i), pl.ds(i * block_k, block_k), pl.ds(col, block_n)
+        if transposed:  # w [N, K]: a [bn, bk] tile of whole rows, contracted on K
+            return lax.dot_general(xs, w[cs, ks], (((1,), (1,)), ((), ())),
+                                   precision=precision, preferred_element_type=f32)
+        return lax.dot(xs, w[ks, cs], precision=precision, preferred_element_type=f32)
+
     def matmul(ws, cols):
         """[x @ w[:, col:col + bn] for w, col in zip(ws, cols)], f32, one pass over K for
         all of them."""
         def step(i, accs):
-            xs = x_chunk(i)
-            return tuple(acc + lax.dot(xs, w[pl.ds(i * block_k, block_k), pl.ds(col, block_n)],
-                                       precision=precision, preferred_element_type=f32)
-                         for acc, w, col in zip(accs, ws, cols))
+            return tuple(acc + tile(w, i, col) for acc, w, col in zip(accs, ws, cols))
         zero = jnp.zeros((block_m, block_n), f32)
         return lax.fori_loop(0, steps, step, (zero,) * len(ws))
 
@@ -129,10 +142,12 @@ def _fused_kernel(*refs, m, widths, activation, has_norm, has_bias, has_residual
         return (a * cos - b * sin).astype(dtype), (b * cos + a * sin).astype(dtype)
 
     def output(acc, b_ref, col):
-        """A weight's columns as Linear returns them: bias in f32, rounded to the dtype."""
+        """A weight's columns as Linear returns them: bias in f32, rounded to the dtype (to
+        the output's: the head's f32 logits)."""
         if b_ref is not None:
             acc = acc + b_ref[pl.ds(col, block_n)].astype(f32)[None, :]
-        return acc.astype(dtype)
+        return acc.astype(dtype if activation or rope_weights or has_residual
+                          else out_ref.dtype)
 
     def finish(y, out_col):
         if res_ref is not None:
@@ -171,19 +186,28 @@ def _fused_kernel(*refs, m, widths, activation, has_norm, has_bias, has_residual
         start, out0 = start + tiles, out0 + width
 
 
-def _check(x, weights, norm_scale, biases, residual, activation, positions, inv_freq,
-           rope_weights):
+def _check(x, x_rows, weights, norm_scale, biases, residual, activation, positions, inv_freq,
+           rope_weights, transposed, out_dtype):
     if x.ndim != 2:
         raise ValueError(f"fused_linear takes x [M, K], got shape {x.shape}")
-    m, k = x.shape
+    if x_rows is not None and (x_rows.ndim != 1 or
+                               not jnp.issubdtype(x_rows.dtype, jnp.integer)):
+        raise ValueError(f"x_rows must be [M] integers, got {x_rows.dtype}{list(x_rows.shape)}")
+    m, k = (x.shape if x_rows is None else (x_rows.shape[0], x.shape[1]))
     if not 1 <= m <= MAX_ROWS:
         raise ValueError(f"fused_linear is for decode steps of 1..{MAX_ROWS} rows, got {m}")
-    if not weights or any(w.ndim != 2 or w.shape[0] != k for w in weights):
-        raise ValueError(f"weights must be [K={k}, N] matrices, got "
+    kdim = 1 if transposed else 0
+    if not weights or any(w.ndim != 2 or w.shape[kdim] != k for w in weights):
+        layout = f"[N, K={k}]" if transposed else f"[K={k}, N]"
+        raise ValueError(f"weights must be {layout} matrices, got "
                          f"{[tuple(w.shape) for w in weights]}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    widths = tuple(w.shape[1] for w in weights)
+    plain = activation is None and not rope_weights and residual is None
+    if (x_rows is not None or jnp.dtype(out_dtype) != x.dtype) and not plain:
+        raise ValueError("x_rows and an out_dtype other than x's are for plain calls (the LM "
+                         "head): no activation, RoPE or residual")
+    widths = tuple(w.shape[1 - kdim] for w in weights)
     if activation is not None and (len(weights) != 2 or widths[0] != widths[1]):
         raise ValueError(f"a gated activation takes two weights of one shape (gate, up), got "
                          f"{[tuple(w.shape) for w in weights]}")
@@ -211,24 +235,29 @@ def _check(x, weights, norm_scale, biases, residual, activation, positions, inv_
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "activation", "rope_weights", "rope_scale",
-                                             "block_n", "block_k", "num_warps", "interpret"))
+                                             "transposed", "out_dtype", "block_n", "block_k",
+                                             "num_warps", "interpret"))
 def fused_linear(x, weights, norm_scale=None, biases=None, residual=None, positions=None,
-                 inv_freq=None, *, eps: float = 1e-6, activation: str | None = None,
-                 rope_weights: int = 0, rope_scale: float = 1.0, block_n: int | None = None,
+                 inv_freq=None, x_rows=None, *, eps: float = 1e-6,
+                 activation: str | None = None, rope_weights: int = 0, rope_scale: float = 1.0,
+                 transposed: bool = False, out_dtype=None, block_n: int | None = None,
                  block_k: int = DEFAULT_BLOCK_K, num_warps: int = DEFAULT_WARPS,
                  interpret=False):
-    """x `[M, K]` (M <= MAX_ROWS); weights: a tuple of `[K, N_i]` in x's dtype; norm_scale `[K]`
-    (RMSNorm with `eps` first) or None; biases: one `[N_i]` per weight, or None; residual
-    `[M, N_out]` or None; activation None (outputs side by side, N_out = sum N_i) or "silu"
-    (two weights: silu(x @ W_0) * (x @ W_1), N_out = N_0); rope_weights > 0: RoPE on the
-    first rope_weights outputs, at positions `[M]` int32 with inv_freq `[head_dim / 2]` f32,
-    cos and sin times rope_scale. Returns `[M, N_out]` in x's dtype.
+    """x `[M, K]` (M <= MAX_ROWS); weights: a tuple of `[K, N_i]` in x's dtype (`[N_i, K]`
+    with transposed); norm_scale `[K]` (RMSNorm with `eps` first) or None; biases: one `[N_i]`
+    per weight, or None; residual `[M, N_out]` or None; activation None (outputs side by side,
+    N_out = sum N_i) or "silu" (two weights: silu(x @ W_0) * (x @ W_1), N_out = N_0);
+    rope_weights > 0: RoPE on the first rope_weights outputs, at positions `[M]` int32 with
+    inv_freq `[head_dim / 2]` f32, cos and sin times rope_scale. Plain calls only (no
+    activation, RoPE or residual): x_rows `[M]` int32, the rows of x `[T, K]` to compute (any
+    T); out_dtype, the outputs' dtype (default x's; float32 for logits). Returns `[M, N_out]`.
     interpret: False on GPU; True (or an interpreter's params) to run on CPU."""
     weights = tuple(weights)
     biases = None if biases is None else tuple(biases)
-    widths, n_out = _check(x, weights, norm_scale, biases, residual, activation, positions,
-                           inv_freq, rope_weights)
-    m, k = x.shape
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    widths, n_out = _check(x, x_rows, weights, norm_scale, biases, residual, activation,
+                           positions, inv_freq, rope_weights, transposed, out_dtype)
+    m, k = x.shape if x_rows is None else (x_rows.shape[0], x.shape[1])
     bn = block_n or default_block_n(widths, gated=activation is not None)
     if rope_weights:  # a program's tile and its partner both inside half a head
         bn = min(bn, inv_freq.shape[0])
@@ -240,12 +269,13 @@ def fused_linear(x, weights, norm_scale=None, biases=None, residual=None, positi
              else sum(widths) // bn - sum(widths[:rope_weights]) // (2 * bn))
     kernel = functools.partial(
         _fused_kernel, m=m, widths=widths, activation=activation,
-        has_norm=norm_scale is not None, has_bias=biases is not None,
-        has_residual=residual is not None, eps=float(eps),
+        has_rows=x_rows is not None, has_norm=norm_scale is not None,
+        has_bias=biases is not None, has_residual=residual is not None, eps=float(eps),
         block_m=max(MIN_DOT_ROWS, next_pow2(m)), block_n=bn, block_k=bk,
-        rope_weights=rope_weights, rope_scale=float(rope_scale))
+        rope_weights=rope_weights, rope_scale=float(rope_scale), transposed=transposed)
     rope = [positions.astype(jnp.int32), inv_freq.astype(jnp.float32)] if rope_weights else []
-    operands = [x, *([norm_scale] if norm_scale is not None else []), *weights,
+    rows = [] if x_rows is None else [x_rows.astype(jnp.int32)]
+    operands = [x, *rows, *([norm_scale] if norm_scale is not None else []), *weights,
                 *(biases or ()), *([residual] if residual is not None else []), *rope]
 
     def whole(a):
@@ -257,7 +287,7 @@ def fused_linear(x, weights, norm_scale=None, biases=None, residual=None, positi
         grid=(tiles,),
         in_specs=[whole(a) for a in operands],
         out_specs=pl.BlockSpec((m, n_out), lambda i: (0, 0)),
-        out_shape=jax.ShapeDtypeStruct((m, n_out), x.dtype),  # [M, N_out]
+        out_shape=jax.ShapeDtypeStruct((m, n_out), out_dtype),  # [M, N_out]
         compiler_params=params,
         interpret=interpret,
         name="fused_linear",
@@ -275,12 +305,17 @@ def _rope_reference(y, positions, inv_freq, scale):
 
 
 def fused_linear_reference(x, weights, norm_scale=None, biases=None, residual=None,
-                           positions=None, inv_freq=None, *, eps: float = 1e-6,
+                           positions=None, inv_freq=None, x_rows=None, *, eps: float = 1e-6,
                            activation: str | None = None, rope_weights: int = 0,
-                           rope_scale: float = 1.0):
+                           rope_scale: float = 1.0, transposed: bool = False, out_dtype=None):
     """The kernel's contract in jax.numpy, op by op as models/llama.py runs a block (RMSNorm,
-    Linear, RoPE, the MLP's silu(gate) * up, the residual add). Same arguments and result."""
+    Linear, RoPE, the MLP's silu(gate) * up, the residual add) and its head (the rows taken,
+    the final norm, x @ W or x @ E^T in float32). Same arguments and result."""
     dtype = x.dtype
+    if x_rows is not None:
+        x = x[x_rows]
+    if transposed:
+        weights = [w.T for w in weights]
     h = x
     if norm_scale is not None:
         x32 = x.astype(jnp.float32)
@@ -292,7 +327,7 @@ def fused_linear_reference(x, weights, norm_scale=None, biases=None, residual=No
                        precision=lax.Precision.HIGHEST)
         if biases is not None:
             y = y + biases[i]
-        y = y.astype(dtype)
+        y = y.astype(out_dtype or dtype)
         if i < rope_weights:
             y = _rope_reference(y, positions, inv_freq, rope_scale)
         outs.append(y)

@@ -240,14 +240,20 @@ class PallasFusedLinear:
         from pallas_kernels.fused_linear import MAX_ROWS
         return MAX_ROWS
 
+    @property
+    def tile(self) -> int:
+        from pallas_kernels.gpu_tiling import MIN_DOT_ROWS
+        return MIN_DOT_ROWS  # the kernel's narrowest column tile (Triton's smallest dot)
+
     def __call__(self, x, weights, norm_scale=None, biases=None, residual=None,
-                 positions=None, inv_freq=None, *, eps: float = 1e-6,
+                 positions=None, inv_freq=None, x_rows=None, *, eps: float = 1e-6,
                  activation: str | None = None, rope_weights: int = 0,
-                 rope_scale: float = 1.0):
+                 rope_scale: float = 1.0, transposed: bool = False, out_dtype=None):
         from pallas_kernels.fused_linear import fused_linear
         return fused_linear(x, weights, norm_scale, biases, residual, positions, inv_freq,
-                            eps=eps, activation=activation, rope_weights=rope_weights,
-                            rope_scale=rope_scale, interpret=self.interpret)
+                            x_rows, eps=eps, activation=activation, rope_weights=rope_weights,
+                            rope_scale=rope_scale, transposed=transposed, out_dtype=out_dtype,
+                            interpret=self.interpret)
 
 
 def fused_linear_backend(program, model) -> PallasFusedLinear | None:
@@ -262,15 +268,16 @@ def fused_linear_backend(program, model) -> PallasFusedLinear | None:
     widths = (c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim,
               c.num_kv_heads * c.head_dim)
     leaves = jax.tree.leaves(model.params, is_leaf=is_quantized)
+    backend = PallasFusedLinear(interpret=program.linear_backend == "pallas-interpret")
     why = (fusable(c) or
-           (f"widths {widths} not all multiples of the kernel's 16-column tile"
-            if any(w % 16 for w in widths) else None) or
+           (f"widths {widths} not all multiples of the kernel's {backend.tile}-column tile"
+            if any(w % backend.tile for w in widths) else None) or
            ("quantized weights" if any(is_quantized(w) for w in leaves) else None) or
            ("LoRA adapters" if program.lora is not None else None))
     if why is not None:
         log.info("fused linears off: %s", why)
         return None
-    return PallasFusedLinear(interpret=program.linear_backend == "pallas-interpret")
+    return backend
 
 
 def head_backend(kind: str):

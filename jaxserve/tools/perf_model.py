@@ -298,13 +298,18 @@ def _pallas_cost(name, ins, hm, ctx, rows, scope) -> KernelCost:
             flops = 2 * (math.prod(x[1]) // k) * n * k
         return KernelCost(name, ins.name, "int4_matmul", moved, flops, scope=scope)
     if "fused_linear" in name:
-        # x [M, K] first, then the weights [K, N_i]: 2 M K N_i FLOPs each. The norm scale,
-        # biases and RoPE vectors are 1-D; a residual [M, N] would pass for a weight only
-        # where M = K (M <= 64 rows, K a model width).
+        # x [M, K] first (the LM head: x [T, K], then the M rows it takes, [M] int32), then
+        # the weights [K, N_i] (a tied head's [N, K]): 2 M K N_i FLOPs each. The norm scale,
+        # biases and RoPE vectors are 1-D; a residual [M, N] (M <= 64 rows) would pass for a
+        # weight only where M = K (K a model width).
         (_, (m, k)), flops = ops[0], 0
+        if len(ops) > 1 and ops[1][0] == "s32" and len(ops[1][1]) == 1:
+            m = ops[1][1][0]
         for _, shape in ops[1:]:
             if len(shape) == 2 and shape[0] == k:
                 flops += 2 * m * k * shape[1]
+            elif len(shape) == 2 and shape[1] == k and shape[0] > 64:
+                flops += 2 * m * k * shape[0]
         return KernelCost(name, ins.name, "fused_linear", moved, flops, scope=scope)
     return KernelCost(name, ins.name, "pallas", moved, 0, scope=scope)
 

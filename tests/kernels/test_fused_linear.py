@@ -5,9 +5,9 @@ computation; argument checks; the CUDA lowering and the sm_90a compile of the en
 
 Tolerances: pallas_kernels/cases.py (FUSED_LINEAR_TOLERANCE).
 Grid: M {1, 5, 16, 37, 64} x kind {qkv (norm, three weights, biases), qkv_rope (and RoPE on q
-and k, head_dim 64 or 128), gated (norm, gate/up, SiLU), residual, plain} x (K, widths) x {f32,
-bf16}, a subset covering every value of each axis (the full product is 100 interpreted
-kernels).
+and k, head_dim 64 or 128), gated (norm, gate/up, SiLU), residual, plain, lm_head (norm, rows
+gathered, f32 out), head (that, tied: the weight transposed)} x (K, widths) x {f32, bf16}, a
+subset covering every value of each axis (the full product is 140 interpreted kernels).
 """
 
 from __future__ import annotations
@@ -46,6 +46,10 @@ CASES = [
     (64, 96, (64, 64), "gated", BF16),
     (64, 64, (32, 32, 32), "plain", BF16),
     (64, 64, (64, 32, 32), "qkv", F32),
+    (1, 576, (1536,), "head", BF16),
+    (5, 64, (96,), "head", F32),
+    (37, 96, (256,), "lm_head", BF16),
+    (64, 64, (64,), "head", BF16),
 ]
 
 
@@ -74,7 +78,7 @@ def _case(case) -> dict:
 def test_kernel_matches_reference_and_numpy(case, interpret):
     args, dtype = _case(case), case[-1]
     got = fused_linear(**args, eps=EPS, interpret=interpret)
-    assert got.dtype == dtype
+    assert got.dtype == (F32 if case[3].endswith("head") else dtype)
     want, mag = fused_linear_numpy(**args, eps=EPS)
     _assert_within(got, want, mag, dtype)
     ref = fused_linear_reference(**args, eps=EPS)
@@ -116,6 +120,10 @@ def test_the_bound_sees_the_errors_it_guards_against(wrong):
     (dict(k=72), "K divisible by 16"),
     (dict(activation="silu", widths=(32,)), "two weights of one shape"),
     (dict(activation="gelu"), "activation must be one of"),
+    (dict(activation="silu", out_dtype=jnp.bfloat16), "for plain calls"),
+    (dict(x_rows=jnp.zeros((2, 1), jnp.int32)), "x_rows must be"),
+    (dict(x_rows=jnp.zeros((MAX_ROWS + 1,), jnp.int32)), "decode steps"),
+    (dict(transposed=True), "weights must be \\[N, K=64\\]"),
 ])
 def test_bad_arguments_are_refused_with_the_reason(bad, message):
     m, k, widths = bad.get("m", 4), bad.get("k", 64), bad.get("widths", (32, 32))
@@ -123,8 +131,9 @@ def test_bad_arguments_are_refused_with_the_reason(bad, message):
     w = tuple(jnp.ones((k, n), F32) for n in widths)
     rope = dict(positions=jnp.zeros((m,), jnp.int32), inv_freq=jnp.ones((16,), F32),
                 rope_weights=bad["rope_weights"]) if "rope_weights" in bad else {}
+    extra = {key: bad[key] for key in ("x_rows", "out_dtype", "transposed") if key in bad}
     with pytest.raises(ValueError, match=message):
-        fused_linear(x, w, activation=bad.get("activation"), interpret=True, **rope)
+        fused_linear(x, w, activation=bad.get("activation"), interpret=True, **rope, **extra)
 
 
 def test_block_n_fills_an_h200():
@@ -141,14 +150,19 @@ def _h200_args(m, k, widths, kind, head_dim):
     """(the kernel's array arguments as ShapeDtypeStructs, its static keywords)."""
     sd, b = jax.ShapeDtypeStruct, BF16
     gated, rope = kind == "gated", kind == "qkv_rope"
+    head, tied = kind.endswith("head"), kind == "head"
     n_out = widths[0] if gated else sum(widths)
-    arrays = (sd((m, k), b), tuple(sd((k, n), b) for n in widths),
+    arrays = (sd((m, k), b), tuple(sd((n, k) if tied else (k, n), b) for n in widths),
               sd((k,), b) if kind != "residual" else None,
               tuple(sd((n,), b) for n in widths) if rope else None,
               sd((m, n_out), b) if kind == "residual" else None,
               sd((m,), jnp.int32) if rope else None,
-              sd((head_dim // 2,), jnp.float32) if rope else None)
-    return arrays, dict(activation="silu" if gated else None, rope_weights=2 if rope else 0)
+              sd((head_dim // 2,), jnp.float32) if rope else None,
+              sd((m,), jnp.int32) if head else None)
+    static = dict(activation="silu" if gated else None, rope_weights=2 if rope else 0)
+    if head:
+        static.update(transposed=tied, out_dtype=jnp.float32)
+    return arrays, static
 
 
 def _fn(static):
@@ -165,6 +179,18 @@ def test_kernel_lowers_for_cuda():
     assert len(calls) == 1 and 'name = "fused_linear"' in calls[0]
     assert "grid_x = 224 : i32, grid_y = 1 : i32" in calls[0]  # (4096 + 1024) / 32 + 1024 / 16
     assert not re.search(r"stablehlo\.(pad|dot_general|reduce|rsqrt|cosine|sine)\b", text)
+
+
+def test_head_lowers_for_cuda_as_one_call():
+    """SmolLM2's tied head at batch 64: the rows' gather, the final norm and the dot against
+    the embedding as stored `[V, D]` are one Triton call of V / 32 programs returning f32
+    logits; no gather, transpose, norm or dot left to XLA."""
+    arrays, static = _h200_args(64, 576, (49152,), "head", 64)
+    text = cuda_lowering.lower_for_h200(_fn(static), *arrays)
+    calls = re.findall(r"custom_call @__gpu\$xla\.gpu\.triton.*", text)
+    assert len(calls) == 1 and "grid_x = 1536 : i32" in calls[0]
+    assert "-> tensor<64x49152xf32>" in calls[0]
+    assert not re.search(r"stablehlo\.(gather|transpose|dot_general|reduce|rsqrt)\b", text)
 
 
 @pytest.mark.parametrize("model", sorted(FUSED_LINEAR_SHAPES))

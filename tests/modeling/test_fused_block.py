@@ -58,6 +58,38 @@ def test_fused_block_equals_the_plain_block(packed, tokens):
     assert np.abs(np.asarray(base) - np.asarray(want)).max() > 1e-2
 
 
+@pytest.mark.parametrize("tied", [False, True], ids=["lm_head", "tied"])
+def test_fused_head_equals_the_plain_head(tied):
+    """The logits rows' gather, the final norm and the LM head in one fused call (a tied
+    head reads the embedding transposed): the plain model's logits for the rows asked, in
+    the order asked."""
+    config = dataclasses.replace(CONFIG, tie_word_embeddings=tied)
+    model = random_model(config, seed=5)
+    rng = np.random.default_rng(1)
+    params = jax.tree_util.tree_map_with_path(  # the final norm's scale away from ones
+        lambda path, p: (p + rng.normal(size=p.shape).astype(p.dtype) * 0.3
+                         if path[-1].key == "scale" else p), model.params)
+    assert ("lm_head" in params) != tied
+    seq = np.asarray([[5, 9, 33, 2, 7, 100, 17]], np.int32)  # [1, 7]
+    pos = np.arange(7, dtype=np.int32)[None]
+    index = jnp.asarray([6, 2, 4], jnp.int32)  # [R]
+    want, _ = model.module().apply({"params": params}, seq, pos, logits_index=index)
+    got, _ = Llama(config, fused_linear=FUSED).apply({"params": params}, seq, pos,
+                                                     logits_index=index)
+    assert got.shape == (3, config.vocab_size) and got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_a_vocabulary_the_kernel_tiles_do_not_divide_keeps_the_plain_head():
+    config = dataclasses.replace(CONFIG, vocab_size=250)
+    model = random_model(config, seed=5)
+    seq, pos = np.asarray([[5, 9]], np.int32), np.asarray([[0, 1]], np.int32)
+    want, _ = model.module().apply({"params": model.params}, seq, pos)
+    got, _ = Llama(config, fused_linear=FUSED).apply({"params": model.params}, seq, pos)
+    assert got.shape == (1, 2, 250)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
 def test_fused_params_are_the_plain_ones():
     """A fused model initialises the same tree (names, shapes) as the plain one."""
     tokens = jnp.zeros((1, 1), jnp.int32)
