@@ -177,7 +177,8 @@ class ModelRunner:
         with jax.named_scope("step"):
             # Decode inputs not known on the host come from the slot's last sample.
             tokens = jnp.where(f("feed") != 0, state.last_tokens[token_slot], f("tokens"))  # [T]
-            history = state.history.at[token_slot, meta.positions[0]].set(tokens)
+            history = slot_state.set_in_bounds(state.history, (token_slot, meta.positions[0]),
+                                                tokens)
             # Each token's adapter slot, from its batch slot (idle tokens: the idle slot's -1),
             # indexed once for the step's L x 7 adapted linears.
             lora = (self.lora_backend.index(state.lora[token_slot], self.lora.max_loras)
@@ -212,7 +213,8 @@ class ModelRunner:
                              backend=self.sampler_backend)
             written = jnp.where(samples, row_slot, self.idle_slot)
             state = dataclasses.replace(state, history=history,
-                                        last_tokens=state.last_tokens.at[written].set(out.tokens))
+                                        last_tokens=slot_state.set_in_bounds(
+                                            state.last_tokens, (written,), out.tokens))
         if pooled is not None:
             out = dataclasses.replace(out, pooled=pooled)
         if prompt is not None:

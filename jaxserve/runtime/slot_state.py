@@ -91,3 +91,14 @@ def rows_sampling(state: SlotState, row_slot, context_lens) -> SamplingTensors:
     st = jax.tree.map(lambda a: a[row_slot], state.sampling)
     generated = jnp.maximum(context_lens - state.prompt_lens[row_slot], 0)
     return dataclasses.replace(st, num_generated=generated)
+
+
+def set_in_bounds(x: jax.Array, index: tuple[jax.Array, ...], values: jax.Array) -> jax.Array:
+    """x.at[index].set(values): index one `[N]` array per leading axis of x, all in bounds (a
+    step's slots and positions), values `[N]`. A one-token step writes with a dynamic update
+    slice: XLA runs a scatter of one element as three kernels on a GPU (its out-of-bounds
+    check, the old value, the update), where in-bounds indices need one."""
+    if values.shape[0] == 1:
+        return jax.lax.dynamic_update_slice(
+            x, values.reshape((1,) * len(index)).astype(x.dtype), tuple(i[0] for i in index))
+    return x.at[index].set(values)
