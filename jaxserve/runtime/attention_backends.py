@@ -158,7 +158,9 @@ class PallasAttention(AttentionBackend):
     Pallas backend (EngineConfig.gpu_kernels, resolved): "triton"
     (pallas_kernels/ragged_paged_attention.py, the step's keys and values written by the
     kernel itself) or "mosaic" (pallas_kernels/ragged_paged_attention_mgpu.py, Hopper and
-    later; the keys and values written first by an XLA scatter into the donated cache).
+    later; the keys and values written first into the donated cache: from q, k and v packed
+    (the fused q/k/v kernel's output) by the Triton KV-write kernel in one launch, else by
+    XLA's scatters).
     """
 
     interpret: bool = False  # the Pallas interpreter: the kernel on CPU, for tests
@@ -196,9 +198,20 @@ class PallasAttention(AttentionBackend):
 
     def attend_packed(self, qkv, cache, layer, meta, *, num_heads, window=None, softcap=None,
                       scale=None):
-        if self.kernels == "mosaic" or cache.quantized:
+        if cache.quantized:
             return super().attend_packed(qkv, cache, layer, meta, num_heads=num_heads,
                                          window=window, softcap=softcap, scale=scale)
+        if self.kernels == "mosaic":
+            # One kernel writes the keys and values from the packed array (kv_write.py) where
+            # XLA's write_kv takes three (the k/v split, a scatter per cache); the Mosaic
+            # kernel then reads q as a slice of it (XLA passes the slice without a copy).
+            kv_heads = (qkv.shape[2] - num_heads) // 2
+            packed = qkv[0].astype(cache.k.dtype)  # [T, H + 2K, Dh]
+            kc, vc = write_kv_cache((cache.k, cache.v), layer, meta.slots[0], (packed, packed),
+                                    heads_at=(num_heads, num_heads + kv_heads),
+                                    interpret=self.interpret)
+            return self._mosaic(packed[:, :num_heads], KVCache(k=kc, v=vc), layer, meta,
+                                window=window, softcap=softcap, scale=scale, dtype=qkv.dtype)
         out, cache = self._attend_triton(qkv[0], num_heads, cache, layer, meta,
                                          self._kernel_kw(window, softcap, scale))
         return out[None].astype(qkv.dtype), cache
@@ -232,12 +245,18 @@ class PallasAttention(AttentionBackend):
         cache = write_kv(cache, layer, k, v, meta.slots)
         # q in the cache's dtype, as the Triton path reads it (bf16: what the kernel takes).
         dtype = q.dtype if cache.quantized else cache.k.dtype
+        return self._mosaic(q[0].astype(dtype), cache, layer, meta, window=window,
+                            softcap=softcap, scale=scale, dtype=q.dtype)
+
+    def _mosaic(self, q, cache, layer, meta, *, window, softcap, scale, dtype):
+        """The Mosaic GPU kernel on q `[T, H, Dh]` over a cache holding the step's keys and
+        values: (`[1, T, H, Dh]` in dtype, cache)."""
         out = ragged_paged_attention_mgpu(
-            q[0].astype(dtype), cache.k, cache.v, layer, meta.page_table,
+            q, cache.k, cache.v, layer, meta.page_table,
             meta.query_start, meta.context_lens, k_scale=cache.k_scale, v_scale=cache.v_scale,
             window=window, softcap=softcap, sm_scale=scale,
             interpret=mosaic_interpret(self.interpret))  # [T, H, Dh]
-        return out[None].astype(q.dtype), cache
+        return out[None].astype(dtype), cache
 
     def supports(self, config: ModelConfig, block_size: int) -> tuple[str, ...]:
         if self.kernels == "mosaic":

@@ -297,6 +297,14 @@ def _pallas_cost(name, ins, hm, ctx, rows, scope) -> KernelCost:
             k, n = 2 * math.prod(packed[1][:-1]), packed[1][-1]
             flops = 2 * (math.prod(x[1]) // k) * n * k
         return KernelCost(name, ins.name, "int4_matmul", moved, flops, scope=scope)
+    if "kv_cache_write" in name:
+        # pallas_kernels/kv_write.py: the caches come back aliased (updated in place); it
+        # reads the step's new values (a packed q/k/v array: q's heads too) and writes as many
+        # bytes at most, not the caches it is handed.
+        caches = set(ins.result)
+        new = [o for o in ops if o not in caches and o[0] in _FLOATS + ("s8",) and o[1]]
+        return KernelCost(name, ins.name, "pallas", 2 * sum(map(type_bytes, new)), 0,
+                          scope=scope)
     if "fused_linear" in name:
         # x [M, K] first (the LM head: x [T, K], then the M rows it takes, [M] int32), then
         # the weights [K, N_i] (a tied head's [N, K]): 2 M K N_i FLOPs each. The norm scale,
