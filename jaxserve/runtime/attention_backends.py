@@ -204,14 +204,15 @@ class PallasAttention(AttentionBackend):
         if self.kernels == "mosaic":
             # One kernel writes the keys and values from the packed array (kv_write.py) where
             # XLA's write_kv takes three (the k/v split, a scatter per cache); the Mosaic
-            # kernel then reads q as a slice of it (XLA passes the slice without a copy).
+            # kernel then reads its first num_heads heads, the queries, in place.
             kv_heads = (qkv.shape[2] - num_heads) // 2
             packed = qkv[0].astype(cache.k.dtype)  # [T, H + 2K, Dh]
             kc, vc = write_kv_cache((cache.k, cache.v), layer, meta.slots[0], (packed, packed),
                                     heads_at=(num_heads, num_heads + kv_heads),
                                     interpret=self.interpret)
-            return self._mosaic(packed[:, :num_heads], KVCache(k=kc, v=vc), layer, meta,
-                                window=window, softcap=softcap, scale=scale, dtype=qkv.dtype)
+            return self._mosaic(packed, KVCache(k=kc, v=vc), layer, meta, window=window,
+                                softcap=softcap, scale=scale, dtype=qkv.dtype,
+                                num_heads=num_heads)
         out, cache = self._attend_triton(qkv[0], num_heads, cache, layer, meta,
                                          self._kernel_kw(window, softcap, scale))
         return out[None].astype(qkv.dtype), cache
@@ -248,13 +249,14 @@ class PallasAttention(AttentionBackend):
         return self._mosaic(q[0].astype(dtype), cache, layer, meta, window=window,
                             softcap=softcap, scale=scale, dtype=q.dtype)
 
-    def _mosaic(self, q, cache, layer, meta, *, window, softcap, scale, dtype):
-        """The Mosaic GPU kernel on q `[T, H, Dh]` over a cache holding the step's keys and
-        values: (`[1, T, H, Dh]` in dtype, cache)."""
+    def _mosaic(self, q, cache, layer, meta, *, window, softcap, scale, dtype,
+                num_heads=None):
+        """The Mosaic GPU kernel on q `[T, Hq, Dh]` (its first num_heads heads; None: all)
+        over a cache holding the step's keys and values: (`[1, T, H, Dh]` in dtype, cache)."""
         out = ragged_paged_attention_mgpu(
             q, cache.k, cache.v, layer, meta.page_table,
             meta.query_start, meta.context_lens, k_scale=cache.k_scale, v_scale=cache.v_scale,
-            window=window, softcap=softcap, sm_scale=scale,
+            window=window, softcap=softcap, num_heads=num_heads, sm_scale=scale,
             interpret=mosaic_interpret(self.interpret))  # [T, H, Dh]
         return out[None].astype(dtype), cache
 
