@@ -146,8 +146,7 @@ def _fused_kernel(*refs, m, widths, activation, has_rows, has_norm, has_bias, ha
         the output's: the head's f32 logits)."""
         if b_ref is not None:
             acc = acc + b_ref[pl.ds(col, block_n)].astype(f32)[None, :]
-        return acc.astype(dtype if activation or rope_weights or has_residual
-                          else out_ref.dtype)
+        return acc.astype(out_ref.dtype)  # x's dtype but in plain calls (_check)
 
     def finish(y, out_col):
         if res_ref is not None:

@@ -34,6 +34,7 @@ _TRITON = "__gpu$xla.gpu.triton"
 _MOSAIC = 'custom_call_target="mosaic_gpu'
 _MOSAIC_NAME = re.compile(r'op_name="[^"]*?([\w.\-]+)/mpmd_map')
 _FLOATS = ("bf16", "f16", "f32")
+_FUSED_MAX_ROWS = 64  # pallas_kernels/fused_linear.py MAX_ROWS (that module imports jax)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -316,7 +317,7 @@ def _pallas_cost(name, ins, hm, ctx, rows, scope) -> KernelCost:
         for _, shape in ops[1:]:
             if len(shape) == 2 and shape[0] == k:
                 flops += 2 * m * k * shape[1]
-            elif len(shape) == 2 and shape[1] == k and shape[0] > 64:
+            elif len(shape) == 2 and shape[1] == k and shape[0] > _FUSED_MAX_ROWS:
                 flops += 2 * m * k * shape[0]
         return KernelCost(name, ins.name, "fused_linear", moved, flops, scope=scope)
     return KernelCost(name, ins.name, "pallas", moved, 0, scope=scope)
