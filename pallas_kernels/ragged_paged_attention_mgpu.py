@@ -48,10 +48,11 @@ wgmma only on SMEM operands and has neither run_state nor accumulator stores, so
 `interpret` p goes through SMEM and the PV product is added from a fresh accumulator: the
 same sums; on a GPU p stays in registers and the accumulator is updated in place.
 
-Open: in the GPU interpreter, G = 3 with a padding row (q_len 0) between two rows, e.g.
-rows (q_len, ctx) [(1, 5), (70, 90), (0, 0), (3, 12)] at block size 32, hangs two warpgroups
-in a barrier wait (G = 1 and the same rows without the padding row pass); not yet known
-whether the kernel or the interpreter is at fault: do not ship on GPU before that is settled.
+In the GPU interpreter a program of G + 1 >= 4 warpgroups needs XLA:CPU's thread pool to
+have as many threads (pallas_kernels/mosaic_interpret.py): on a 2-core machine it hung, e.g.
+G = 3 with a padding row between rows, with two warpgroups' barrier waits holding both pool
+threads. That was the interpreter's host, not the kernel: with NPROC=8 the same case passes
+against the oracle, race detection on.
 
 What only a GPU run can show: speed, the register budget of the G + 1 warpgroups at run
 time (deviceless compiles pass), and the real TMA's zero-fill of a q box past T.

@@ -27,9 +27,8 @@ RACE = "RACE DETECTED"
 LAYER = rpa.LAYER
 BF16 = jnp.bfloat16
 
-# Rows longer than a 64-query tile, starting off the 8-token grid the q box is aligned to.
-# (With a padding row (0, 0) before the last row and G = 3, the interpreter hangs in a
-# barrier wait: not yet understood, see the module docstring of the kernel; G = 1 passes.)
+# Rows longer than a 64-query tile, starting off the 8-token grid the q box is aligned to;
+# and with a padding row (0, 0) before the last row.
 LONG = dict(rows=[(1, 5), (70, 90), (3, 12)], head=5, tail=2)
 LONG_PADDED = dict(rows=[(1, 5), (70, 90), (0, 0), (3, 12)], head=5, tail=2)
 
@@ -42,12 +41,13 @@ CASES = [
     (64, 128, 3, "mixed"),
     (64, 32, 3, LONG),
     (64, 32, 1, LONG_PADDED),
+    (64, 32, 3, LONG_PADDED),
 ]
 
 
-# G >= 3 runs 4+ warpgroup threads per program, which the GPU interpreter runs only where it
-# does not stall (pallas_kernels/mosaic_interpret.py; CI hung at G = 3 "mixed" on 2 cores,
-# which passes on a quiet machine). The G <= 2 cases and the sm_90a compiles run everywhere.
+# G >= 3 runs 4+ warpgroup threads per program, which the GPU interpreter runs only where
+# XLA:CPU's pool has as many threads (pallas_kernels/mosaic_interpret.py; tests/conftest.py
+# sets NPROC for it). The sm_90a compiles run everywhere.
 MANY_WARPGROUPS = pytest.mark.skipif(interpret_stall(True, 4) is not None,
                                      reason=str(interpret_stall(True, 4)))
 
@@ -105,18 +105,18 @@ def test_queries_packed_with_other_heads(capfd):
     rpa.check(out, (q, k, v, LAYER, pt, qs, cl), BF16)
 
 
-def test_padding_and_garbage_table_entries(capfd):
+@pytest.mark.parametrize("group", [1, pytest.param(3, marks=MANY_WARPGROUPS)])
+def test_padding_and_garbage_table_entries(group, capfd):
     # A step of padding rows only gives zeros; table entries past each context point far
     # outside the cache (pages are read only below each tile's causal bound).
     spec = dict(rows=[(0, 0), (0, 5), (0, 0)], head=2, tail=3)
-    q, k, v, pt, qs, cl = rpa.make_case(2, dtype=BF16, block_size=16, group=1, head_dim=64,
-                                        mix=spec)
+    q, k, v, pt, qs, cl = rpa.make_case(2, dtype=BF16, block_size=16, group=group,
+                                        head_dim=64, mix=spec)
     np.testing.assert_array_equal(np.asarray(run(q, k, v, pt, qs, cl, capfd),
                                              np.float32), 0.0)
     spec = dict(rows=[(1, 1), (3, 20), (0, 0), (5, 40)], head=1, tail=0)
-    # G = 1: with G = 3 this mix (a padding row between rows) hangs the interpreter (LONG).
-    q, k, v, pt, qs, cl = rpa.make_case(4, dtype=BF16, block_size=16, group=1, head_dim=64,
-                                        mix=spec)
+    q, k, v, pt, qs, cl = rpa.make_case(4, dtype=BF16, block_size=16, group=group,
+                                        head_dim=64, mix=spec)
     garbage = np.asarray(pt).copy()
     garbage[0, 1:] = 10**6
     garbage[1, 2:] = -7
@@ -210,3 +210,16 @@ def test_compiles_for_sm90a(model, block_size, step, num_blocks, kw):
     compiled = compile_for_h200(fn, *engine_shapes(model, block_size, step,
                                                    num_blocks=num_blocks))
     assert compiled.as_text()
+
+
+def test_interpreter_skip_reads_xla_cpu_pool_size(monkeypatch):
+    # The hang it guards: 4 warpgroups on a 2-thread pool (docs/gpu.md).
+    monkeypatch.delenv("PORTABLE_NPROC", raising=False)
+    monkeypatch.setenv("NPROC", "2")
+    assert "NPROC=8" in interpret_stall(True, 4)
+    assert interpret_stall(True, 2) is None
+    assert interpret_stall(False, 5) is None  # compiled kernels always run
+    monkeypatch.setenv("NPROC", "8")
+    assert interpret_stall(True, 5) is None
+    monkeypatch.setenv("PORTABLE_NPROC", "3")  # read first, as XLA:CPU reads it
+    assert interpret_stall(True, 4) is not None
