@@ -20,7 +20,9 @@ def mosaic_interpret(interpret: bool, detect_races: bool = False):
 # CPU count): with fewer pool threads than warpgroups, the blocked waits can hold every pool
 # thread while the warpgroup that would complete the barrier never gets one, and the program
 # hangs for good (seen on 2 cores: two callbacks blocked in barrier waits, the others' waiting
-# for a thread; with NPROC=8 the same case runs in 12 s). tests/conftest.py sets it.
+# for a thread; with NPROC=8 the same case runs in 12 s). Set it only for processes that
+# interpret such kernels: the engine sizes its own pool from the CPUs it is given
+# (jaxserve/runtime/host_cores.py), which NPROC overrides.
 POOL_ENV = "NPROC"
 POOL_THREADS = 8  # enough for the kernels' at most 5 warpgroups
 

@@ -62,15 +62,9 @@ torch/transformers for the peer, pytest for kernel_tests) besides this repositor
 
 from __future__ import annotations
 
-import os
 import sys
 
-if "--dry-run" in sys.argv[1:]:
-    # The GPU interpreter hangs when XLA:CPU's pool has fewer threads than a kernel has
-    # warpgroups (pallas_kernels/mosaic_interpret.py); the pool is sized when jax starts.
-    os.environ.setdefault("NPROC", str(max(os.cpu_count() or 1, 8)))
-
-from jaxserve.tools.gpu_check.driver import main  # noqa: E402
+from jaxserve.tools.gpu_check.driver import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -7,9 +7,6 @@ import pytest
 # Tests run on the CPU path; the persistent cache makes a second run skip XLA compiles.
 # On a GPU machine, JAX_PLATFORMS=cuda selects the `gpu` tier (compiled kernel tests).
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# The GPU interpreter (Mosaic GPU kernel tests) hangs when XLA:CPU's pool has fewer threads than
-# a kernel has warpgroups: pallas_kernels/mosaic_interpret.py. Read once, when jax starts.
-os.environ.setdefault("NPROC", str(max(os.cpu_count() or 1, 8)))
 
 # The CUDA compiler plugin (for deviceless sm_90 compiles of the Pallas kernels) lives outside
 # .venv (scripts/setup.sh --test puts it in .cuda-plugin/): inside .venv every jax start on a

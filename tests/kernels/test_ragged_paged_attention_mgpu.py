@@ -6,6 +6,9 @@ clear refusals, and sm_90a lowering / deviceless compiles for the engine's shape
 from __future__ import annotations
 
 import functools
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +18,7 @@ import pytest
 
 from pallas_kernels.cases import (ATTENTION_MODELS, RAGGED_ENGINE_STEPS, attention_tolerance,
                                   ragged_engine_shapes)
-from pallas_kernels.mosaic_interpret import interpret_stall
+from pallas_kernels.mosaic_interpret import POOL_ENV, POOL_THREADS, interpret_stall
 from pallas_kernels.ragged_paged_attention_mgpu import (cost, ragged_paged_attention_mgpu,
                                                         unsupported)
 from pallas_kernels.ragged_paged_attention_reference import ragged_paged_attention_reference
@@ -46,10 +49,20 @@ CASES = [
 
 
 # G >= 3 runs 4+ warpgroup threads per program, which the GPU interpreter runs only where
-# XLA:CPU's pool has as many threads (pallas_kernels/mosaic_interpret.py; tests/conftest.py
-# sets NPROC for it). The sm_90a compiles run everywhere.
-MANY_WARPGROUPS = pytest.mark.skipif(interpret_stall(True, 4) is not None,
-                                     reason=str(interpret_stall(True, 4)))
+# XLA:CPU's pool has as many threads (pallas_kernels/mosaic_interpret.py). Where this
+# process's pool is smaller (NPROC is not set for the whole suite: the engine sizes its own
+# pool, runtime/host_cores.py), they are skipped here and run together in a subprocess with
+# NPROC set (test_many_warpgroup_cases_in_a_wide_pool). The sm_90a compiles run everywhere.
+NARROW_POOL = interpret_stall(True, 4)
+MANY_WARPGROUPS = (pytest.mark.many_warpgroups,
+                   pytest.mark.skipif(NARROW_POOL is not None,
+                                      reason=f"{NARROW_POOL} (run in a subprocess)"))
+
+
+def many_warpgroups(test):
+    for mark in MANY_WARPGROUPS:
+        test = mark(test)
+    return test
 
 
 def interpreted(case, group):
@@ -94,7 +107,7 @@ def test_window_and_softcap_match_reference(block_size, group, capfd):
                            **attention_tolerance(BF16))  # the window really cuts
 
 
-@MANY_WARPGROUPS
+@many_warpgroups
 def test_queries_packed_with_other_heads(capfd):
     # q as the first H of Hq heads per token ([q | k | v]); the others are NaN.
     q, k, v, pt, qs, cl = rpa.make_case(7, dtype=BF16, block_size=16, group=3, head_dim=64,
@@ -223,3 +236,16 @@ def test_interpreter_skip_reads_xla_cpu_pool_size(monkeypatch):
     assert interpret_stall(True, 5) is None
     monkeypatch.setenv("PORTABLE_NPROC", "3")  # read first, as XLA:CPU reads it
     assert interpret_stall(True, 4) is not None
+
+
+@pytest.mark.subprocess
+@pytest.mark.timeout(1500)
+@pytest.mark.skipif(NARROW_POOL is None, reason="this process's pool runs them in place")
+def test_many_warpgroup_cases_in_a_wide_pool():
+    env = {**os.environ, POOL_ENV: str(POOL_THREADS)}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "-p", "no:xdist", "-m", "many_warpgroups", __file__],
+                          env=env, capture_output=True, text=True, timeout=1400)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    summary = proc.stdout.strip().splitlines()[-1]
+    assert " passed" in summary and "skipped" not in summary, summary
