@@ -33,13 +33,25 @@ is idle anyway; packing a decode token's G heads into one tile would need a 3-D 
 reshaped swizzled SMEM tile (not done). No split of long contexts over programs
 (flash-decoding): a batch-1 decode runs K programs (see `cost`).
 
-Supported: bf16 q and bf16 caches, head_dim 64 or 128, block sizes 16, 32, 64, 128 (128
-only where SMEM allows: not the 8B model's G = 4, head_dim 128), G <= 4 query heads per KV
-head (SMEM holds G query and output tiles; threads (G + 1) * 128). Refused, with the reason
-from `unsupported`: f32 (wgmma would run it as TF32, not the reference's precision) and int8
-caches (not done: the per-(token, head) scales of a page are `[BS]` with stride K, no TMA
-box; they would need the page's `[BS, K]` slab in SMEM and a strided gather into the
-logits' column layout).
+Supported: bf16 q, bf16 or int8 caches, head_dim 64 or 128, block sizes 16, 32, 64, 128
+(128 only where SMEM allows: not the 8B model's G = 4, head_dim 128), G <= 4 query heads per
+KV head (SMEM holds G query and output tiles; threads (G + 1) * 128). Refused, with the
+reason from `unsupported`: f32 (wgmma would run it as TF32, not the reference's precision)
+and other cache types.
+
+int8 caches (codes `[L, NB, BS, K, Dh]`, f32 scales `[L, NB, BS, K]`): wgmma takes no int8
+operand beside a bf16 one from SMEM, and one KV head's scales of a page are `[BS]` at stride
+K, which no TMA box reads. So the producer stages each page's codes (int8, a TMA as for bf16)
+and its whole scale slab `[BS, K]` (contiguous; read from the flattened scales, rounded up
+to the 128 bytes a copy moves), then writes the codes as bf16 into the slot (exact) and
+gathers its head's `[keys]` scales by scalar SMEM reads (`_producer_int8`). The compute
+warpgroups multiply the logits' columns by the key scales and p's columns by the value
+scales in f32 before p is rounded to bf16: the Triton kernel's arithmetic, so its tolerances
+hold. Garbage slots have finite codes and possibly NaN scales: the value scales outside the
+tile's keys are zeroed, the logits there are masked to -inf as before. Costs beside bf16:
+half the cache bytes, plus per step the producer's conversion (registers) and a gather of
+`keys` scalars per K and V, which on a GPU may make the single producer warpgroup, not HBM,
+the bound at batch 1 (only a GPU run can tell).
 
 Lowered with Lane semantics (Warpgroup semantics' layout inference cannot tile the plain
 SMEM the output is stored to and sent row by row), so every TMA moves a multiple of 128
@@ -79,21 +91,44 @@ MAX_GROUP = 4
 BLOCK_SIZES = (16, 32, 64, 128)
 HEAD_DIMS = (64, 128)
 SMEM_BYTES = 227 * 1024
+MAX_COPY = 256     # elements a TMA copy moves along a dimension
 
 
-def _smem_bytes(group: int, head_dim: int, block_size: int) -> int:
+def _stages(group: int, head_dim: int, block_size: int, num_kv_heads: int) -> int:
+    """int8 caches: staging buffers of codes and scales (2 where shared memory allows)."""
+    return 2 if _smem_bytes(group, head_dim, block_size, num_kv_heads, 2) <= SMEM_BYTES else 1
+
+
+def _slab_width(block_size: int, num_kv_heads: int) -> int:
+    """f32 scales read per page of an int8 cache: its `[BS, K]` slab, rounded up to the 128
+    bytes a Lane-semantics copy moves in whole."""
+    return -(-block_size * num_kv_heads // 32) * 32
+
+
+def _smem_bytes(group: int, head_dim: int, block_size: int, num_kv_heads: int | None = None,
+                stages: int = 0) -> int:
+    """Shared memory of a program; num_kv_heads and stages for an int8 cache (codes staged
+    as int8, the pages' whole `[BS, K]` scale slabs, and each slot's two scale vectors)."""
     keys = max(TILE, block_size)
-    return 2 * (2 * group * TILE * head_dim + 2 * SLOTS * keys * head_dim)
+    size = 2 * (2 * group * TILE * head_dim + 2 * SLOTS * keys * head_dim)
+    if num_kv_heads is not None:
+        slabs = keys // block_size if block_size < TILE else 1
+        size += stages * 2 * (keys * head_dim + 4 * slabs * _slab_width(block_size,
+                                                                     num_kv_heads))
+        size += SLOTS * 2 * keys * 4
+    return size
 
 
 def unsupported(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                 dtype, kv_dtype=None) -> str | None:
-    """Why this kernel cannot serve the shape, or None when it can."""
+    """Why this kernel cannot serve the shape, or None when it can. dtype: q's; kv_dtype: the
+    cache's (None: q's)."""
     dtype = jnp.dtype(dtype)
+    kv_dtype = dtype if kv_dtype is None else jnp.dtype(kv_dtype)
     if dtype != jnp.bfloat16:
         return f"q must be bfloat16 (wgmma would run {dtype.name} as TF32), got {dtype.name}"
-    if kv_dtype is not None and jnp.dtype(kv_dtype) != jnp.bfloat16:
-        return f"only bfloat16 caches are supported, got {jnp.dtype(kv_dtype).name}"
+    if kv_dtype not in (jnp.bfloat16, jnp.int8):
+        return f"the cache must be bfloat16 or int8, got {kv_dtype.name}"
     if num_kv_heads < 1 or num_heads % num_kv_heads:
         return f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads"
     group = num_heads // num_kv_heads
@@ -103,14 +138,17 @@ def unsupported(num_heads: int, num_kv_heads: int, head_dim: int, block_size: in
         return f"head_dim {head_dim} not in {HEAD_DIMS}"
     if block_size not in BLOCK_SIZES:
         return f"block size {block_size} not in {BLOCK_SIZES}"
-    if _smem_bytes(group, head_dim, block_size) > SMEM_BYTES:
-        return (f"{_smem_bytes(group, head_dim, block_size)} bytes of shared memory for "
-                f"G={group}, head_dim {head_dim}, block size {block_size}: over {SMEM_BYTES}")
+    int8 = (num_kv_heads, 1) if kv_dtype == jnp.int8 else ()
+    need = _smem_bytes(group, head_dim, block_size, *int8)
+    if need > SMEM_BYTES:
+        return (f"{need} bytes of shared memory for G={group}, head_dim {head_dim}, block "
+                f"size {block_size}{', an int8 cache' if int8 else ''}: over {SMEM_BYTES}")
     return None
 
 
 def cost(num_tokens: int, num_rows: int, num_heads: int, num_kv_heads: int, head_dim: int,
-         block_size: int, context_tokens: int, query_key_pairs: int | None = None) -> dict:
+         block_size: int, context_tokens: int, query_key_pairs: int | None = None,
+         int8: bool = False) -> dict:
     """HBM bytes, FLOPs and launches of one call, for the deviceless performance model.
 
     context_tokens: keys read, summed over the step's 64-query tiles (a row of n queries over
@@ -118,19 +156,29 @@ def cost(num_tokens: int, num_rows: int, num_heads: int, num_kv_heads: int, head
     up to block_size); query_key_pairs: (query, key) products summed over queries (default:
     every query of a tile sees all its keys, an upper bound). Each page is read once per
     tile and KV head for all G query heads; wgmma computes whole 64-row tiles, but the model
-    counts the useful products."""
-    kv = 2 * context_tokens * num_kv_heads * head_dim * 2        # K and V pages, bf16
+    counts the useful products. int8: one byte a code, and the pages' f32 scales, whose
+    whole slabs every KV head's program reads (HBM once, the others from L2)."""
+    if int8:
+        kv = 2 * context_tokens * num_kv_heads * (head_dim + 4)  # codes and scales
+    else:
+        kv = 2 * context_tokens * num_kv_heads * head_dim * 2    # K and V pages, bf16
     qo = 2 * num_tokens * num_heads * head_dim * 2               # q read, output written
     meta = 4 * (2 * num_rows + 3)
     pairs = context_tokens * TILE if query_key_pairs is None else query_key_pairs
     return dict(bytes=kv + qo + meta, flops=4 * pairs * num_heads * head_dim, launches=1)
 
 
-def ragged_paged_attention_mgpu_kernel(meta_ref, pt_ref, q_ref, k_ref, v_ref, o_ref,
-            meta_smem, pt_smem, q_smem, o_smem, zero_smem, k_smem, v_smem, p_smem,
-            meta_bar, pt_bar, q_bar, k_bar, v_bar, v_ready, k_free, v_free, *,
-            group: int, num_rows: int, num_tokens: int, block_size: int, pages_per_step: int,
-            sm_scale: float, softcap: float | None, interpreted: bool):
+def ragged_paged_attention_mgpu_kernel(*refs, group: int, num_rows: int, num_tokens: int,
+                                       block_size: int, pages_per_step: int, stages: int,
+                                       sm_scale: float, softcap: float | None,
+                                       quantized: bool, interpreted: bool):
+    # Inputs meta, page table, q, k, v[, k_scale, v_scale (int8: [L, NB, BS, K] f32)], the
+    # output, then the scratch of plgpu.kernel's scratch_types (the int8 ones None for bf16).
+    (meta_ref, pt_ref, q_ref, k_ref, v_ref), refs = refs[:5], refs[5:]
+    ks_ref, vs_ref, refs = (*refs[:2], refs[2:]) if quantized else (None, None, refs)
+    (o_ref, meta_smem, pt_smem, q_smem, o_smem, zero_smem, k_smem, v_smem, p_smem,
+     meta_bar, pt_bar, q_bar, k_bar, v_bar, v_ready, k_free, v_free,
+     codes_smem, slab_smem, scale_smem, staged, k_ready) = refs
     tile, kv_head = lax.axis_index("tile"), lax.axis_index("kv")
     wg = lax.axis_index("wg")
     keys = pages_per_step * block_size
@@ -172,7 +220,6 @@ def ragged_paged_attention_mgpu_kernel(meta_ref, pt_ref, q_ref, k_ref, v_ref, o_
     steps = (num_pages + pages_per_step - 1) // pages_per_step
     step_key0 = lambda s: (first_page + s * pages_per_step) * block_size  # noqa: E731
 
-    @pl.when(wg == group)
     def _producer():
         plgpu.copy_gmem_to_smem(pt_ref.at[jnp.where(in_row, row, 0)], pt_smem, pt_bar)
         plgpu.barrier_wait(pt_bar)
@@ -214,23 +261,117 @@ def ragged_paged_attention_mgpu_kernel(meta_ref, pt_ref, q_ref, k_ref, v_ref, o_
                 plgpu.barrier_wait(v_free.at[slot])
                 issue(step + SLOTS, slot)
 
+    if not quantized:
+        pl.when(wg == group)(_producer)
+    else:
+        pl.when(wg == group)(functools.partial(
+            _producer_int8, pt_ref, k_ref, v_ref, ks_ref, vs_ref, pt_smem, pt_bar, k_smem,
+            v_smem, k_free, v_free, k_ready, v_ready, codes_smem, slab_smem, scale_smem,
+            staged, kv_head=kv_head, layer=layer, row=jnp.where(in_row, row, 0),
+            first_page=first_page, num_pages=num_pages, steps=steps, step_key0=step_key0,
+            kv_start=kv_start, kv_end=kv_end, block_size=block_size,
+            pages_per_step=pages_per_step, stages=stages))
+
     # One static branch per compute warpgroup: SMEM views at a traced warpgroup index fail
     # Mosaic GPU's layout inference (it cannot prove the view's offset tile-aligned).
     for w in range(group):
         pl.when(wg == w)(functools.partial(
             _compute, w, o_ref, q_ref, q_smem, o_smem, zero_smem, k_smem, v_smem, p_smem,
-            q_bar, k_bar, v_ready, k_free, v_free, kv_head=kv_head, group=group, tile=tile,
+            q_bar, k_ready if quantized else k_bar, v_ready, k_free, v_free,
+            scale_smem if quantized else None, kv_head=kv_head, group=group, tile=tile,
             qs=qs, num_rows=num_rows, num_tokens=num_tokens, has_work=has_work, box=box,
             tok0=tok0, tok1=tok1, pos0=pos0, window=window, keys=keys, steps=steps,
             step_key0=step_key0, sm_scale=sm_scale, softcap=softcap,
             interpreted=interpreted))
 
 
+def _producer_int8(pt_ref, k_ref, v_ref, ks_ref, vs_ref, pt_smem, pt_bar, k_smem, v_smem,
+                   k_free, v_free, k_ready, v_ready, codes_smem, slab_smem, scale_smem,
+                   staged, *, kv_head, layer, row, first_page, num_pages, steps, step_key0,
+                   kv_start, kv_end, block_size, pages_per_step, stages):
+    """The producer of an int8 cache: TMAs the step's codes `[BS, Dh]` and its pages' whole
+    scale slabs `[BS, K]` (contiguous: the scales of one head are strided by K, which no TMA
+    box can read) into staging buffer `step % stages`, then, once the compute warpgroups
+    have freed slot `step % SLOTS`, writes the codes there as bf16 (exact: |code| <= 128)
+    and gathers this KV head's scales into two `[keys]` vectors (scalar reads of the slab;
+    the value scales zeroed outside the tile's keys, where they may be NaN and the finite
+    codes times p = 0 would not cancel them). The compute warpgroups apply the scales to the
+    logits' and probabilities' columns in f32, as the Triton kernel does."""
+    plgpu.copy_gmem_to_smem(pt_ref.at[row], pt_smem, pt_bar)
+    plgpu.barrier_wait(pt_bar)
+    last_page = first_page + num_pages - 1
+    keys = pages_per_step * block_size
+    head_dim = k_smem.shape[-1]
+
+    num_kv_heads, num_blocks = k_ref.shape[3], k_ref.shape[1]
+    slab, slab_w = block_size * num_kv_heads, slab_smem.shape[-1]
+    last_start = ks_ref.shape[0] - slab_w
+
+    def page(step, j):
+        """Step's page j: its block and where its slab starts in the flat scales. A copy
+        moves a multiple of 128 bytes (Lane semantics), so slab_w >= BS * K scales are
+        read, the last slab's ending at the array's end."""
+        p = jnp.minimum(first_page + step * pages_per_step + j, last_page)
+        block = pt_smem[p // META_W, p % META_W]
+        start = (layer * num_blocks + block) * slab
+        return block, start, jnp.minimum(start, last_start)
+
+    def issue(step, stage):
+        for j in range(pages_per_step):
+            block, _, start = page(step, j)
+            dst = pl.ds(j * block_size, block_size)
+            for kv, (codes, scales) in enumerate(((k_ref, ks_ref), (v_ref, vs_ref))):
+                plgpu.copy_gmem_to_smem(codes.at[layer, block, :, kv_head],
+                                        codes_smem.at[stage, kv, dst], staged.at[stage])
+                for c in range(0, slab_w, MAX_COPY):  # a copy moves <= 256 per dimension
+                    run = pl.ds(c, min(MAX_COPY, slab_w - c))
+                    plgpu.copy_gmem_to_smem(scales.at[pl.ds(start + c, run.size)],
+                                            slab_smem.at[stage, kv, j, run], staged.at[stage])
+
+    for i in range(stages):
+        pl.when(i < steps)(functools.partial(issue, i, i))
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+    key = plgpu.broadcasted_iota(jnp.int32, (keys,), 0, layout=row_layout)
+
+    @pl.loop(0, steps)
+    def _(step):
+        slot, stage = lax.rem(step, SLOTS), lax.rem(step, stages)
+        plgpu.barrier_wait(staged.at[stage])
+
+        @pl.when(step >= SLOTS)
+        def _():
+            plgpu.barrier_wait(k_free.at[slot])
+            plgpu.barrier_wait(v_free.at[slot])
+        for kv, dst in enumerate((k_smem, v_smem)):
+            codes = plgpu.load(codes_smem.at[stage, kv], (), layout=plgpu.Layout.WGMMA)
+            dst.at[slot][...] = codes.astype(dst.dtype)
+            scale = plgpu.layout_cast(jnp.zeros((keys,), jnp.float32), row_layout)
+            for j in range(pages_per_step):  # [keys]: this head's column of the slabs
+                _, start, read_from = page(step, j)
+                at = start - read_from + kv_head
+                for r in range(block_size):
+                    s_r = slab_smem[stage, kv, j, at + r * num_kv_heads]
+                    scale = jnp.where(key == j * block_size + r, s_r, scale)
+            if kv:
+                k_pos = step_key0(step) + key
+                scale = jnp.where((k_pos >= kv_start) & (k_pos < kv_end), scale, 0.0)
+            scale_smem.at[slot, kv][...] = scale
+        plgpu.commit_smem()  # the stores to wgmma's proxy; the reads before the refill
+        plgpu.barrier_arrive(k_ready.at[slot])
+        plgpu.barrier_arrive(v_ready.at[slot])
+
+        @pl.when(step + stages < steps)
+        def _():
+            issue(step + stages, stage)
+
+
 def _compute(wg, o_ref, q_ref, q_smem, o_smem, zero_smem, k_smem, v_smem, p_smem, q_bar,
-             k_bar, v_ready, k_free, v_free, *, kv_head, group, tile, qs, num_rows,
+             k_bar, v_ready, k_free, v_free, scale_smem, *, kv_head, group, tile, qs, num_rows,
              num_tokens, has_work, box, tok0, tok1, pos0, window, keys, steps, step_key0,
              sm_scale, softcap, interpreted):
-        """Compute warpgroup `wg` (static): query head kv_head * G + wg of the tile."""
+        """Compute warpgroup `wg` (static): query head kv_head * G + wg of the tile. k_bar:
+        the slot's keys are in (an int8 cache: in as bf16 codes, with the `[2, keys]` scales
+        in scale_smem)."""
         head_dim = q_ref.shape[-1]
         head = kv_head * group + wg
         zero_smem.at[wg][...] = jnp.zeros((2, head_dim), o_ref.dtype)  # >= 128 elements
@@ -264,9 +405,15 @@ def _compute(wg, o_ref, q_ref, q_smem, o_smem, zero_smem, k_smem, v_smem, p_smem
                 plgpu.wgmma(acc_ref, q_smem.at[wg], k_smem.at[slot].T)
                 plgpu.wgmma_wait(0)
                 return acc_ref[...]
+            if scale_smem is not None:  # [keys] along the columns, read before the release
+                columns = plgpu.Layout.WGMMA.reduce(0)
+                k_scale = plgpu.load(scale_smem.at[slot, 0], (), layout=columns)
+                v_scale = plgpu.load(scale_smem.at[slot, 1], (), layout=columns)
             s = pl.run_scoped(qk, plgpu.ACC((TILE, keys), jnp.float32))
             plgpu.barrier_arrive(k_free.at[slot])
             s = s * sm_scale
+            if scale_smem is not None:
+                s = s * lax.broadcast_in_dim(k_scale, s.shape, [1])
             if softcap is not None:
                 s = softcap * jnp.tanh(s / softcap)
             k_pos = step_key0(step) + col
@@ -280,6 +427,8 @@ def _compute(wg, o_ref, q_ref, q_smem, o_smem, zero_smem, k_smem, v_smem, p_smem
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             plgpu.barrier_wait(v_ready.at[slot])
 
+            if scale_smem is not None:  # l sums p: the value scales weigh the values
+                p = p * lax.broadcast_in_dim(v_scale, p.shape, [1])
             p16 = p.astype(v_smem.dtype)
 
             def pv(acc_ref):
@@ -339,15 +488,18 @@ def ragged_paged_attention_mgpu(q, k_cache, v_cache, layer, page_table, query_st
     scalars, may be traced; page_table `[R, P]`; query_start `[R + 1]`; context_lens `[R]`;
     softcap static). Returns `[T, H, Dh]` bf16, zeros at tokens of no row. interpret: False
     on a Hopper GPU, or `plgpu.InterpretGPUParams(...)` to run on CPU. Raises ValueError for
-    what `unsupported` refuses (int8 caches, f32, G > 4, other head dims and block sizes).
+    what `unsupported` refuses (f32, G > 4, other head dims and block sizes). An int8 cache
+    comes with k_scale and v_scale `[L, NB, BS, K]` f32 (bf16 q).
     """
     num_tokens, q_heads, head_dim = q.shape
     num_heads = num_heads or q_heads
     _, _, block_size, num_kv_heads, _ = k_cache.shape
     num_rows, num_pages = page_table.shape
-    if check_scales(q, k_cache, v_cache, k_scale, v_scale):
-        raise ValueError("int8 caches are not supported by the Mosaic GPU kernel yet: use "
-                         "the Triton kernel (ragged_paged_attention)")
+    quantized = bool(check_scales(q, k_cache, v_cache, k_scale, v_scale))
+    if quantized:  # flat (a bitcast): each page's slab is read as a contiguous run
+        width = _slab_width(block_size, num_kv_heads)
+        k_scale, v_scale = (jnp.pad(x.reshape(-1), (0, max(0, width - x.size)))
+                            for x in (k_scale, v_scale))
     if num_heads > q_heads or k_cache.shape != v_cache.shape or \
             k_cache.shape[-1] != head_dim or query_start.shape != (num_rows + 1,) or \
             context_lens.shape != (num_rows,) or num_rows < 1:
@@ -368,12 +520,13 @@ def ragged_paged_attention_mgpu(q, k_cache, v_cache, layer, page_table, query_st
     pages_per_step = max(1, TILE // block_size)
     keys = pages_per_step * block_size
     num_tiles = num_tokens // TILE + num_rows
+    stages = _stages(group, head_dim, block_size, num_kv_heads) if quantized else 0
     tr = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     kernel = functools.partial(
         ragged_paged_attention_mgpu_kernel, group=group, num_rows=num_rows,
         num_tokens=num_tokens, block_size=block_size, pages_per_step=pages_per_step,
-        sm_scale=1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale, softcap=softcap,
-        interpreted=bool(interpret))
+        stages=stages, sm_scale=1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale,
+        softcap=softcap, quantized=quantized, interpreted=bool(interpret))
     # The compiled program names the custom call by its body (a partial is 'anonymous').
     kernel.__name__ = kernel.func.__name__
     bf16 = jnp.bfloat16
@@ -397,11 +550,20 @@ def ragged_paged_attention_mgpu(q, k_cache, v_cache, layer, page_table, query_st
             plgpu.Barrier(num_barriers=SLOTS),
             plgpu.Barrier(num_arrivals=group, num_barriers=SLOTS),
             plgpu.Barrier(num_arrivals=group, num_barriers=SLOTS),
+            # int8: staged codes and scale slabs, the slots' scale vectors, their barriers.
+            *([plgpu.SMEM((stages, 2, keys, head_dim), jnp.int8,
+                          transforms=(plgpu.TilingTransform((8, head_dim)),
+                                      plgpu.SwizzleTransform(head_dim))),
+               plgpu.SMEM((stages, 2, pages_per_step, width), jnp.float32),
+               plgpu.SMEM((SLOTS, 2, keys), jnp.float32),
+               plgpu.Barrier(num_arrivals=2 * pages_per_step * (1 + -(-width // MAX_COPY)),
+                             num_barriers=stages),
+               plgpu.Barrier(num_barriers=SLOTS)] if quantized else [None] * 5),
         ],
         # Lane semantics: the output tile is stored to a plain SMEM buffer and sent row by
         # row, which Warpgroup semantics' layout inference cannot tile.
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=interpret,
-    )(meta, page_table, q, k_cache, v_cache)
+    )(meta, page_table, q, k_cache, v_cache, *((k_scale, v_scale) if quantized else ()))
     return out

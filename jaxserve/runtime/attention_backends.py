@@ -166,8 +166,10 @@ class PallasAttention(AttentionBackend):
     interpret: bool = False  # the Pallas interpreter: the kernel on CPU, for tests
     kernels: Literal["triton", "mosaic"] = "triton"
     # The cache's element type: what the Mosaic kernel is asked whether it can read (the
-    # Triton kernel reads every float and int8 cache).
+    # Triton kernel reads every float and int8 cache); the model's, q's with an int8 cache
+    # (a float cache's q is cast to the cache's type).
     kv_dtype: str = "bfloat16"
+    model_dtype: str = "bfloat16"
     layout: ClassVar[Layout] = "page_table"
     per_shard: ClassVar[bool] = True
 
@@ -262,8 +264,9 @@ class PallasAttention(AttentionBackend):
 
     def supports(self, config: ModelConfig, block_size: int) -> tuple[str, ...]:
         if self.kernels == "mosaic":
+            q_dtype = self.model_dtype if self.kv_dtype == "int8" else self.kv_dtype
             why = mosaic_attention_unsupported(config.num_heads, config.num_kv_heads,
-                                               config.head_dim, block_size, self.kv_dtype,
+                                               config.head_dim, block_size, q_dtype,
                                                kv_dtype=self.kv_dtype)
             return (f"the Mosaic GPU kernel: {why} (gpu_kernels='triton' runs the Triton "
                     "kernel)",) if why else ()

@@ -172,17 +172,18 @@ def fine_decode_buckets() -> bool:
 
 def attention_backend(kind: str, config: ModelConfig, block_size: int,
                       requested: str, gpu_kernels: str = "triton",
-                      kv_dtype: str = "bfloat16",
+                      kv_dtype: str = "bfloat16", model_dtype: str = "bfloat16",
                       gpu_kernels_fallback: bool = False) -> AttentionBackend:
     """The attention backend for `kind` (resolved); falls back to XLA where the kernel cannot
-    run. gpu_kernels, kv_dtype: the Pallas kernel's backend (StepProgram.gpu_kernels) and the
-    cache's element type it will read; gpu_kernels_fallback: the Triton kernel where the
-    Mosaic GPU one cannot run (gpu_kernels "auto"), before any fallback to XLA."""
+    run. gpu_kernels, kv_dtype, model_dtype: the Pallas kernel's backend
+    (StepProgram.gpu_kernels), the cache's element type it will read and the model's;
+    gpu_kernels_fallback: the Triton kernel where the Mosaic GPU one cannot run (gpu_kernels
+    "auto"), before any fallback to XLA."""
     if kind == "xla":
         return XlaAttention()
     backend = (CpuAttention() if kind == "cpu"
                else PallasAttention(interpret=kind == "pallas-interpret", kernels=gpu_kernels,
-                                    kv_dtype=kv_dtype))
+                                    kv_dtype=kv_dtype, model_dtype=model_dtype))
     unsupported = backend.supports(config, block_size)
     if unsupported and isinstance(backend, PallasAttention) and backend.kernels == "mosaic" \
             and gpu_kernels_fallback:

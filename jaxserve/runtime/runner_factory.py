@@ -73,6 +73,7 @@ def build_runner(model: Model, spec: RunnerSpec, *, tp: TensorParallel | None = 
             program.attention_backend, mc, spec.block_size,
             "auto" if program.attention_fallback else program.attention_backend,
             gpu_kernels=program.gpu_kernels, kv_dtype=program.kv_dtype(model).name,
+            model_dtype=str(model.params["embedding"].dtype),
             gpu_kernels_fallback=program.gpu_kernels_fallback)
     linear = backends.linear_backend(kind, activation_bits(quantization), program.gpu_kernels)
     # The MoE experts follow the linear backend: the Pallas kernel on GPU, XLA on CPU.

@@ -325,16 +325,19 @@ def _pallas_cost(name, ins, hm, ctx, rows, scope) -> KernelCost:
 
 def _attention_cost(name, hlo, ops, results, ctx, rows, scope) -> KernelCost:
     """Paged attention reads, per live row, the pages holding its context in one layer of the
-    K and V caches `[L, NB, BS, K, Dh]` (and of int8 scales `[L, NB, BS, K]`), not the whole
-    cache operands; everything else it reads whole (q, page table, lengths). A kernel that
-    writes the step's keys and values too returns the caches (aliased, updated in place): it
-    writes one token's K and V per query token, not the caches."""
+    K and V caches `[L, NB, BS, K, Dh]` (and of int8 scales `[L, NB, BS, K]`, or flattened),
+    not the whole cache operands; everything else it reads whole (q, page table, lengths). A
+    kernel that writes the step's keys and values too returns the caches (aliased, updated in
+    place): it writes one token's K and V per query token, not the caches."""
     caches = [o for o in ops if len(o[1]) == 5]
     if not caches:
         raise ValueError(f"attention kernel {name}: no [L, NB, BS, K, Dh] cache operand among "
                          f"{ops}")
     block, kv_heads, head_dim = caches[0][1][2:]
-    scales = [o for o in ops if len(o[1]) == 4 and o[1] == caches[0][1][:4]]
+    # Scales as the cache's shape less head_dim, or flattened (the Mosaic kernel's operands).
+    scale_size = math.prod(caches[0][1][:4])
+    scales = [o for o in ops if (len(o[1]) == 4 and o[1] == caches[0][1][:4])
+              or (len(o[1]) == 1 and o[1][0] >= scale_size)]
     slots = rows * -(-ctx // block) * block  # whole pages
     kv = sum(type_bytes((o[0], (slots, kv_heads, head_dim))) for o in caches)
     kv += sum(type_bytes((o[0], (slots, kv_heads))) for o in scales)

@@ -1,7 +1,8 @@
 """Mosaic GPU ragged paged attention (pallas_kernels/ragged_paged_attention_mgpu.py): in the GPU
 interpreter with race detection against the float64 oracle and the jnp reference of the Triton
 kernel's tests (NaN in every cache slot no row may read), the detector shown catching a race,
-clear refusals, and sm_90a lowering / deviceless compiles for the engine's shapes."""
+int8 caches against the oracle on the dequantized cache, clear refusals, and sm_90a lowering /
+deviceless compiles for the engine's shapes."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.cases import (ATTENTION_MODELS, RAGGED_ENGINE_STEPS, attention_tolerance,
-                                  ragged_engine_shapes)
+                                  quantize_kv_np, ragged_case, ragged_engine_shapes)
 from pallas_kernels.mosaic_interpret import POOL_ENV, POOL_THREADS, interpret_stall
 from pallas_kernels.ragged_paged_attention_mgpu import (cost, ragged_paged_attention_mgpu,
                                                         unsupported)
@@ -139,6 +140,65 @@ def test_padding_and_garbage_table_entries(group, capfd):
     rpa.check(out, (q, k, v, LAYER, pt, qs, cl), BF16)
 
 
+# ---- int8 caches ------------------------------------------------------------------------------
+
+# (head_dim, block_size, group, mix, KV heads): 3 KV heads is SmolLM2's count, whose page slab
+# of scales (BS x 3) is not a multiple of the 128 bytes a copy moves (read rounded up, the
+# cache's last slab clamped to the array's end); at block 128 it takes two copies.
+INT8_CASES = [
+    (64, 16, 1, "mixed", 2),
+    (64, 16, 1, "mixed", 3),
+    (128, 32, 3, "mixed", 2),
+    (64, 64, 4, "decode", 2),
+    (128, 16, 4, "prefill", 2),
+    (64, 128, 1, "decode", 3),
+    (64, 32, 3, LONG_PADDED, 3),
+]
+
+
+def int8_case(seed, head_dim, block_size, group, mix, kv_heads):
+    """The NaN-filled float case (context in LAYER, the cache's last block among the pages
+    read) as an int8 cache: q bf16, (codes, scales) with NaN scales and code -128 in every
+    slot no row may read, and the dequantized float64 caches for the oracle."""
+    spec = rpa.MIXES[mix] if isinstance(mix, str) else mix
+    pages = max(-(-c // block_size) for _, c in spec["rows"]) + 1
+    q, k, v, pt, qs, cl = ragged_case(seed, dtype=jnp.float32, block_size=block_size,
+                                      num_kv_heads=kv_heads, group=group, head_dim=head_dim,
+                                      num_pages=pages, live_layers=[LAYER], **spec)
+    k, v, pt = (np.asarray(x).copy() for x in (k, v, pt))
+    # Swap the first row's first page with the cache's last block (layer 1 of 2: the flat
+    # scales' last slab), so the clamped read of that slab is exercised.
+    first = pt[np.asarray(cl) > 0][0, 0]
+    last = k.shape[1] - 1
+    for x in (k, v):
+        x[:, [first, last]] = x[:, [last, first]]
+    pt = np.where(pt == first, last, np.where(pt == last, first, pt))
+    (kc, ks, kd), (vc, vs, vd) = quantize_kv_np(k), quantize_kv_np(v)
+    codes = tuple(jnp.asarray(x) for x in (kc, vc, ks, vs))
+    return q.astype(BF16), codes, (kd, vd), (jnp.asarray(pt), qs, cl)
+
+
+def int8_case_id(case):
+    return case_id(case[:4]) + f"-kv{case[4]}"
+
+
+@pytest.mark.parametrize("case", [interpreted(c, c[2]) for c in INT8_CASES], ids=int8_case_id)
+def test_int8_cache_matches_oracle_on_dequantized_cache(case, capfd):
+    q, (kc, vc, ks, vs), (kd, vd), (pt, qs, cl) = int8_case(0, *case)
+    out = run(q, kc, vc, pt, qs, cl, capfd, k_scale=ks, v_scale=vs)
+    rpa.check(out, (q, kd, vd, LAYER, pt, qs, cl), BF16)
+
+
+def test_int8_window_and_softcap_match_int8_reference(capfd):
+    q, (kc, vc, ks, vs), _, (pt, qs, cl) = int8_case(1, 64, 16, 1, LONG, 3)
+    kw = dict(window=jnp.int32(19), softcap=20.0, k_scale=ks, v_scale=vs)
+    out = np.asarray(run(q, kc, vc, pt, qs, cl, capfd, **kw), np.float32)
+    ref = np.asarray(ragged_paged_attention_reference(q, kc, vc, LAYER, pt, qs, cl, **kw),
+                     np.float32)
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, ref, **attention_tolerance(BF16))
+
+
 def test_race_detector_catches_a_read_before_the_tma_lands(capfd):
     """The check above can fail: a kernel that reads the SMEM a TMA is writing without
     waiting on the barrier is reported."""
@@ -163,10 +223,14 @@ def test_refusals():
                              query_start=qs, context_lens=cl, interpret=INTERPRET)
     codes = jnp.zeros(k.shape, jnp.int8)
     scale = jnp.ones(k.shape[:-1], jnp.float32)
-    with pytest.raises(ValueError, match="int8 caches are not supported"):
-        call(q, codes, codes, k_scale=scale, v_scale=scale)
+    with pytest.raises(ValueError, match="q must be bfloat16"):
+        call(q.astype(jnp.float32), codes, codes, k_scale=scale, v_scale=scale)
+    with pytest.raises(ValueError, match="needs its k_scale and v_scale"):
+        call(q, codes, codes)
     with pytest.raises(ValueError, match="q must be bfloat16"):
         call(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32))
+    with pytest.raises(ValueError, match="bfloat16 or int8, got float16"):
+        call(q, k.astype(jnp.float16), v.astype(jnp.float16))
     with pytest.raises(ValueError, match="incompatible shapes"):
         call(q, k, v[..., :32])
     with pytest.raises(ValueError, match="block size 8"):
@@ -180,7 +244,9 @@ def test_refusals():
 def test_engine_shapes_are_supported(model):
     kv_heads, group, head_dim, _ = ATTENTION_MODELS[model]
     for block_size in (16, 32, 64):
-        assert unsupported(kv_heads * group, kv_heads, head_dim, block_size, BF16) is None
+        for kv_dtype in (BF16, jnp.int8):
+            assert unsupported(kv_heads * group, kv_heads, head_dim, block_size, BF16,
+                               kv_dtype) is None
 
 
 def test_cost_counts_pages_and_queries():
@@ -189,6 +255,9 @@ def test_cost_counts_pages_and_queries():
     kv_bytes = 2 * 64 * 1024 * 8 * 128 * 2
     assert c["launches"] == 1 and kv_bytes < c["bytes"] < 1.01 * kv_bytes
     assert c["flops"] == 4 * 64 * 1024 * 32 * 128
+    int8 = cost(num_tokens=64, num_rows=64, num_heads=32, num_kv_heads=8, head_dim=128,
+                block_size=16, context_tokens=64 * 1024, int8=True)
+    assert int8["bytes"] - (c["bytes"] - kv_bytes) == 2 * 64 * 1024 * 8 * (128 + 4)
 
 
 # (tokens, rows): decode-shaped, a mixed prefill step, one decode row.
@@ -223,6 +292,27 @@ def test_compiles_for_sm90a(model, block_size, step, num_blocks, kw):
     compiled = compile_for_h200(fn, *engine_shapes(model, block_size, step,
                                                    num_blocks=num_blocks))
     assert compiled.as_text()
+
+
+@pytest.mark.parametrize("model,block_size,step,num_blocks", [
+    ("smollm2", 16, "mixed", 1024),
+    ("smollm2", 128, "decode", 1024),     # a page's scales take two copies
+    ("llama3_8b", 64, "mixed", 1024),     # one staging buffer fits in shared memory
+    ("llama3_8b", 16, "batch1", 6144),
+])
+def test_int8_compiles_for_sm90a(model, block_size, step, num_blocks):
+    why_not = cuda_compiler_available()
+    if why_not:
+        pytest.skip(why_not)
+    q, k, v, *rest = engine_shapes(model, block_size, step, num_blocks=num_blocks)
+    codes = jax.ShapeDtypeStruct(k.shape, jnp.int8)
+    scales = jax.ShapeDtypeStruct(k.shape[:-1], jnp.float32)
+
+    def fn(q, k, v, *rest):
+        *rest, k_scale, v_scale = rest
+        return ragged_paged_attention_mgpu(q, k, v, *rest, k_scale=k_scale, v_scale=v_scale)
+    compiled = compile_for_h200(fn, q, codes, codes, *rest, scales, scales)
+    assert "mosaic_gpu" in compiled.as_text()
 
 
 def test_interpreter_skip_reads_xla_cpu_pool_size(monkeypatch):
