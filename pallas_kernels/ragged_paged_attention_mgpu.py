@@ -43,8 +43,9 @@ int8 caches (codes `[L, NB, BS, K, Dh]`, f32 scales `[L, NB, BS, K]`): wgmma tak
 operand beside a bf16 one from SMEM, and one KV head's scales of a page are `[BS]` at stride
 K, which no TMA box reads. So the producer stages each page's codes (int8, a TMA as for bf16)
 and its whole scale slab `[BS, K]` (contiguous; read from the flattened scales, rounded up
-to the 128 bytes a copy moves), then writes the codes as bf16 into the slot (exact) and
-gathers its head's `[keys]` scales by scalar SMEM reads (`_producer_int8`). The compute
+to the 128 bytes a copy moves, zeros past the array's end), then writes the codes as bf16
+into the slot (exact) and gathers its head's `[keys]` scales by scalar SMEM reads
+(ragged_paged_attention_mgpu_int8.py). The compute
 warpgroups multiply the logits' columns by the key scales and p's columns by the value
 scales in f32 before p is rounded to bf16: the Triton kernel's arithmetic, so its tolerances
 hold. Garbage slots have finite codes and possibly NaN scales: the value scales outside the
@@ -81,6 +82,7 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
+from pallas_kernels import ragged_paged_attention_mgpu_int8 as int8
 from pallas_kernels.gpu_tiling import NO_WINDOW
 from pallas_kernels.paged_attention import check_scales
 
@@ -91,32 +93,21 @@ MAX_GROUP = 4
 BLOCK_SIZES = (16, 32, 64, 128)
 HEAD_DIMS = (64, 128)
 SMEM_BYTES = 227 * 1024
-MAX_COPY = 256     # elements a TMA copy moves along a dimension
+
+
+def _smem_bytes(group: int, head_dim: int, block_size: int, num_kv_heads: int | None = None,
+                stages: int = 0) -> int:
+    """Shared memory of a program; num_kv_heads and stages for an int8 cache."""
+    keys = max(TILE, block_size)
+    size = 2 * (2 * group * TILE * head_dim + 2 * SLOTS * keys * head_dim)
+    if num_kv_heads is not None:
+        size += int8.smem_bytes(keys, head_dim, block_size, num_kv_heads, stages, SLOTS)
+    return size
 
 
 def _stages(group: int, head_dim: int, block_size: int, num_kv_heads: int) -> int:
     """int8 caches: staging buffers of codes and scales (2 where shared memory allows)."""
     return 2 if _smem_bytes(group, head_dim, block_size, num_kv_heads, 2) <= SMEM_BYTES else 1
-
-
-def _slab_width(block_size: int, num_kv_heads: int) -> int:
-    """f32 scales read per page of an int8 cache: its `[BS, K]` slab, rounded up to the 128
-    bytes a Lane-semantics copy moves in whole."""
-    return -(-block_size * num_kv_heads // 32) * 32
-
-
-def _smem_bytes(group: int, head_dim: int, block_size: int, num_kv_heads: int | None = None,
-                stages: int = 0) -> int:
-    """Shared memory of a program; num_kv_heads and stages for an int8 cache (codes staged
-    as int8, the pages' whole `[BS, K]` scale slabs, and each slot's two scale vectors)."""
-    keys = max(TILE, block_size)
-    size = 2 * (2 * group * TILE * head_dim + 2 * SLOTS * keys * head_dim)
-    if num_kv_heads is not None:
-        slabs = keys // block_size if block_size < TILE else 1
-        size += stages * 2 * (keys * head_dim + 4 * slabs * _slab_width(block_size,
-                                                                     num_kv_heads))
-        size += SLOTS * 2 * keys * 4
-    return size
 
 
 def unsupported(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
@@ -265,7 +256,7 @@ def ragged_paged_attention_mgpu_kernel(*refs, group: int, num_rows: int, num_tok
         pl.when(wg == group)(_producer)
     else:
         pl.when(wg == group)(functools.partial(
-            _producer_int8, pt_ref, k_ref, v_ref, ks_ref, vs_ref, pt_smem, pt_bar, k_smem,
+            int8.producer, pt_ref, k_ref, v_ref, ks_ref, vs_ref, pt_smem, pt_bar, k_smem,
             v_smem, k_free, v_free, k_ready, v_ready, codes_smem, slab_smem, scale_smem,
             staged, kv_head=kv_head, layer=layer, row=jnp.where(in_row, row, 0),
             first_page=first_page, num_pages=num_pages, steps=steps, step_key0=step_key0,
@@ -283,86 +274,6 @@ def ragged_paged_attention_mgpu_kernel(*refs, group: int, num_rows: int, num_tok
             tok0=tok0, tok1=tok1, pos0=pos0, window=window, keys=keys, steps=steps,
             step_key0=step_key0, sm_scale=sm_scale, softcap=softcap,
             interpreted=interpreted))
-
-
-def _producer_int8(pt_ref, k_ref, v_ref, ks_ref, vs_ref, pt_smem, pt_bar, k_smem, v_smem,
-                   k_free, v_free, k_ready, v_ready, codes_smem, slab_smem, scale_smem,
-                   staged, *, kv_head, layer, row, first_page, num_pages, steps, step_key0,
-                   kv_start, kv_end, block_size, pages_per_step, stages):
-    """The producer of an int8 cache: TMAs the step's codes `[BS, Dh]` and its pages' whole
-    scale slabs `[BS, K]` (contiguous: the scales of one head are strided by K, which no TMA
-    box can read) into staging buffer `step % stages`, then, once the compute warpgroups
-    have freed slot `step % SLOTS`, writes the codes there as bf16 (exact: |code| <= 128)
-    and gathers this KV head's scales into two `[keys]` vectors (scalar reads of the slab;
-    the value scales zeroed outside the tile's keys, where they may be NaN and the finite
-    codes times p = 0 would not cancel them). The compute warpgroups apply the scales to the
-    logits' and probabilities' columns in f32, as the Triton kernel does."""
-    plgpu.copy_gmem_to_smem(pt_ref.at[row], pt_smem, pt_bar)
-    plgpu.barrier_wait(pt_bar)
-    last_page = first_page + num_pages - 1
-    keys = pages_per_step * block_size
-    head_dim = k_smem.shape[-1]
-
-    num_kv_heads, num_blocks = k_ref.shape[3], k_ref.shape[1]
-    slab, slab_w = block_size * num_kv_heads, slab_smem.shape[-1]
-    last_start = ks_ref.shape[0] - slab_w
-
-    def page(step, j):
-        """Step's page j: its block and where its slab starts in the flat scales. A copy
-        moves a multiple of 128 bytes (Lane semantics), so slab_w >= BS * K scales are
-        read, the last slab's ending at the array's end."""
-        p = jnp.minimum(first_page + step * pages_per_step + j, last_page)
-        block = pt_smem[p // META_W, p % META_W]
-        start = (layer * num_blocks + block) * slab
-        return block, start, jnp.minimum(start, last_start)
-
-    def issue(step, stage):
-        for j in range(pages_per_step):
-            block, _, start = page(step, j)
-            dst = pl.ds(j * block_size, block_size)
-            for kv, (codes, scales) in enumerate(((k_ref, ks_ref), (v_ref, vs_ref))):
-                plgpu.copy_gmem_to_smem(codes.at[layer, block, :, kv_head],
-                                        codes_smem.at[stage, kv, dst], staged.at[stage])
-                for c in range(0, slab_w, MAX_COPY):  # a copy moves <= 256 per dimension
-                    run = pl.ds(c, min(MAX_COPY, slab_w - c))
-                    plgpu.copy_gmem_to_smem(scales.at[pl.ds(start + c, run.size)],
-                                            slab_smem.at[stage, kv, j, run], staged.at[stage])
-
-    for i in range(stages):
-        pl.when(i < steps)(functools.partial(issue, i, i))
-    row_layout = plgpu.Layout.WGMMA.reduce(1)
-    key = plgpu.broadcasted_iota(jnp.int32, (keys,), 0, layout=row_layout)
-
-    @pl.loop(0, steps)
-    def _(step):
-        slot, stage = lax.rem(step, SLOTS), lax.rem(step, stages)
-        plgpu.barrier_wait(staged.at[stage])
-
-        @pl.when(step >= SLOTS)
-        def _():
-            plgpu.barrier_wait(k_free.at[slot])
-            plgpu.barrier_wait(v_free.at[slot])
-        for kv, dst in enumerate((k_smem, v_smem)):
-            codes = plgpu.load(codes_smem.at[stage, kv], (), layout=plgpu.Layout.WGMMA)
-            dst.at[slot][...] = codes.astype(dst.dtype)
-            scale = plgpu.layout_cast(jnp.zeros((keys,), jnp.float32), row_layout)
-            for j in range(pages_per_step):  # [keys]: this head's column of the slabs
-                _, start, read_from = page(step, j)
-                at = start - read_from + kv_head
-                for r in range(block_size):
-                    s_r = slab_smem[stage, kv, j, at + r * num_kv_heads]
-                    scale = jnp.where(key == j * block_size + r, s_r, scale)
-            if kv:
-                k_pos = step_key0(step) + key
-                scale = jnp.where((k_pos >= kv_start) & (k_pos < kv_end), scale, 0.0)
-            scale_smem.at[slot, kv][...] = scale
-        plgpu.commit_smem()  # the stores to wgmma's proxy; the reads before the refill
-        plgpu.barrier_arrive(k_ready.at[slot])
-        plgpu.barrier_arrive(v_ready.at[slot])
-
-        @pl.when(step + stages < steps)
-        def _():
-            issue(step + stages, stage)
 
 
 def _compute(wg, o_ref, q_ref, q_smem, o_smem, zero_smem, k_smem, v_smem, p_smem, q_bar,
@@ -496,10 +407,8 @@ def ragged_paged_attention_mgpu(q, k_cache, v_cache, layer, page_table, query_st
     _, _, block_size, num_kv_heads, _ = k_cache.shape
     num_rows, num_pages = page_table.shape
     quantized = bool(check_scales(q, k_cache, v_cache, k_scale, v_scale))
-    if quantized:  # flat (a bitcast): each page's slab is read as a contiguous run
-        width = _slab_width(block_size, num_kv_heads)
-        k_scale, v_scale = (jnp.pad(x.reshape(-1), (0, max(0, width - x.size)))
-                            for x in (k_scale, v_scale))
+    if quantized:
+        k_scale, v_scale = (int8.flat_scales(x) for x in (k_scale, v_scale))
     if num_heads > q_heads or k_cache.shape != v_cache.shape or \
             k_cache.shape[-1] != head_dim or query_start.shape != (num_rows + 1,) or \
             context_lens.shape != (num_rows,) or num_rows < 1:
@@ -551,14 +460,8 @@ def ragged_paged_attention_mgpu(q, k_cache, v_cache, layer, page_table, query_st
             plgpu.Barrier(num_arrivals=group, num_barriers=SLOTS),
             plgpu.Barrier(num_arrivals=group, num_barriers=SLOTS),
             # int8: staged codes and scale slabs, the slots' scale vectors, their barriers.
-            *([plgpu.SMEM((stages, 2, keys, head_dim), jnp.int8,
-                          transforms=(plgpu.TilingTransform((8, head_dim)),
-                                      plgpu.SwizzleTransform(head_dim))),
-               plgpu.SMEM((stages, 2, pages_per_step, width), jnp.float32),
-               plgpu.SMEM((SLOTS, 2, keys), jnp.float32),
-               plgpu.Barrier(num_arrivals=2 * pages_per_step * (1 + -(-width // MAX_COPY)),
-                             num_barriers=stages),
-               plgpu.Barrier(num_barriers=SLOTS)] if quantized else [None] * 5),
+            *(int8.scratch(stages, SLOTS, pages_per_step, block_size, num_kv_heads, head_dim)
+              if quantized else [None] * 5),
         ],
         # Lane semantics: the output tile is stored to a plain SMEM buffer and sent row by
         # row, which Warpgroup semantics' layout inference cannot tile.

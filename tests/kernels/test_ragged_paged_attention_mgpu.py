@@ -143,8 +143,8 @@ def test_padding_and_garbage_table_entries(group, capfd):
 # ---- int8 caches ------------------------------------------------------------------------------
 
 # (head_dim, block_size, group, mix, KV heads): 3 KV heads is SmolLM2's count, whose page slab
-# of scales (BS x 3) is not a multiple of the 128 bytes a copy moves (read rounded up, the
-# cache's last slab clamped to the array's end); at block 128 it takes two copies.
+# of scales (BS x 3) is not a multiple of the 128 bytes a copy moves (read rounded up: the
+# cache's last slab's read runs past the array's end); at block 128 it takes two copies.
 INT8_CASES = [
     (64, 16, 1, "mixed", 2),
     (64, 16, 1, "mixed", 3),
@@ -167,7 +167,7 @@ def int8_case(seed, head_dim, block_size, group, mix, kv_heads):
                                       num_pages=pages, live_layers=[LAYER], **spec)
     k, v, pt = (np.asarray(x).copy() for x in (k, v, pt))
     # Swap the first row's first page with the cache's last block (layer 1 of 2: the flat
-    # scales' last slab), so the clamped read of that slab is exercised.
+    # scales' last slab), whose rounded-up read runs past the scales' end.
     first = pt[np.asarray(cl) > 0][0, 0]
     last = k.shape[1] - 1
     for x in (k, v):
@@ -334,7 +334,8 @@ def test_interpreter_skip_reads_xla_cpu_pool_size(monkeypatch):
 def test_many_warpgroup_cases_in_a_wide_pool():
     env = {**os.environ, POOL_ENV: str(POOL_THREADS)}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           "-p", "no:xdist", "-m", "many_warpgroups", __file__],
+                           "-p", "no:xdist", "-m", "many_warpgroups", __file__,
+                           os.path.join(os.path.dirname(__file__), "test_kv_int8.py")],
                           env=env, capture_output=True, text=True, timeout=1400)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     summary = proc.stdout.strip().splitlines()[-1]

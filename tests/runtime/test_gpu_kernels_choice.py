@@ -86,6 +86,12 @@ def test_auto_runs_the_triton_kernel_where_mosaic_cannot_and_a_forced_mosaic_say
                                          "gpu_kernels='triton'"):
         backends.attention_backend("pallas", TINY, 16, "pallas", gpu_kernels="mosaic",
                                    kv_dtype="float32", gpu_kernels_fallback=False)
+    # An int8 cache: q stays in the model's dtype, which the Mosaic kernel takes in bf16 only.
+    for model_dtype, kernels in (("bfloat16", "mosaic"), ("float32", "triton")):
+        assert backends.attention_backend(
+            "pallas", TINY, 16, "pallas", gpu_kernels="mosaic", kv_dtype="int8",
+            model_dtype=model_dtype, gpu_kernels_fallback=True) == PallasAttention(
+                kernels=kernels, kv_dtype="int8", model_dtype=model_dtype)
 
 
 def test_interpreted_mosaic_kernels_ask_for_the_unrolled_layers():

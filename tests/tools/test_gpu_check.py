@@ -187,8 +187,13 @@ def test_ragged_step_within_tolerance_and_timed(dry_run):
     timed = report["sections"]["kernel_timings"]["result"]["ragged_attention"]
     assert len(timed) == len(cases)
     for row in timed:
-        for impl in ("kernel", "reference_f32"):
+        for impl in ("kernel", "reference_f32", "kernel_int8"):
             assert row[impl]["median_s"] > 0 and row[impl]["bytes_per_s"] > 0, row
+        # The int8 cache's row counts its bytes: the codes and their f32 scales.
+        head_dim = row["cache_shape"][-1]
+        int8 = row["kernel_int8"]
+        assert int8["bytes_per_s"] * int8["median_s"] == pytest.approx(
+            row["bytes_per_call"] * (head_dim + 4) // (2 * head_dim)), row
 
 
 @pytest.mark.subprocess

@@ -118,9 +118,11 @@ def time_attention(ctx: Ctx, model: str, block: int, batch: int) -> dict:
 def time_ragged(ctx: Ctx, model: str, block: int, max_ctx: int, decode: int) -> dict:
     """The Triton kernel against the Mosaic GPU one, the engine's XLA path on the same rows
     and pages (laid out as the engine lays out a step for it) and the jitted f32 reference;
-    bytes = each visible page read once."""
+    then both kernels on the same cache quantized to int8 (`*_int8`: half the bytes, plus
+    the f32 scales); bytes = each visible page read once."""
     import jax
     import jax.numpy as jnp
+    from jaxserve.runtime import kv_quant
     from pallas_kernels import ragged_paged_attention_mgpu as mgpu
     from pallas_kernels.mosaic_interpret import interpret_stall, mosaic_interpret
     from pallas_kernels.ragged_paged_attention import (ragged_paged_attention,
@@ -138,6 +140,19 @@ def time_ragged(ctx: Ctx, model: str, block: int, max_ctx: int, decode: int) -> 
         return mgpu.ragged_paged_attention_mgpu(*a,
                                                 interpret=mosaic_interpret(ctx.prof.interpret))
 
+    (kc, ks), (vc, vs) = kv_quant.quantize(k), kv_quant.quantize(v)
+    int8_sets = [(q, kc, vc, *a[3:]) for a in sets]
+    scales = dict(k_scale=ks, v_scale=vs)
+    head_dim = q.shape[2]
+    int8_bytes = c["bytes_per_call"] * (head_dim + 4) // (2 * head_dim)
+
+    def kernel_int8(*a):
+        return ragged_paged_attention(*a, **scales, interpret=ctx.prof.interpret)
+
+    def mosaic_int8(*a):
+        return mgpu.ragged_paged_attention_mgpu(
+            *a, **scales, interpret=mosaic_interpret(ctx.prof.interpret))
+
     row = {**c["desc"], "bytes_per_call": c["bytes_per_call"], "layers_cycled": c["layers"],
            "xla_pairs": in_use, "xla_flat_tokens": int(meta.positions.shape[1])}
     impls = {"kernel": (kernel, sets), "xla_engine_path": (xla_engine_attention(), xla_sets),
@@ -145,19 +160,25 @@ def time_ragged(ctx: Ctx, model: str, block: int, max_ctx: int, decode: int) -> 
     why = mgpu.unsupported(q.shape[1], k.shape[3], q.shape[2], k.shape[2], q.dtype,
                            kv_dtype=k.dtype) or interpret_stall(ctx.prof.interpret,
                                                                 q.shape[1] // k.shape[3] + 1)
+    impls["kernel_int8"] = (kernel_int8, int8_sets)
     if why is None:  # the Mosaic GPU kernel beside the Triton one ("kernel")
         impls["mosaic_kernel"] = (mosaic, sets)
+        impls["mosaic_kernel_int8"] = (mosaic_int8, int8_sets)
     else:
         row["mosaic_kernel_unsupported"] = why
     for name, (fn, args) in impls.items():
         # Interpreted, a Mosaic call takes ~20 s of simulated warpgroups and its time means
         # nothing: one sample exercises the row (a dry run).
-        once = name == "mosaic_kernel" and ctx.prof.interpret
+        once = name.startswith("mosaic_kernel") and ctx.prof.interpret
         t = time_calls(fn, args, *((1, 1) if once else (ctx.prof.iters, ctx.prof.reps)))
-        row[name] = {**rates(ctx, t["median_s"], c["bytes_per_call"]),
+        row[name] = {**rates(ctx, t["median_s"], int8_bytes if name.endswith("int8")
+                             else c["bytes_per_call"]),
                      "first_call_s": t["first_call_s"]}
     for name in ("xla_engine_path", "reference_f32", "mosaic_kernel")[:2 + (why is None)]:
         row[f"kernel_over_{name}"] = row["kernel"]["median_s"] / row[name]["median_s"]
+    if why is None:
+        row["kernel_int8_over_mosaic_kernel_int8"] = (row["kernel_int8"]["median_s"]
+                                                      / row["mosaic_kernel_int8"]["median_s"])
     return row
 
 

@@ -118,7 +118,12 @@ def md_timings(r: dict) -> list[str]:
                    f"{ref['median_s'] * 1e6:.1f} us ({row['kernel_over_reference_f32']:.2f}x)"
                    + (f"; Mosaic GPU {row['mosaic_kernel']['median_s'] * 1e6:.1f} us "
                       f"({row['kernel_over_mosaic_kernel']:.2f}x)" if "mosaic_kernel" in row
-                      else "") + " |")
+                      else "")
+                   + (f"; int8 cache: Triton {row['kernel_int8']['median_s'] * 1e6:.1f} us"
+                      if "kernel_int8" in row else "")
+                   + (f", Mosaic GPU {row['mosaic_kernel_int8']['median_s'] * 1e6:.1f} us "
+                      f"({row['kernel_int8_over_mosaic_kernel_int8']:.2f}x)"
+                      if "mosaic_kernel_int8" in row else "") + " |")
     out += [md_lora_timing(row) for row in r.get("lora_sgmv", [])]
     return out
 
