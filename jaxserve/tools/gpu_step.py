@@ -58,11 +58,16 @@ class StepSpec:
     compiler_options: tuple = ()     # extra XLA options, as (name, value) pairs
     lora: LoRASlots | None = None    # adapter slots: every adapted linear runs the LoRA kernel
     context_len: int = 1024          # the performance model's context per live row
+    # The KV cache: bf16, or int8 codes with f32 scales per (token, KV head).
+    kv_cache_dtype: Literal["bfloat16", "int8"] = "bfloat16"
 
     def __post_init__(self):
         if self.gpu_kernels not in ("mosaic", "triton"):
             raise ValueError(f"gpu_kernels must be 'mosaic' or 'triton', got "
                              f"{self.gpu_kernels!r}")
+        if self.kv_cache_dtype not in ("bfloat16", "int8"):
+            raise ValueError(f"kv_cache_dtype must be 'bfloat16' or 'int8', got "
+                             f"{self.kv_cache_dtype!r}")
         if self.weights not in ("bf16", "int4"):
             raise ValueError(f"weights must be 'bf16' or 'int4', got {self.weights!r}")
         if self.tokens < 1 or self.tokens > self.max_model_len * self.max_num_seqs:
@@ -106,7 +111,7 @@ def _runner(spec: StepSpec, params) -> ModelRunner:
                             sampler_backend=(spec.sampler_backend if spec.branch_free_sampling
                                              else "xla"),
                             fused_linears=spec.fused_linears and spec.unroll_layers,
-                            lora=spec.lora)))
+                            lora=spec.lora, kv_cache_dtype=spec.kv_cache_dtype)))
 
 
 def weight_bytes(params, config: ModelConfig) -> int:
@@ -127,11 +132,18 @@ def step_report(spec: StepSpec) -> tuple[compiled_report.StepReport, dict]:
     c = spec.config
     # Room for every slot's full context, plus the null block.
     num_blocks = spec.max_num_seqs * -(-spec.max_model_len // spec.block_size) + 1
-    cache = jax.ShapeDtypeStruct((c.num_layers, num_blocks, spec.block_size, c.num_kv_heads,
-                                  c.head_dim), jnp.bfloat16)  # [L, N, bs, K, Dh]
+    shape = (c.num_layers, num_blocks, spec.block_size, c.num_kv_heads, c.head_dim)
+    if spec.kv_cache_dtype == "int8":
+        codes = jax.ShapeDtypeStruct(shape, jnp.int8)  # [L, N, bs, K, Dh]
+        scales = jax.ShapeDtypeStruct(shape[:-1], jnp.float32)  # [L, N, bs, K]
+        kv = KVCache(k=codes, v=codes, k_scale=scales, v_scale=scales)
+    else:
+        cache = jax.ShapeDtypeStruct(shape, jnp.bfloat16)  # [L, N, bs, K, Dh]
+        kv = KVCache(k=cache, v=cache)
+    cache_bytes = sum(type_bytes(array_type(x.dtype, x.shape)) for x in jax.tree.leaves(kv))
     inputs = runner.step_template(spec.tokens).inputs
     # The runner's params: per-layer trees when it unrolls the layers (unstack_layers).
-    args = (runner.model.params, KVCache(k=cache, v=cache), runner.state, inputs)
+    args = (runner.model.params, kv, runner.state, inputs)
     with tempfile.TemporaryDirectory(prefix="jaxserve-step-") as dump:
         out = deviceless.compile_for_h200(runner.step_function, args, dump_dir=dump,
                                           donate_argnums=(1, 2),
@@ -145,7 +157,7 @@ def step_report(spec: StepSpec) -> tuple[compiled_report.StepReport, dict]:
     stacked = {array_type(x.dtype, x.shape) for x in jax.tree.leaves(params["layers"])}
     report = compiled_report.analyse(
         tree, Module.parse(hlo), num_layers=c.num_layers, stacked=stacked,
-        memory=out.compiled.memory_analysis(), cache_bytes=2 * int(np.prod(cache.shape)) * 2,
+        memory=out.compiled.memory_analysis(), cache_bytes=cache_bytes,
         ptxas_log=out.ptxas_log)
     lora_bytes = sum(int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize
                      for pair in lora_slots.slot_leaves(runner.model.params,

@@ -148,3 +148,22 @@ def test_a_pallas_call_xla_hands_slices_is_costed_as_the_call():
     assert max(c.bytes for c in not_linear) < r.cache_bytes / 2, max(not_linear,
                                                                      key=lambda c: c.bytes)
 
+
+
+def test_an_int8_cache_step_reads_codes_and_scales_on_the_mosaic_kernel():
+    """The 8B shape's Mosaic GPU batch-1 step over an int8 cache: the Mosaic attention reads
+    it (no fallback to Triton), costed as the row's codes and f32 scales (the scales are
+    handed to it flattened, which the model must not cost as the whole array), and the
+    cache, scales included, is updated in place."""
+    why = deviceless.unavailable_reason()
+    if why:
+        pytest.skip(why)
+    config = dataclasses.replace(gpu_step.model_shapes()["llama3-8b"], num_layers=2)
+    r, extra = gpu_step.step_report(gpu_step.StepSpec(config=config, tokens=1,
+                                                      gpu_kernels="mosaic",
+                                                      kv_cache_dtype="int8"))
+    attention = [c for c in extra["kernel_costs"] if c.kind == "attention"]
+    assert len(attention) == 2 and all("_mgpu" in c.name for c in attention), attention
+    assert all(c.kv_bytes == 1024 * 8 * (128 + 4) * 2 for c in attention), attention
+    assert all(c.bytes < 2 * c.kv_bytes for c in attention), attention
+    assert r.cache_bytes > 0 and r.alias_bytes >= r.cache_bytes, r
