@@ -76,6 +76,23 @@ def greedy_top2(model, prompts, **kw):
 BF16_NEAR_TIE = 0.1
 
 
+def agree_before_near_ties(want, got) -> tuple[int, float]:
+    """greedy_top2 results: asserts `got` picks `want`'s token at every step before each
+    prompt's first near-tie of `want`; returns (steps compared, the largest chosen-token
+    logprob difference)."""
+    compared, worst = 0, 0.0
+    for (want_ids, want_lp), (got_ids, got_lp) in zip(want, got):
+        for step, token in enumerate(want_ids):
+            top = sorted(want_lp[step].values(), reverse=True)
+            if top[0] - top[1] < BF16_NEAR_TIE:
+                break  # either token may come; what follows differs
+            assert got_ids[step] == token, (want_ids, got_ids, step, want_lp[step],
+                                            got_lp[step])
+            worst = max(worst, abs(got_lp[step][token] - want_lp[step][token]))
+            compared += 1
+    return compared, worst
+
+
 def test_int4_mosaic_kernel_engine_matches_int4_xla_in_bf16(prompts, monkeypatch):
     """The Mosaic GPU int4 kernel (GPU interpret mode) in the engine's bf16 step against the
     XLA int4 path: the same tokens up to the first near-tie of the reference, logprobs close.
@@ -93,15 +110,7 @@ def test_int4_mosaic_kernel_engine_matches_int4_xla_in_bf16(prompts, monkeypatch
     monkeypatch.setattr(linear, "int4_matmul", triton)
     mosaic = greedy_top2(model, prompts, linear_backend="pallas-interpret",
                          gpu_kernels="mosaic", **kw)
-    compared, worst = 0, 0.0
-    for (want, want_lp), (got, got_lp) in zip(xla, mosaic):
-        for step, token in enumerate(want):
-            top = sorted(want_lp[step].values(), reverse=True)
-            if top[0] - top[1] < BF16_NEAR_TIE:
-                break  # either token may come; what follows differs
-            assert got[step] == token, (want, got, step, want_lp[step], got_lp[step])
-            worst = max(worst, abs(got_lp[step][token] - want_lp[step][token]))
-            compared += 1
+    compared, worst = agree_before_near_ties(xla, mosaic)
     print(f"compared {compared} steps, chosen-token logprob difference <= {worst:.4f}")
     # 15 of the 32 steps come before a near-tie of this flat random model (measured).
     assert compared >= 12 and worst < BF16_NEAR_TIE / 2, (compared, worst)
