@@ -45,14 +45,14 @@ K, which no TMA box reads. So the producer stages each page's codes (int8, a TMA
 and its whole scale slab `[BS, K]` (contiguous; read from the flattened scales, rounded up
 to the 128 bytes a copy moves, zeros past the array's end), then writes the codes as bf16
 into the slot (exact) and gathers its head's `[keys]` scales by scalar SMEM reads
-(ragged_paged_attention_mgpu_int8.py). The compute
-warpgroups multiply the logits' columns by the key scales and p's columns by the value
-scales in f32 before p is rounded to bf16: the Triton kernel's arithmetic, so its tolerances
-hold. Garbage slots have finite codes and possibly NaN scales: the value scales outside the
-tile's keys are zeroed, the logits there are masked to -inf as before. Costs beside bf16:
-half the cache bytes, plus per step the producer's conversion (registers) and a gather of
-`keys` scalars per K and V, which on a GPU may make the single producer warpgroup, not HBM,
-the bound at batch 1 (only a GPU run can tell).
+(ragged_paged_attention_mgpu_int8.py). The compute warpgroups multiply the logits' columns by
+the key scales and p's columns by the value scales in f32 before p is rounded to bf16: the
+Triton kernel's arithmetic, so its tolerances hold. Garbage slots have finite codes and
+possibly NaN scales: the value scales outside the tile's keys are zeroed, the logits there
+are masked to -inf as before. Costs beside bf16: half the cache bytes, plus per step the
+producer's conversion (registers) and a gather of `keys` scalars per K and V, which on a
+GPU may make the single producer warpgroup, not HBM, the bound at batch 1 (only a GPU run
+can tell).
 
 Lowered with Lane semantics (Warpgroup semantics' layout inference cannot tile the plain
 SMEM the output is stored to and sent row by row), so every TMA moves a multiple of 128
@@ -129,11 +129,11 @@ def unsupported(num_heads: int, num_kv_heads: int, head_dim: int, block_size: in
         return f"head_dim {head_dim} not in {HEAD_DIMS}"
     if block_size not in BLOCK_SIZES:
         return f"block size {block_size} not in {BLOCK_SIZES}"
-    int8 = (num_kv_heads, 1) if kv_dtype == jnp.int8 else ()
-    need = _smem_bytes(group, head_dim, block_size, *int8)
+    quantized = (num_kv_heads, 1) if kv_dtype == jnp.int8 else ()  # one staging buffer
+    need = _smem_bytes(group, head_dim, block_size, *quantized)
     if need > SMEM_BYTES:
         return (f"{need} bytes of shared memory for G={group}, head_dim {head_dim}, block "
-                f"size {block_size}{', an int8 cache' if int8 else ''}: over {SMEM_BYTES}")
+                f"size {block_size}{', an int8 cache' if quantized else ''}: over {SMEM_BYTES}")
     return None
 
 
