@@ -62,11 +62,11 @@ def case_id(case):
 
 
 def make_case(seed, *, dtype, block_size, group, head_dim, mix, extra_pages=1, num_layers=2,
-              fill_all_layers=False):
+              fill_all_layers=False, num_kv_heads=NUM_KV_HEADS):
     """pallas_kernels/cases.py's NaN-filled ragged case for a MIXES entry, context in LAYER."""
     spec = MIXES[mix] if isinstance(mix, str) else mix
     pages = max(-(-c // block_size) for _, c in spec["rows"]) + extra_pages
-    return ragged_case(seed, dtype=dtype, block_size=block_size, num_kv_heads=NUM_KV_HEADS,
+    return ragged_case(seed, dtype=dtype, block_size=block_size, num_kv_heads=num_kv_heads,
                        group=group, head_dim=head_dim, num_pages=pages, num_layers=num_layers,
                        live_layers=None if fill_all_layers else [LAYER], **spec)
 

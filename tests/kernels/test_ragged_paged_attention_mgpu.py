@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.cases import (ATTENTION_MODELS, RAGGED_ENGINE_STEPS, attention_tolerance,
-                                  quantize_kv_np, ragged_case, ragged_engine_shapes)
+                                  quantize_kv_np, ragged_engine_shapes)
 from pallas_kernels.mosaic_interpret import POOL_ENV, POOL_THREADS, interpret_stall
 from pallas_kernels.ragged_paged_attention_mgpu import (cost, ragged_paged_attention_mgpu,
                                                         unsupported)
@@ -160,11 +160,9 @@ def int8_case(seed, head_dim, block_size, group, mix, kv_heads):
     """The NaN-filled float case (context in LAYER, the cache's last block among the pages
     read) as an int8 cache: q bf16, (codes, scales) with NaN scales and code -128 in every
     slot no row may read, and the dequantized float64 caches for the oracle."""
-    spec = rpa.MIXES[mix] if isinstance(mix, str) else mix
-    pages = max(-(-c // block_size) for _, c in spec["rows"]) + 1
-    q, k, v, pt, qs, cl = ragged_case(seed, dtype=jnp.float32, block_size=block_size,
-                                      num_kv_heads=kv_heads, group=group, head_dim=head_dim,
-                                      num_pages=pages, live_layers=[LAYER], **spec)
+    q, k, v, pt, qs, cl = rpa.make_case(seed, dtype=jnp.float32, block_size=block_size,
+                                        group=group, head_dim=head_dim, mix=mix,
+                                        num_kv_heads=kv_heads)
     k, v, pt = (np.asarray(x).copy() for x in (k, v, pt))
     # Swap the first row's first page with the cache's last block (layer 1 of 2: the flat
     # scales' last slab), whose rounded-up read runs past the scales' end.
