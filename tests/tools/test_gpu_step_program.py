@@ -149,7 +149,6 @@ def test_a_pallas_call_xla_hands_slices_is_costed_as_the_call():
                                                                      key=lambda c: c.bytes)
 
 
-
 def test_an_int8_cache_step_reads_codes_and_scales_on_the_mosaic_kernel():
     """The 8B shape's Mosaic GPU batch-1 step over an int8 cache: the Mosaic attention reads
     it (no fallback to Triton), costed as the row's codes and f32 scales (the scales are
