@@ -108,7 +108,8 @@ def pad_rows(x, tm: int):
     return jnp.pad(x, ((0, -(-m // tm) * tm - m), (0, 0)))  # [T * tm, K]
 
 
-def _check(x, w, group_sizes, scales):
+def check_arguments(x, w, group_sizes, scales):
+    """Raises ValueError for arguments no grouped matmul takes (shapes, int8 codes and scales)."""
     if x.ndim != 2 or w.ndim != 3 or group_sizes.shape != (w.shape[0],):
         raise ValueError(f"grouped matmul takes x [M, K], w [E, K, N] (or int8 [E, N, K]) and "
                          f"group_sizes [E]; got {x.shape}, {w.shape}, {group_sizes.shape}")
@@ -187,7 +188,7 @@ def grouped_matmul(x, w, group_sizes, scales=None, *, tm=None, block_n=None, blo
     `[M, N]`. w `[E, K, N]` float (x's dtype), or int8 codes `[E, N, K]` with scales `[E, N]`.
     tm: tile rows (power of 2 >= 16; None: `pick_tm`); block_n/block_k: None picks the largest
     power of 2 dividing N (<= 128) / K (<= 64)."""
-    _check(x, w, group_sizes, scales)
+    check_arguments(x, w, group_sizes, scales)
     int8 = scales is not None
     m, k = x.shape
     n = w.shape[1] if int8 else w.shape[2]
@@ -238,7 +239,7 @@ def grouped_matmul_tiled(x, w, group_sizes, scales=None, *, tm: int = 16):
     weights gathered, one batched dot `[I, tm, K] x [I, K, N]` (padding items included: the
     shapes are static), and the rows combined. Same arguments and result as `grouped_matmul`;
     any tm >= 1."""
-    _check(x, w, group_sizes, scales)
+    check_arguments(x, w, group_sizes, scales)
     m = x.shape[0]
     if m == 0:
         return jnp.zeros((0, w.shape[1] if scales is not None else w.shape[2]), jnp.float32)
@@ -257,7 +258,7 @@ def grouped_matmul_tiled(x, w, group_sizes, scales=None, *, tm: int = 16):
 def grouped_matmul_reference(x, w, group_sizes, scales=None):
     """Every row times every group's weights, the row's own kept: dense, for tests only.
     f32 products at HIGHEST precision; same arguments and result as `grouped_matmul`."""
-    _check(x, w, group_sizes, scales)
+    check_arguments(x, w, group_sizes, scales)
     f32 = jnp.float32
     wf = w.astype(f32)
     if scales is not None:
