@@ -38,7 +38,7 @@ Quantization = Literal[QuantizationMode, QuantizationPath, QuantizationAlias]
 # (jaxserve/runtime/kv_quant.py).
 KVCacheDtype = Literal["auto", Dtype, "int8"]
 LayerLoop = Literal["auto", "scan", "unrolled"]
-# Which Pallas GPU backend the attention and int4 kernels lower through: Mosaic GPU (Hopper
+# Which Pallas GPU backend the attention, int4 and MoE kernels lower through: Mosaic GPU (Hopper
 # and later: TMA, wgmma) or Triton (any CUDA GPU; deprecated by JAX for Hopper and later).
 GpuKernels = Literal["auto", "mosaic", "triton"]
 
@@ -104,7 +104,7 @@ class EngineConfig:
         "quantized linears: pallas (int4 GPU kernel), cpu (native int4/int8 CPU kernel), xla, "
         "pallas-interpret; auto: pallas on GPU, cpu on CPU where it builds, else xla"))
     gpu_kernels: GpuKernels = dataclasses.field(default="auto", metadata=_help(
-        "which Pallas backend the GPU attention and int4 kernels use: mosaic (Mosaic GPU, "
+        "which Pallas backend the GPU attention, int4 and MoE kernels use: mosaic (Mosaic GPU, "
         "compute capability >= 9.0), triton (any CUDA GPU); auto: mosaic on compute "
         "capability >= 9.0, triton below and when interpreted on CPU"))
     # A decode step's block as six kernels instead of ~15 on a GPU (docs/gpu_step_report.md);

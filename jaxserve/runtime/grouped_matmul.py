@@ -3,9 +3,13 @@
 
 The kind is the linear backend's (`EngineConfig.linear_backend`, resolved): the experts are
 the MoE model's linears.
-- `pallas` / `pallas-interpret`: the Triton kernel (pallas_kernels/grouped_matmul.py), or the
-  same kernel through the Pallas interpreter (tests). A projection the kernel cannot tile
-  (K or N not a multiple of 16) runs the tiled XLA path instead.
+- `pallas` / `pallas-interpret`: the Pallas kernel of the step's GPU kernels
+  (`StepProgram.gpu_kernels`): on "mosaic" (Hopper) the Mosaic GPU kernel
+  (pallas_kernels/grouped_matmul_mgpu.py) where it takes the projection (bf16/f16
+  activations, K and N multiples of 64), else the Triton kernel (pallas_kernels/
+  grouped_matmul.py); through JAX's GPU interpreter or the Pallas interpreter for
+  `pallas-interpret` (tests). A projection the Triton kernel cannot tile either (K or N not a
+  multiple of 16) runs the tiled XLA path.
 - `xla`: the tiled XLA path (`grouped_matmul_tiled`), its tile picked per shape by
   `cpu_tile_rows` (a cost model fitted on XLA:CPU only, docs/moe.md). ragged_dot was never
   measurably faster there, so it is not chosen.
@@ -24,6 +28,9 @@ from models.moe import int8_expert_arrays, ragged_gmm
 from models.quantized import is_quantized
 from pallas_kernels.grouped_matmul import (grouped_matmul, grouped_matmul_tiled,
                                            kernel_unsupported, num_items)
+from pallas_kernels.grouped_matmul_mgpu import grouped_matmul_mgpu
+from pallas_kernels.grouped_matmul_mgpu import unsupported as mosaic_unsupported
+from pallas_kernels.mosaic_interpret import mosaic_interpret
 
 log = logging.getLogger("jaxserve")
 
@@ -61,13 +68,17 @@ def tiled_gmm(tm: int | None = None):
     return gmm
 
 
-def kernel_gmm(interpret: bool = False):
-    """The Pallas kernel (falls back to the tiled XLA path for shapes it cannot tile)."""
+def kernel_gmm(interpret: bool = False, gpu_kernels: str = "triton"):
+    """The Pallas kernel: Mosaic GPU's where `gpu_kernels` is "mosaic" and it takes the
+    shape and dtypes (static, at trace time), else Triton's, else the tiled XLA path."""
     fallback = tiled_gmm()
 
     def gmm(a, w, group_sizes, parallel=None):
         wq, scales = _arrays(w)
         k, n = a.shape[1], (wq.shape[1] if scales is not None else wq.shape[2])
+        if gpu_kernels == "mosaic" and mosaic_unsupported(k, n, a.dtype, wq.dtype) is None:
+            return grouped_matmul_mgpu(a, wq, group_sizes, scales,
+                                       interpret=mosaic_interpret(interpret))
         why = kernel_unsupported(k, n)
         if why:
             log.info("grouped matmul kernel cannot run [%d] x [%d] (%s): tiled XLA path", k, n,
@@ -77,12 +88,15 @@ def kernel_gmm(interpret: bool = False):
     return gmm
 
 
-def grouped_matmul_backend(kind: str):
-    """The grouped matmul for a resolved backend kind (see the module docstring)."""
+def grouped_matmul_backend(kind: str, gpu_kernels: str = "triton"):
+    """The grouped matmul for a resolved backend kind and, for the kernel, the step's GPU
+    kernels ("mosaic" or "triton"; see the module docstring)."""
+    if gpu_kernels not in ("mosaic", "triton"):
+        raise ValueError(f"gpu_kernels must be 'mosaic' or 'triton', got {gpu_kernels!r}")
     if kind not in KINDS:
         raise ValueError(f"grouped matmul backend must be one of {KINDS}, got {kind!r}")
     if kind == "ragged":
         return ragged_gmm
     if kind in ("pallas", "pallas-interpret"):
-        return kernel_gmm(interpret=kind == "pallas-interpret")
+        return kernel_gmm(interpret=kind == "pallas-interpret", gpu_kernels=gpu_kernels)
     return tiled_gmm()

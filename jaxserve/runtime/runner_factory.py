@@ -77,7 +77,7 @@ def build_runner(model: Model, spec: RunnerSpec, *, tp: TensorParallel | None = 
             gpu_kernels_fallback=program.gpu_kernels_fallback)
     linear = backends.linear_backend(kind, activation_bits(quantization), program.gpu_kernels)
     # The MoE experts follow the linear backend: the Pallas kernel on GPU, XLA on CPU.
-    gmm = grouped_matmul_backend(kind) if mc.num_experts else None
+    gmm = grouped_matmul_backend(kind, program.gpu_kernels) if mc.num_experts else None
     if tp is not None and kind != "xla":  # the kernels run per shard
         linear = tp.linear(linear)
         gmm = tp.grouped_matmul(gmm) if gmm is not None else None

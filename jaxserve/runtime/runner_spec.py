@@ -27,7 +27,7 @@ from jaxserve.runtime import backends
 
 # A backend as the step runs it: config.Backend without "auto".
 ResolvedBackend = Literal["xla", "cpu", "pallas", "pallas-interpret"]
-# EngineConfig.gpu_kernels resolved: the Pallas backend of the attention and int4 kernels.
+# EngineConfig.gpu_kernels resolved: the Pallas backend of the attention, int4 and MoE kernels.
 GpuKernelsResolved = Literal["mosaic", "triton"]
 # The sampler: XLA's (sampler.py), or the GPU step's kernel (sampler_kernel.py; interpreted).
 SamplerBackend = Literal["xla", "pallas", "pallas-interpret"]
@@ -83,8 +83,8 @@ class StepProgram:
     # (backends.attention_backend), instead of an error.
     attention_fallback: bool = False
     linear_backend: ResolvedBackend = "xla"
-    # Which Pallas backend the pallas* attention and int4 kernels lower through (the other
-    # kernels are Triton's either way).
+    # Which Pallas backend the pallas* attention, int4 and MoE grouped matmul kernels lower
+    # through (the other kernels are Triton's either way).
     gpu_kernels: GpuKernelsResolved = "triton"
     # EngineConfig asked for gpu_kernels "auto": the Triton attention kernel where the Mosaic
     # GPU one cannot run the model (backends.attention_backend), instead of an error.

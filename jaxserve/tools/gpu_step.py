@@ -49,8 +49,9 @@ class StepSpec:
     branch_free_sampling: bool = True  # the GPU default (ModelRunner.branch_free_sampling)
     # The GPU default: the branch-free sampler's kernel ("pallas"); "xla": its XLA form.
     sampler_backend: Literal["xla", "pallas"] = "pallas"
-    # The attention and int4 kernels' Pallas backend: an H200's default (gpu_kernels="auto" on
-    # compute capability 9.0) is Mosaic GPU; "triton" is what older GPUs run.
+    # The attention, int4 and MoE kernels' Pallas backend: an H200's default
+    # (gpu_kernels="auto" on compute capability 9.0) is Mosaic GPU; "triton" is what older
+    # GPUs run.
     gpu_kernels: Literal["mosaic", "triton"] = "mosaic"
     # The GPU default: decode-sized steps run each block's linears with their norms, SiLU and
     # residual adds in the fused-linear kernel (bf16 weights; int4 keeps its own kernel).

@@ -105,3 +105,72 @@ def test_gpu_program_on_mosaic_gpu_kernels_greedy_matches_hf(reference, monkeypa
             got.update({o.request_id: list(o.outputs[0].token_ids) for o in engine.step()
                         if o.finished})
         assert [got[f"r{i}"] for i in prompts] == want, attention
+
+
+# A Qwen3-MoE-shaped bf16 model the Mosaic GPU kernels take whole: head_dim 64 with 2 queries
+# per KV head (the attention kernel), and expert widths 64 (D) and 128 (F), multiples of 64
+# (the grouped matmul kernel, every projection). Peaked as BF16_MODEL; seed 28 is the first
+# from 27 whose bf16 XLA control (below) keeps HF's tokens (27, 29 and 30 flip one: a near-tie
+# of the router or of the logits in bf16).
+BF16_MOE_MODEL = {"name": "qwen3_moe_hd64_peaked", "model_type": "qwen3_moe", "seed": 28,
+                  "greedy": True, "config": dict(
+                      BASE, head_dim=64, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=128, norm_topk_prob=True, rope_theta=1e6,
+                      rms_norm_eps=1e-6, tie_word_embeddings=True, initializer_range=2.0)}
+
+
+# The prompts and tokens compared (interpreting every kernel takes minutes a prompt): a
+# 5-token prompt and a 19-token one (two chunks, the second over a cached page) beside it.
+MOE_PROMPTS, MOE_TOKENS = [GREEDY_PROMPTS[0], GREEDY_PROMPTS[3]], 4
+
+
+@pytest.fixture(scope="module")
+def moe_reference():
+    return run_reference("ref_families", {
+        "models": [BF16_MOE_MODEL], "prompts": [], "greedy_prompts": MOE_PROMPTS,
+        "greedy_tokens": MOE_TOKENS})
+
+
+def test_gpu_program_moe_on_mosaic_gpu_kernels_greedy_matches_hf(moe_reference, monkeypatch):
+    """The GPU program of a MoE model with the Mosaic GPU attention and grouped matmul kernels
+    (gpu_kernels="mosaic", linear_backend="pallas-interpret") in JAX's GPU interpret mode,
+    bf16, against HF's float32 greedy tokens; the Triton grouped matmul must not run. The
+    engine's bf16 XLA path runs first, the control that bf16 alone flips nothing here."""
+    from jaxserve import EngineConfig, LLMEngine, SamplingParams
+    from jaxserve.runtime import backends
+    from jaxserve.runtime import grouped_matmul as gmm_backend
+    from models import load_model
+    name = BF16_MOE_MODEL["name"]
+    assert moe_reference["json"]["margins"][name] > BF16_MIN_MARGIN
+    monkeypatch.setattr(backends, "gpu_step", lambda: True)
+
+    def triton(*a, **kw):
+        raise AssertionError("the Triton grouped matmul ran where the Mosaic GPU one takes "
+                             "the projection")
+    monkeypatch.setattr(gmm_backend, "grouped_matmul", triton)
+    traced, mosaic = [], gmm_backend.grouped_matmul_mgpu
+    monkeypatch.setattr(gmm_backend, "grouped_matmul_mgpu",
+                        lambda *a, **kw: traced.append(a[1].shape) or mosaic(*a, **kw))
+    model = load_model(moe_reference["workdir"] / name, dtype="bfloat16")
+    assert model.config.num_experts == 4
+    want = [moe_reference[f"{name}/greedy/{i}"].tolist() for i in range(len(MOE_PROMPTS))]
+    params = SamplingParams(temperature=0.0, max_tokens=MOE_TOKENS, ignore_eos=True)
+    kv_memory = (2 * 64 // 16 + 1) * 16 * model.config.kv_bytes_per_token(2)
+    for backend, kernels in (("xla", "auto"), ("pallas-interpret", "mosaic")):
+        engine = LLMEngine(EngineConfig(
+            model=model.source, dtype="bfloat16", warmup=False, block_size=16, max_num_seqs=2,
+            max_num_batched_tokens=16, max_model_len=64, attention_backend=backend,
+            linear_backend=backend, gpu_kernels=kernels, kv_cache_memory=kv_memory),
+            model=model)
+        runner = engine.runner
+        assert runner.unroll_layers and runner.attention.name == backend
+        for i, ids in enumerate(MOE_PROMPTS):
+            engine.add_request(f"r{i}", ids, params)
+        got = {}
+        while engine.has_unfinished_requests():
+            got.update({o.request_id: list(o.outputs[0].token_ids) for o in engine.step()
+                        if o.finished})
+        assert [got[f"r{i}"] for i in range(len(MOE_PROMPTS))] == want, backend
+    # Every layer's three projections (gate/up [E, 64, 128], down [E, 128, 64]) in each
+    # traced step program.
+    assert set(traced) == {(4, 64, 128), (4, 128, 64)} and len(traced) % 9 == 0, traced

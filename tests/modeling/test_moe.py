@@ -192,3 +192,52 @@ def test_kernel_backend_falls_back_where_triton_cannot_tile():
     out, _ = moe_ffn(*map(jnp.asarray, args), 2, True, _backends()["pallas-interpret"])
     np.testing.assert_allclose(np.asarray(out), _numpy_moe(*args, 2, True)[0], atol=2e-5,
                                rtol=2e-5)
+
+
+def _never(name):
+    def run(*a, **kw):
+        raise AssertionError(f"the {name} grouped matmul ran")
+    return run
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["bf16", "int8"])
+def test_mosaic_backend_runs_the_mosaic_kernel_where_it_takes_the_projection(int8, monkeypatch):
+    """gpu_kernels="mosaic": bf16 experts with widths 64 and 128 (gate/up and down) run the
+    Mosaic GPU kernel (GPU interpret mode; the Triton kernel must not run) and equal
+    ragged_dot's grouped matmul to f32 summation order (both take exact products)."""
+    from jaxserve.quantization.paths import INT8_CHANNEL
+    from jaxserve.quantization.rtn import rtn_weight
+    from jaxserve.runtime import grouped_matmul as backend
+    from models.moe import ragged_gmm
+    monkeypatch.setattr(backend, "grouped_matmul", _never("Triton"))
+    gmm = backend.grouped_matmul_backend("pallas-interpret", "mosaic")
+    rng = np.random.default_rng(3)
+    x, _, gate, _, down = _weights(rng, 4, 64, 128, 11)
+    sizes = jnp.asarray([4, 0, 2, 5], jnp.int32)
+    for a, w in ((x, gate), (rng.standard_normal((11, 128)), down)):
+        a, w = jnp.asarray(a, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16)
+        if int8:
+            w = jax.vmap(lambda e: rtn_weight(e, INT8_CHANNEL))(w.astype(jnp.float32))
+        np.testing.assert_allclose(np.asarray(gmm(a, w, sizes)),
+                                   np.asarray(ragged_gmm(a, w, sizes)), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("dtype,width", [(jnp.float32, 64), (jnp.bfloat16, 96)])
+def test_mosaic_backend_leaves_to_triton_what_it_cannot_run(dtype, width, monkeypatch):
+    """f32 activations (wgmma would run them as TF32) and a width not a multiple of 64 run
+    the Triton kernel under gpu_kernels="mosaic"."""
+    from jaxserve.runtime import grouped_matmul as backend
+    from models.moe import ragged_gmm
+    monkeypatch.setattr(backend, "grouped_matmul_mgpu", _never("Mosaic GPU"))
+    gmm = backend.grouped_matmul_backend("pallas-interpret", "mosaic")
+    x, _, gate, _, _ = _weights(np.random.default_rng(4), 4, 64, width, 9)
+    a, w = jnp.asarray(x, dtype), jnp.asarray(gate, dtype)
+    sizes = jnp.asarray([3, 3, 0, 3], jnp.int32)
+    np.testing.assert_allclose(np.asarray(gmm(a, w, sizes)),
+                               np.asarray(ragged_gmm(a, w, sizes)), rtol=2e-5, atol=2e-5)
+
+
+def test_grouped_matmul_backend_refuses_unknown_gpu_kernels():
+    from jaxserve.runtime.grouped_matmul import grouped_matmul_backend
+    with pytest.raises(ValueError, match="gpu_kernels must be 'mosaic' or 'triton'"):
+        grouped_matmul_backend("pallas", "auto")
