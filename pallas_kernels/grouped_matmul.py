@@ -80,12 +80,15 @@ def schedule(group_sizes, m: int, tm: int):
     return tile, group, valid.astype(jnp.int32), first_tile, first_item
 
 
-def combine(item_out, group_sizes, first_tile, first_item, m: int, tm: int):
-    """Rows from the items' outputs: item_out `[I, tm, N]` -> `[m, N]`.
+def combine(item_out, group_sizes, first_tile, first_item, m: int, tm: int,
+            transposed: bool = False):
+    """Rows from the items' outputs: item_out `[I, tm, N]` (transposed: `[I, N, tm]`, the
+    Mosaic GPU kernel's) -> `[m, N]`.
 
     Row r of group g lies in tile r // tm, whose item for g is
     `first_item[g] + r // tm - first_tile[g]`; it is gathered from there (one source per row:
-    exact and deterministic). Rows in no group are zeros.
+    exact and deterministic; one gather either way, no transpose of the items' outputs).
+    Rows in no group are zeros.
     """
     ends = jnp.cumsum(jnp.maximum(group_sizes.astype(jnp.int32), 0))  # [E]
     rows = jnp.arange(m, dtype=jnp.int32)  # [m]
@@ -96,9 +99,13 @@ def combine(item_out, group_sizes, first_tile, first_item, m: int, tm: int):
     in_group = g < group_sizes.shape[0]
     g = jnp.minimum(g, group_sizes.shape[0] - 1)
     item = first_item[g] + rows // tm - first_tile[g]  # [m]
-    flat = item_out.reshape(-1, item_out.shape[-1])  # [I * tm, N]
-    src = jnp.where(in_group, item * tm + rows % tm, 0)  # [m]
-    out = jnp.take(flat, src, axis=0)  # [m, N]
+    if transposed:
+        item = jnp.where(in_group, item, 0)
+        out = item_out[item, :, rows % tm]  # [m, N]
+    else:
+        flat = item_out.reshape(-1, item_out.shape[-1])  # [I * tm, N]
+        src = jnp.where(in_group, item * tm + rows % tm, 0)  # [m]
+        out = jnp.take(flat, src, axis=0)  # [m, N]
     return jnp.where(in_group[:, None], out, 0.0)
 
 

@@ -11,7 +11,7 @@ Orientation (as pallas_kernels/int4_matmul_mgpu.py): a program computes one item
 transposed, `[64 columns, tm rows] = W[g]^T x^T`. wgmma's M side is 64 rows a warpgroup: the
 weight columns take it, and the item's rows take wgmma's N side, which needs only a multiple
 of 8, so a decode-sized item (a few rows of an expert) pads to 8 or 16 rows, not 64. The
-`[I, N, tm]` item outputs are transposed back by the wrapper inside `combine`'s gather.
+`[I, N, tm]` item outputs are gathered back into rows by `combine` (one gather, no transpose).
 
 Grid (N / 64 column blocks, items). A program reads its item's (tile, group, valid) from one
 128-byte metadata row (a TMA into SMEM: Lane-semantics copies move multiples of 128 bytes),
@@ -74,11 +74,16 @@ def unsupported(k: int, n: int, dtype, w_dtype=None) -> str | None:
     return None
 
 
-def pick_tm(m: int) -> int:
-    """Rows per item: M rounded up to 8 up to 64, else 128 (prefill). A taller tile re-reads
-    each group's weights for fewer tiles; its padded rows cost only tensor work, idle at
-    decode. A guess from the tile arithmetic, not measured on a GPU."""
-    return min(64, -(-max(m, 1) // 8) * 8) if m <= 256 else MAX_TM
+def pick_tm(m: int, num_groups: int) -> int:
+    """Rows per item: the mean rows of a group that has any (M over min(E, M)), rounded up to
+    a multiple of 8 and at most 128, so that a typical group fills one tile: each item writes
+    tm output rows, most of them padding when tm is far above the group's rows (64 experts
+    at a batch-64 top-8 decode: 8 rows a group, 8x fewer output bytes than 64-row tiles),
+    and a group spread over many tiles streams its weights once per tile. From this
+    arithmetic, not measured on a GPU."""
+    m = max(m, 1)
+    rows = -(-m // min(num_groups, m))
+    return min(MAX_TM, -(-rows // 8) * 8)
 
 
 def _stages(k: int) -> int:
@@ -91,7 +96,7 @@ def cost(m: int, num_groups: int, k: int, n: int, int8: bool = False,
     the weights of at most min(E, M) groups (each row has one; a group spread over several
     tiles is re-read from L2, not counted), x padded to whole tiles, the scales, the schedule,
     and the `[I, N, tm]` item outputs written and gathered back into `[M, N]` f32."""
-    tm = tm or pick_tm(m)
+    tm = tm or pick_tm(m, num_groups)
     items = num_items(m, num_groups, tm)
     w_bytes = 1 if int8 else 2
     weights = min(num_groups, m) * k * n * w_bytes + (4 * num_groups * n if int8 else 0)
@@ -190,7 +195,7 @@ def grouped_matmul_mgpu(x, w, group_sizes, scales=None, *, tm=None, interpret=Fa
     why = unsupported(k, n, x.dtype, w.dtype)
     if why:
         raise ValueError(f"grouped_matmul_mgpu: {why}")
-    tm = tm or pick_tm(m)
+    tm = tm or pick_tm(m, group_sizes.shape[0])
     if tm % 8 or not 8 <= tm <= MAX_TM:
         raise ValueError(f"tm={tm} must be a multiple of 8 in [8, {MAX_TM}] (wgmma's N side)")
     if m == 0:
@@ -219,4 +224,4 @@ def grouped_matmul_mgpu(x, w, group_sizes, scales=None, *, tm=None, interpret=Fa
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=interpret,
     )(*args)
-    return combine(jnp.swapaxes(item_out, 1, 2), group_sizes, first_tile, first_item, m, tm)
+    return combine(item_out, group_sizes, first_tile, first_item, m, tm, transposed=True)

@@ -98,9 +98,12 @@ def test_row_tile_must_suit_wgmma():
 
 
 def test_pick_tm_and_cost():
-    """Decode-sized M pads to 8 rows, at most 64; prefill takes 128-row tiles. The cost counts
-    the weights of at most min(E, M) groups and the item outputs written and gathered."""
-    assert [pick_tm(m) for m in (1, 8, 9, 64, 65, 256, 257)] == [8, 8, 16, 64, 64, 64, 128]
+    """Rows per item: a mean group's rows (of the groups M rows can fill), rounded up to 8,
+    at most 128. The cost counts the weights of at most min(E, M) groups and the item
+    outputs written and gathered."""
+    cases = {(1, 64): 8, (2, 64): 8, (512, 64): 8, (128, 8): 16, (512, 8): 64, (300, 4): 80,
+             (8192, 64): 128, (100, 1): 104}
+    assert {c: pick_tm(*c) for c in cases} == cases
     m, e, k, n = 2, 64, 2048, 768  # one token's top-2 of 64 experts
     c = cost(m, e, k, n)
     items = num_items(m, e, 8)
@@ -115,11 +118,12 @@ def _fn(x, w, gs, *scales):
     return grouped_matmul_mgpu(x, w, gs, *scales)
 
 
-@pytest.mark.parametrize("m,int8", [(2, False), (16, True), (512, False)])
+@pytest.mark.parametrize("m,int8", [(2, False), (512, True), (8192, False)])
 def test_lowers_and_compiles_for_h200(m, int8):
     """OLMoE-shaped gate/up projections (64 experts, D 2048 -> F 1024): one token's top-2,
-    a decode batch with int8 codes, a prefill chunk in 128-row tiles. The kernel is one
-    Mosaic GPU call writing [items, N, tm] f32; no dot is left to XLA."""
+    a batch-64 top-8 decode with int8 codes (8-row tiles), a prefill chunk in 128-row tiles.
+    The kernel is one Mosaic GPU call writing [items, N, tm] f32, gathered into rows with no
+    transpose; no dot is left to XLA."""
     e, k, n = 64, 2048, 1024
     args = gmm._h200_args(m, e, k, n, BF16, int8)
     assert "mosaic_gpu" in lower_for_h200(_fn, *args)
@@ -127,7 +131,8 @@ def test_lowers_and_compiles_for_h200(m, int8):
     if reason:
         pytest.skip(reason)
     text = cuda_lowering.compile_for_h200(_fn, *args).as_text()
-    tm = pick_tm(m)
+    tm = pick_tm(m, e)
     assert re.search(rf"f32\[{num_items(m, e, tm)},{n},{tm}\][^\n]*custom-call", text)
     assert "grouped_matmul_mgpu_kernel" in text
     assert not re.search(r"\bdot\(", text)
+    assert not re.search(r"\btranspose\(", text)
