@@ -1,10 +1,11 @@
 """The grouped matmul (the MoE experts' projection) in section `kernel_timings`: the Pallas
 Triton kernel (pallas_kernels/grouped_matmul.py) beside the Mosaic GPU one
-(pallas_kernels/grouped_matmul_mgpu.py) and XLA's `jax.lax.ragged_dot`, on rows routed as the
-engine routes them (random top-k choices sorted by models/moe.py's `sort_by_expert`):
+(pallas_kernels/grouped_matmul_mgpu.py), the engine's `pallas` grouped matmul backend's two
+kernels (jaxserve/runtime/grouped_matmul.py picks one), and XLA's `jax.lax.ragged_dot`, on rows
+routed as the engine routes them (random top-k choices sorted by models/moe.py's
+`sort_by_expert`):
 
-  kernel               the Triton kernel, bf16 weights `[E, K, N]` (what the engine's `pallas`
-                       grouped matmul backend runs)
+  kernel               the Triton kernel, bf16 weights `[E, K, N]`
   mosaic_kernel        the Mosaic GPU kernel, where `unsupported` takes the shape:
                        `kernel_over_mosaic_kernel` is Triton's time over Mosaic's
   xla_ragged_dot       models/moe.py's `ragged_gmm` (`jax.lax.ragged_dot`: the engine's `ragged`
