@@ -30,7 +30,8 @@ failed / error with a reason, and one failing does not stop the others:
   kernel_tests       the kernel test suite compiled on the GPU (`pytest -m gpu`), capped
   kernel_timings     the kernels timed against the measured bandwidth, beside XLA: the
                      engine's XLA attention; for int4 a bf16 dequantize-then-matmul and XLA's
-                     native jnp.int4 dot (and dense bf16)
+                     native jnp.int4 dot (and dense bf16); for the MoE grouped matmul (Triton
+                     and Mosaic GPU, bf16 and int8 weights) jax.lax.ragged_dot
   launch_floor       a jitted chain of N tiny dependent kernels (one CUDA graph) for two N:
                      microseconds per kernel
   e2e_smollm2        engine decode tok/s, bf16 and int4 weights, the Pallas backends and the

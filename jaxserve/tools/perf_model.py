@@ -4,7 +4,8 @@ For every kernel the step launches (the thunk sequence XLA dumps, CUDA graph con
 loops times their trip count), `kernel_costs` reads the bytes it moves through HBM and the
 FLOPs it does from the optimized HLO (jaxserve/tools/hlo_costs.py); Pallas kernels get their
 own costs from their operand shapes: paged attention reads the pages of the live context (not
-the whole cache operand), int4 matmul its packed weights and scales. `predict` turns them into
+the whole cache operand), int4 matmul its packed weights and scales, a grouped matmul the
+weights of the experts its rows can reach. `predict` turns them into
 
     kernel_s = launch_s + ramp_s + max(bytes / (hbm_bytes_per_s * mem_efficiency),
                                        flops / (flops_per_s * flop_efficiency))
@@ -87,7 +88,8 @@ H100 = Hardware(name="H100", hbm_bytes_per_s=3.0e12, peak_hbm_bytes_per_s=3.35e1
 class KernelCost:
     name: str            # the thunk's kernel name (what a profiler trace shows)
     hlo: str | None      # the HLO instruction it runs
-    # attention | int4_matmul | fused_linear | pallas | gemm | fusion | copy | other
+    # attention | int4_matmul | grouped_matmul | fused_linear | pallas | gemm | fusion |
+    # copy | other
     kind: str
     bytes: int           # read + written in HBM
     flops: int
@@ -288,6 +290,10 @@ def _pallas_cost(name, ins, hm, ctx, rows, scope) -> KernelCost:
     if "attention" in name:
         return _attention_cost(name, ins.name, ops, list(ins.result), ctx, rows, scope)
     moved = sum(map(type_bytes, ops)) + out
+    if "grouped_matmul" in name:
+        gmm = _grouped_matmul_cost(name, ins.name, ops, out, scope)
+        if gmm is not None:
+            return gmm
     if "int4" in name:
         # Packed codes [..., N], two per byte over K (however the kernel views K: [K/2] or
         # [K/g, g/2]); activations: the first float operand, M * K elements.
@@ -321,6 +327,31 @@ def _pallas_cost(name, ins, hm, ctx, rows, scope) -> KernelCost:
                 flops += 2 * m * k * shape[0]
         return KernelCost(name, ins.name, "fused_linear", moved, flops, scope=scope)
     return KernelCost(name, ins.name, "pallas", moved, 0, scope=scope)
+
+
+def _grouped_matmul_cost(name, hlo, ops, out, scope) -> KernelCost | None:
+    """A grouped matmul (pallas_kernels/grouped_matmul*.py: the MoE experts) reads the weights
+    of the experts its rows are routed to, at most min(E, M) of the `[E, ...]` weights (each
+    row belongs to one expert), not all E; the rest (schedule or metadata, x, scales) and its
+    item outputs whole. None when no weights and x are found among the operands."""
+    w = next((o for o in ops if len(o[1]) == 3), None)
+    if w is None:
+        return None
+    e, a, b = w[1]
+    # int8 codes are stored output-major [E, N, K], float weights [E, K, N].
+    k, n = (b, a) if w[0] in ("s8", "u8") else (a, b)
+    # x [M, K]: the first match, as it precedes the weights in both kernels' operands and the
+    # scales [E, N] follow (which would match too where N == K).
+    x = next((o for o in ops if o[0] in _FLOATS and len(o[1]) == 2 and o[1][1] == k), None)
+    if x is None:
+        return None
+    # M: x's rows as the kernel gets them, padded to whole row tiles: an upper bound on the
+    # call's rows, so on the experts it reads and on its useful FLOPs.
+    m = x[1][0]
+    weights = type_bytes((w[0], (min(e, m), a, b)))
+    rest = sum(map(type_bytes, ops)) - type_bytes(w)
+    return KernelCost(name, hlo, "grouped_matmul", weights + rest + out, 2 * m * k * n,
+                      scope=scope)
 
 
 def _attention_cost(name, hlo, ops, results, ctx, rows, scope) -> KernelCost:

@@ -22,9 +22,9 @@ import pytest
 
 from jaxserve.runtime.attention_backends import XlaAttention
 from jaxserve.runtime.kv_cache import KVCache
-from jaxserve.tools.gpu_check import (bundle, context, driver, engine_bench, guards,
-                                     int4_timing, kernel_timings, profiles, step_dump,
-                                     trace_reader)
+from jaxserve.tools.gpu_check import (bundle, context, driver, engine_bench, gmm_timing,
+                                     guards, int4_timing, kernel_timings, profiles, report,
+                                     step_dump, trace_reader)
 from jaxserve.tools.gpu_check.driver import parse_args
 from pallas_kernels.paged_attention import paged_attention_reference
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
@@ -209,6 +209,9 @@ def test_timings_and_engine_runs_are_complete(dry_run):
             assert row[impl]["median_s"] > 0 and row[impl]["bytes_per_s"] > 0, row
         assert row["xla_native_int4"]["bytes_per_call"] < row["bytes_per_call"]  # bf16 scales
         assert math.isfinite(row["kernel_over_xla_bf16_dequant"])
+    assert len(timings["grouped_matmul"]) == len(report["profile"]["gmm_cases"]) >= 1
+    for row in timings["grouped_matmul"]:
+        check_gmm_row(row)
     assert len(timings["lora_sgmv"]) == len(report["profile"]["lora_cases"])
     for row in timings["lora_sgmv"]:
         for impl in ("kernel", "xla_tiled", "wrapper", "per_token_xla"):
@@ -229,6 +232,44 @@ def test_timings_and_engine_runs_are_complete(dry_run):
 
 
 @pytest.mark.subprocess
+def check_gmm_row(row: dict) -> None:
+    """A grouped matmul timing row: both kernels (bf16 and int8 codes) and ragged_dot timed,
+    their ratios, and the bytes of the Mosaic GPU kernel's cost() for the case's rows."""
+    from pallas_kernels.grouped_matmul_mgpu import cost
+    impls = ("kernel", "mosaic_kernel", "xla_ragged_dot", "kernel_int8", "mosaic_kernel_int8")
+    for impl in impls:
+        assert row[impl]["median_s"] > 0 and row[impl]["flops_per_s"] > 0, row
+    for ratio in ("kernel_over_mosaic_kernel", "kernel_over_xla_ragged_dot",
+                  "kernel_int8_over_mosaic_kernel_int8"):
+        assert math.isfinite(row[ratio]) and row[ratio] > 0, row
+    assert row["M"] == row["tokens"] * row["top_k"]
+    bf16 = cost(row["M"], row["E"], row["K"], row["N"])
+    int8 = cost(row["M"], row["E"], row["K"], row["N"], int8=True)
+    assert row["bytes_per_call"] == bf16["bytes"] and row["flops_per_call"] == bf16["flops"]
+    assert row["bytes_per_call_int8"] == int8["bytes"] < bf16["bytes"]
+    for impl in impls:
+        want = int8["bytes"] if impl.endswith("int8") else bf16["bytes"]
+        assert row[impl]["bytes_per_call"] == want
+        assert row[impl]["bytes_per_s"] * row[impl]["median_s"] == pytest.approx(want)
+
+
+def test_grouped_matmul_timing_row_in_interpret_mode():
+    """The dry run's grouped matmul case, in process: every implementation timed, the routed
+    rows grouped by expert (top_k distinct experts per token), the row rendered in the
+    timings table."""
+    ctx = context.Ctx(parse_args(["--dry-run"]), profiles.DRY_PROFILE)
+    case = profiles.DRY_PROFILE.gmm_cases[0]
+    row = gmm_timing.time_gmm(ctx, *case)
+    check_gmm_row(row)
+    c = ctx.cases[("gmm", *case)]
+    sizes = np.asarray(c["group_sizes"])
+    assert sizes.sum() == row["M"] and (sizes <= row["tokens"]).all()
+    assert row["experts_reached"] == int((sizes > 0).sum()) >= row["top_k"]
+    md = report.md_timings({"grouped_matmul": [row]})[-1]
+    assert md.startswith("| grouped_matmul | olmoe E8 128->128 T4 top2 (M8, ")
+    assert "Mosaic GPU" in md and "int8: Triton" in md and md.count("|") == 12
+
+
 def test_time_budget_skips_sections_with_a_reason(tmp_path):
     proc = run_script(tmp_path, "--dry-run", "--time-budget", "0",
                       "--sections", "preflight,bandwidth,e2e_smollm2", timeout=120)

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from jaxserve.tools import perf_model as pm
+from jaxserve.tools import perf_model as pm, thunks
 from jaxserve.tools.hlo_costs import HloModule
 
 # One decode layer's worth of kernels, shapes chosen so every byte count below is by hand:
@@ -136,6 +136,53 @@ def test_hlo_operand_types_resolve_tuple_elements():
         "  %t = (f32[2]{0}, s32[3]{0}) fusion(%p), kind=kLoop, calls=%c\n"
         "  ROOT %u = f32[2]{0} add(%t#0, %p)\n}\n")
     assert hm.operand_types("u") == [("f32", (2,)), ("f32", (2,))]
+
+
+# Grouped matmuls as the compiled step holds them (operands as lowered from the kernels for an
+# OLMoE-shaped projection: 64 experts, K = 2048, N = 1024): the Triton call (tile, group, valid
+# [I] s32, x padded to whole 16-row tiles, w [E, K, N] -> [I, tm, N] f32) at a decode batch of
+# 16 rows and at 128 rows, and the Mosaic GPU call on int8 codes (metadata [I, 32] s32, padded
+# x, codes [E, N, K], scales [E, N] -> [I, N, tm] f32), named by its body in its op_name.
+GMM_HLO = """\
+ENTRY %main (tile: s32[16], group: s32[16], valid: s32[16], xp: bf16[16,2048], w: bf16[64,2048,1024], tile2: s32[71], xp2: bf16[128,2048], meta: s32[16,32], w8: s8[64,1024,2048], scales: f32[64,1024]) -> f32[16,1024,16] {
+  %tile = s32[16]{0} parameter(0)
+  %group = s32[16]{0} parameter(1)
+  %valid = s32[16]{0} parameter(2)
+  %xp = bf16[16,2048]{1,0} parameter(3)
+  %w = bf16[64,2048,1024]{2,1,0} parameter(4)
+  %tile2 = s32[71]{0} parameter(5)
+  %xp2 = bf16[128,2048]{1,0} parameter(6)
+  %meta = s32[16,32]{1,0} parameter(7)
+  %w8 = s8[64,1024,2048]{2,1,0} parameter(8)
+  %scales = f32[64,1024]{1,0} parameter(9)
+  %gmm.1 = f32[16,16,1024]{2,1,0} custom-call(%tile, %group, %valid, %xp, %w), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(_step_impl)/step/OLMoE/layers_0/mlp/grouped_matmul/pallas_call"}
+  %gmm.2 = f32[71,16,1024]{2,1,0} custom-call(%tile2, %tile2, %tile2, %xp2, %w), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(_step_impl)/step/OLMoE/layers_0/mlp/grouped_matmul/pallas_call"}
+  ROOT %gmm.3 = f32[16,1024,16]{2,1,0} custom-call(%meta, %xp, %w8, %scales), custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(_step_impl)/step/OLMoE/layers_0/mlp/grouped_matmul_mgpu_kernel/mpmd_map"}
+}
+"""
+
+
+def test_grouped_matmul_reads_the_weights_of_the_experts_its_rows_reach():
+    """16 rows reach at most 16 of the 64 experts: their weights are read, not all 64 (the
+    generic rule's whole operands); 128 rows can reach all 64. FLOPs 2 * M * K * N."""
+    tree = [thunks.Thunk("kCustomKernel", 1, "grouped_matmul grid: [16, 8, 1]", 0, hlo="gmm.1"),
+            thunks.Thunk("kCustomKernel", 2, "grouped_matmul grid: [71, 8, 1]", 0, hlo="gmm.2"),
+            thunks.Thunk("kCustomCall", 3, "", 0, hlo="gmm.3")]
+    costs = pm.costs_of(tree, HloModule.parse(GMM_HLO), context_len=1, rows=16)
+    assert [(c.name, c.kind) for c in costs] == [
+        ("grouped_matmul", "grouped_matmul"), ("grouped_matmul", "grouped_matmul"),
+        ("grouped_matmul_mgpu_kernel", "grouped_matmul")]
+    expert = 2048 * 1024  # one expert's weight elements
+    decode, prefill, mosaic = costs
+    assert decode.bytes == (16 * expert * 2 + 3 * 16 * 4 + 16 * 2048 * 2
+                            + 16 * 16 * 1024 * 4)
+    assert prefill.bytes == (64 * expert * 2 + 3 * 71 * 4 + 128 * 2048 * 2
+                             + 71 * 16 * 1024 * 4)
+    # int8 codes, a byte each; the metadata, x, scales and [I, N, tm] outputs whole.
+    assert mosaic.bytes == (16 * expert + 16 * 32 * 4 + 16 * 2048 * 2 + 64 * 1024 * 4
+                            + 16 * 1024 * 16 * 4)
+    assert decode.flops == mosaic.flops == 2 * 16 * 2048 * 1024
+    assert prefill.flops == 2 * 128 * 2048 * 1024
 
 
 # --- the anchor ----------------------------------------------------------------------------

@@ -11,6 +11,7 @@
   kernel_timings      section `kernel_timings`: kernels against the engine's XLA paths
   int4_timing         the int4 kernel beside a bf16 dequantize-then-matmul and jnp.int4
   lora_kernel         the LoRA kernel's check and timing
+  gmm_timing          the MoE grouped matmul kernels (Triton, Mosaic GPU) beside ragged_dot
   launch_floor        section `launch_floor`: time per tiny kernel in one jitted chain
   engine_bench        sections `e2e_smollm2` and `e2e_llama3_8b`: Pallas and XLA engines
   decode_trace        section `decode_trace`: a profiler trace of warm decode steps

@@ -1,16 +1,18 @@
 """Section `kernel_timings`: the kernel cases timed (warm, median) against the nominal and the
-measured bandwidth, side by side with the Mosaic GPU versions of the ragged attention and int4
-kernels where they take the case (`mosaic_kernel`, `kernel_over_mosaic_kernel`: Triton's time
-over Mosaic's), the XLA paths the engine runs on the same inputs (its XLA
-ragged attention over the same rows and pages, laid out by step_layout.build; for int4 a bf16
-dequantize-then-matmul and XLA's native `jnp.int4` dot, int4_timing.py; the LoRA kernel's
-tiling in XLA) and the jitted f32 references."""
+measured bandwidth, side by side with the Mosaic GPU versions of the ragged attention, int4
+and grouped matmul kernels where they take the case (`mosaic_kernel`,
+`kernel_over_mosaic_kernel`: Triton's time over Mosaic's), the XLA paths the engine runs on
+the same inputs (its XLA ragged attention over the same rows and pages, laid out by
+step_layout.build; for int4 a bf16 dequantize-then-matmul and XLA's native `jnp.int4` dot,
+int4_timing.py; the LoRA kernel's tiling in XLA; for the MoE experts' grouped matmul
+`jax.lax.ragged_dot`, gmm_timing.py) and the jitted f32 references."""
 
 from __future__ import annotations
 
 import gc
 
 from jaxserve.tools.gpu_check.context import Ctx, next_pow2, rates, run_cases, time_calls
+from jaxserve.tools.gpu_check.gmm_timing import time_gmm
 from jaxserve.tools.gpu_check.int4_timing import time_int4
 from jaxserve.tools.gpu_check.kernel_inputs import attention_case, ragged_step_case
 from jaxserve.tools.gpu_check.lora_kernel import time_lora
@@ -188,22 +190,25 @@ def section_kernel_timings(ctx: Ctx) -> dict:
         int4, s2 = run_cases(ctx, ctx.prof.int4_cases, time_int4, "int4 timing")
         ragged, s3 = run_cases(ctx, ctx.prof.ragged_cases, time_ragged, "ragged timing")
         lora, s4 = run_cases(ctx, ctx.prof.lora_cases, time_lora, "lora timing")
+        gmm, s5 = run_cases(ctx, ctx.prof.gmm_cases, time_gmm, "grouped matmul timing")
     finally:
         ctx.cases.clear()
         gc.collect()
-    skipped = s1 + s2 + s3 + s4
+    skipped = s1 + s2 + s3 + s4 + s5
     res = {"paged_attention": attn, "int4_matmul": int4, "ragged_attention": ragged,
-           "lora_sgmv": lora,
+           "lora_sgmv": lora, "grouped_matmul": gmm,
            "method": f"median of {ctx.prof.reps} samples of {ctx.prof.iters} back-to-back "
                      "calls (inputs cycled to exceed L2), one block_until_ready per sample; "
                      "bytes = K+V pages read (attention), packed + scales + offsets (int4; "
                      "its jnp.int4 baseline: codes + bf16 scales + offsets), x + used "
-                     "adapters' a and b + f32 result (lora)"}
+                     "adapters' a and b + f32 result (lora), the Mosaic GPU kernel's cost() "
+                     "(grouped matmul: weights of min(E, M) experts, padded x, item outputs "
+                     "and their gather)"}
     if skipped:
         res["skipped_cases"] = skipped
-    if any("error" in r for r in attn + int4 + ragged + lora):
+    if any("error" in r for r in attn + int4 + ragged + lora + gmm):
         res["_status"] = "failed"
-    elif skipped or any("skipped_baselines" in r for r in int4):
+    elif skipped or any("skipped_baselines" in r for r in int4 + gmm):
         res.update(_status="partial", _reason=skipped[0]["reason"] if skipped else
-                   "int4 baselines skipped: time budget")
+                   "baselines skipped: time budget")
     return res

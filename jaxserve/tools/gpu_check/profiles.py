@@ -79,6 +79,8 @@ class Profile:
     ragged_extra_cases: tuple = ()
     # Multi-LoRA (SGMV) kernel, checked and timed: (model, K, N, tokens, slots, rank), bf16.
     lora_cases: tuple = ()
+    # MoE grouped matmul, timed: (model, experts E, K, N, tokens, top_k), bf16 activations.
+    gmm_cases: tuple = ()
     defaults_prompts: int = 4    # plain LLM() run: prompts of prompt_len, new_tokens each
     # (section, seconds): a section starts only with this much budget left (8B init + compiles).
     section_min_s: tuple = ()
@@ -113,6 +115,9 @@ GPU_PROFILE = Profile(
     # SmolLM2's up projection at a decode batch and a 256-token step; an 8B MLP projection.
     lora_cases=(("smollm2", 576, 1536, 16, 4, 16), ("smollm2", 576, 1536, 256, 4, 16),
                 ("llama3_8b", 4096, 14336, 256, 4, 16)),
+    # OLMoE's gate/up projection (64 experts, D 2048 -> F 1024, top-8) at a decode batch of 16
+    # tokens (128 rows) and a 512-token prefill chunk (4096 rows).
+    gmm_cases=(("olmoe", 64, 2048, 1024, 16, 8), ("olmoe", 64, 2048, 1024, 512, 8)),
     # llm_defaults warms up every bucket (its construct_s is that start-up cost).
     section_min_s=(("e2e_llama3_8b", 90.0), ("llm_defaults", 60.0), ("hf_peer", 20.0)),
     # Kernel work first and bounded, so the engine sections keep most of the budget.
@@ -141,5 +146,8 @@ DRY_PROFILE = Profile(
     ragged_extra_cases=(("smollm2", 16, 64, 2, "float32", 0.0),
                         ("llama3_8b", 16, 64, 2, "bfloat16", 1 / 256)),
     lora_cases=(("smollm2", 576, 192, 8, 3, 8),),
+    # 4 tokens' top-2 of 8 experts (8 rows): Mosaic's 8-row items, two 64-column blocks and
+    # two K steps; int8 and bf16, each kernel in a second or so interpreted.
+    gmm_cases=(("olmoe", 8, 128, 128, 4, 2),),
     defaults_prompts=2, trace_batch=2, trace_steps=3, launch_chain=(4, 16),
     section_cap_s=(("kernel_tests", 60.0),))

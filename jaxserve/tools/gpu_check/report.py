@@ -9,6 +9,7 @@ import math
 import pathlib
 
 from jaxserve.tools.gpu_check.decode_trace import md_decode_trace
+from jaxserve.tools.gpu_check.gmm_timing import md_gmm_row
 from jaxserve.tools.gpu_check.int4_timing import md_int4_row
 from jaxserve.tools.gpu_check.launch_floor import md_launch_floor
 from jaxserve.tools.gpu_check.prediction import md_prediction
@@ -125,6 +126,7 @@ def md_timings(r: dict) -> list[str]:
                       f"({row['kernel_int8_over_mosaic_kernel_int8']:.2f}x)"
                       if "mosaic_kernel_int8" in row else "") + " |")
     out += [md_lora_timing(row) for row in r.get("lora_sgmv", [])]
+    out += [md_gmm_row(row, fmt) for row in r.get("grouped_matmul", [])]
     return out
 
 
