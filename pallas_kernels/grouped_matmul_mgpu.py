@@ -140,7 +140,7 @@ def grouped_matmul_mgpu_kernel(meta_ref, x_ref, w_ref, *refs, tm: int, int8: boo
             plgpu.wgmma_wait(release)  # at most this step's in flight when the last slot frees
 
         def int8_step(acc_ref, _, x_smem, w8_smem):
-            codes = plgpu.load(w8_smem, (), layout=plgpu.Layout.WGMMA)  # [64 (N), 64 (K)]
+            codes = plgpu.load(w8_smem, layout=plgpu.Layout.WGMMA)  # [64 (N), 64 (K)]
             wb_smem[...] = codes.astype(wb_smem.dtype)
             plgpu.commit_smem()  # the stores, visible to wgmma (the async proxy)
             plgpu.wgmma(acc_ref, wb_smem, x_smem.T)
@@ -167,7 +167,7 @@ def grouped_matmul_mgpu_kernel(meta_ref, x_ref, w_ref, *refs, tm: int, int8: boo
         acc = pl.run_scoped(product, plgpu.ACC((BLOCK_N, tm), jnp.float32))  # [64, tm]
         if int8:
             plgpu.barrier_wait(bars.at[1])
-            scales = plgpu.load(s_smem, (), layout=plgpu.Layout.WGMMA.reduce(1))  # [64]
+            scales = plgpu.load(s_smem, layout=plgpu.Layout.WGMMA.reduce(1))  # [64]
             acc = acc * lax.broadcast_in_dim(scales, acc.shape, [0])
         out_smem[...] = acc
         plgpu.commit_smem()

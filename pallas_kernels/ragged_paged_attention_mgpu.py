@@ -238,7 +238,7 @@ def ragged_paged_attention_mgpu_kernel(*refs, group: int, num_rows: int, num_tok
 
             @pl.when(step == steps - 1)
             def _():  # zero the rows past the bound: p = 0 there, but 0 * NaN is NaN
-                v = plgpu.load(v_smem.at[slot], (), layout=plgpu.Layout.WGMMA)
+                v = plgpu.load(v_smem.at[slot], layout=plgpu.Layout.WGMMA)
                 rows = plgpu.broadcasted_iota(jnp.int32, (keys, head_dim), 0,
                                               layout=plgpu.Layout.WGMMA)
                 v_smem.at[slot][...] = jnp.where(rows + step_key0(step) < kv_end, v,
@@ -318,8 +318,8 @@ def _compute(wg, o_ref, q_ref, q_smem, o_smem, zero_smem, k_smem, v_smem, p_smem
                 return acc_ref[...]
             if scale_smem is not None:  # [keys] along the columns, read before the release
                 columns = plgpu.Layout.WGMMA.reduce(0)
-                k_scale = plgpu.load(scale_smem.at[slot, 0], (), layout=columns)
-                v_scale = plgpu.load(scale_smem.at[slot, 1], (), layout=columns)
+                k_scale = plgpu.load(scale_smem.at[slot, 0], layout=columns)
+                v_scale = plgpu.load(scale_smem.at[slot, 1], layout=columns)
             s = pl.run_scoped(qk, plgpu.ACC((TILE, keys), jnp.float32))
             plgpu.barrier_arrive(k_free.at[slot])
             s = s * sm_scale

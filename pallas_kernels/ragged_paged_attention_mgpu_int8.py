@@ -103,7 +103,7 @@ def producer(pt_ref, k_ref, v_ref, ks_ref, vs_ref, pt_smem, pt_bar, k_smem, v_sm
             plgpu.barrier_wait(k_free.at[slot])
             plgpu.barrier_wait(v_free.at[slot])
         for kv, dst in enumerate((k_smem, v_smem)):
-            codes = plgpu.load(codes_smem.at[stage, kv], (), layout=plgpu.Layout.WGMMA)
+            codes = plgpu.load(codes_smem.at[stage, kv], layout=plgpu.Layout.WGMMA)
             dst.at[slot][...] = codes.astype(dst.dtype)
             scale = plgpu.layout_cast(jnp.zeros((keys,), jnp.float32), row_layout)
             for j in range(pages_per_step):  # [keys]: this head's column of the slabs
