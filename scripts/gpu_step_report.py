@@ -1,6 +1,7 @@
 """The engine's step compiled for an H200 without a GPU, and what the compiled program does.
 
-For each model shape (SmolLM2-135M, Llama-3.2-1B, a Llama-3-8B-shaped random model), weights
+For each model shape (SmolLM2-135M, Llama-3.2-1B, a Llama-3-8B-shaped random model, OLMoE-1B-7B's
+MoE shape; `gpu_step.model_shapes`), weights
 (bf16, int4), step (decode1: the 1-token bucket, one live sequence; decode: the batch-64 token
 bucket; mixed: the 512-token bucket that carries decodes and prefill chunks together) and
 program variant, it compiles the runner's step deviceless (jax-cuda13-plugin) and prints
@@ -11,8 +12,9 @@ H200 step time, tokens/s and MBU at `--context-len` tokens per sequence
 (jaxserve/tools/perf_model.py, docs/perf_model.md).
 
 Variants: `gpu` is what the engine runs on an H200 (unrolled layers over per-layer weights, a
-branch-free sampler, attention and int4 matmul on Mosaic GPU); `gpu-triton` is the same with
-those two kernels on Triton (what GPUs before Hopper run); `loop` is the step as the CPU runs it (layer loop, lax.cond sampler);
+branch-free sampler, attention, int4 matmul and MoE grouped matmul on Mosaic GPU); `gpu-triton`
+is the same with those kernels on Triton (what GPUs before Hopper run); `loop` is the step as
+the CPU runs it (layer loop, lax.cond sampler);
 `loop-cublas-dsf` is `loop` with XLA's dynamic-slice fusion into cuBLAS GEMMs; `loop-cmdbuf`
 asks XLA to capture loops and conditionals in CUDA graphs too.
 
@@ -43,9 +45,9 @@ warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated
 STEPS = {"decode1": 1, "decode": 64, "mixed": 512}
 PALLAS = ("ragged_paged_attention", "int4_matmul", "paged_attention",  # ptxas entry names
           "lora_sgmv", "sample_rows",  # the LoRA kernel, once a step carries adapters
-          "fused_linear", "merge_splits")
+          "fused_linear", "merge_splits", "grouped_matmul")  # the MoE experts (Triton)
 VARIANTS = {
-    # What an H200 runs: attention and int4 matmul on Mosaic GPU (gpu_kernels="auto").
+    # What an H200 runs: attention, int4 and MoE matmuls on Mosaic GPU (gpu_kernels="auto").
     "gpu": dict(unroll_layers=True, branch_free_sampling=True),
     # The same program with those kernels on Triton (gpu_kernels="triton"; older GPUs).
     "gpu-triton": dict(unroll_layers=True, branch_free_sampling=True, gpu_kernels="triton"),

@@ -115,14 +115,37 @@ def _runner(spec: StepSpec, params) -> ModelRunner:
                             lora=spec.lora, kv_cache_dtype=spec.kv_cache_dtype)))
 
 
-def weight_bytes(params, config: ModelConfig) -> int:
+def expected_experts(config: ModelConfig, rows: int) -> float:
+    """Distinct experts a decode step of `rows` tokens reaches, expected under uniform routing
+    (each token picks k of E without repeats: an expert escapes a token with probability
+    1 - k / E): E (1 - (1 - k / E)^rows). 0 for a dense model."""
+    e, k = config.num_experts, config.num_experts_per_tok
+    return e * (1.0 - (1.0 - k / e) ** rows) if e else 0.0
+
+
+def weight_bytes(params, config: ModelConfig, rows: int | None = None) -> int:
     """Bytes of the weights one decode step must read, as stored (int4 codes packed two to a
-    byte): all of them, less an untied input embedding, of which a step gathers its rows."""
-    total = sum(type_bytes(array_type(x.dtype, x.shape)) for x in jax.tree.leaves(params))
+    byte): all of them, less an untied input embedding, of which a step gathers its rows; of
+    a MoE model's stacked experts (`[L, E, ...]` gate/up/down) the share of `rows` tokens'
+    `expected_experts` (None: all experts)."""
+    def size(tree):
+        return sum(type_bytes(array_type(x.dtype, x.shape)) for x in jax.tree.leaves(tree))
+
+    total = size(params)
     if not config.tie_word_embeddings:
-        total -= sum(type_bytes(array_type(x.dtype, x.shape))
-                     for x in jax.tree.leaves(params["embedding"]))
+        total -= size(params["embedding"])
+    if config.num_experts and rows is not None:
+        experts = sum(size(layer["mlp"][n]) for layer in _layer_trees(params, config)
+                      for n in ("gate", "up", "down"))
+        total -= round(experts * (1 - expected_experts(config, rows) / config.num_experts))
     return total
+
+
+def _layer_trees(params, config: ModelConfig) -> list:
+    """The layers' param trees: one stacked `params["layers"]`, or per-layer `layers_i`."""
+    if "layers" in params:
+        return [params["layers"]]
+    return [params[f"layers_{i}"] for i in range(config.num_layers)]
 
 
 def step_report(spec: StepSpec) -> tuple[compiled_report.StepReport, dict]:
@@ -152,7 +175,7 @@ def step_report(spec: StepSpec) -> tuple[compiled_report.StepReport, dict]:
         tree, hlo = thunks.load_dump(dump, STEP_MODULE)
     costs = perf_model.costs_of(tree, HloModule.parse(hlo), context_len=spec.context_len,
                                 rows=spec.live_rows)
-    weights = weight_bytes(params, c)
+    weights = weight_bytes(params, c, spec.live_rows)
     prediction = perf_model.predict(costs, perf_model.H200, tokens=spec.live_rows,
                                     weight_bytes=weights)
     stacked = {array_type(x.dtype, x.shape) for x in jax.tree.leaves(params["layers"])}
@@ -169,8 +192,8 @@ def step_report(spec: StepSpec) -> tuple[compiled_report.StepReport, dict]:
 
 
 def model_shapes() -> dict[str, ModelConfig]:
-    """The shapes the report covers: SmolLM2-135M, Llama-3.2-1B and a Llama-3-8B-shaped
-    model."""
+    """The shapes the report covers: SmolLM2-135M, Llama-3.2-1B, a Llama-3-8B-shaped model
+    and OLMoE-1B-7B's (64 experts, top-8: the MoE grouped matmul)."""
     from models.config import RopeScaling
     return {
         "smollm2": ModelConfig(
@@ -190,4 +213,10 @@ def model_shapes() -> dict[str, ModelConfig]:
             num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
             rope_scaling=RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                      original_max_position_embeddings=8192),
-            max_position_embeddings=8192, bos_token_id=128000, eos_token_ids=(128009,))}
+            max_position_embeddings=8192, bos_token_id=128000, eos_token_ids=(128009,)),
+        "olmoe-1b-7b": ModelConfig(
+            vocab_size=50304, hidden_size=2048, intermediate_size=1024, num_layers=16,
+            num_heads=16, num_kv_heads=16, head_dim=128, rms_norm_eps=1e-5,
+            rope_theta=10000.0, max_position_embeddings=4096, qk_norm="full",
+            architecture="olmoe", num_experts=64, num_experts_per_tok=8,
+            moe_intermediate_size=1024, bos_token_id=None, eos_token_ids=(50279,))}

@@ -291,7 +291,7 @@ def _pallas_cost(name, ins, hm, ctx, rows, scope) -> KernelCost:
         return _attention_cost(name, ins.name, ops, list(ins.result), ctx, rows, scope)
     moved = sum(map(type_bytes, ops)) + out
     if "grouped_matmul" in name:
-        gmm = _grouped_matmul_cost(name, ins.name, ops, out, scope)
+        gmm = _grouped_matmul_cost(name, ins.name, ops, list(ins.result), scope)
         if gmm is not None:
             return gmm
     if "int4" in name:
@@ -329,11 +329,13 @@ def _pallas_cost(name, ins, hm, ctx, rows, scope) -> KernelCost:
     return KernelCost(name, ins.name, "pallas", moved, 0, scope=scope)
 
 
-def _grouped_matmul_cost(name, hlo, ops, out, scope) -> KernelCost | None:
+def _grouped_matmul_cost(name, hlo, ops, results, scope) -> KernelCost | None:
     """A grouped matmul (pallas_kernels/grouped_matmul*.py: the MoE experts) reads the weights
-    of the experts its rows are routed to, at most min(E, M) of the `[E, ...]` weights (each
-    row belongs to one expert), not all E; the rest (schedule or metadata, x, scales) and its
-    item outputs whole. None when no weights and x are found among the operands."""
+    of the experts its rows are routed to, not all E of the `[E, ...]` weights: at most
+    min(E, M, I), each row having one expert and each of the I work items (the item outputs'
+    leading dimension, `[I, tm, N]` or `[I, N, tm]`) one; the rest (schedule or metadata, x,
+    scales) and its item outputs whole. None when no weights and x are found among the
+    operands."""
     w = next((o for o in ops if len(o[1]) == 3), None)
     if w is None:
         return None
@@ -346,10 +348,13 @@ def _grouped_matmul_cost(name, hlo, ops, out, scope) -> KernelCost | None:
     if x is None:
         return None
     # M: x's rows as the kernel gets them, padded to whole row tiles: an upper bound on the
-    # call's rows, so on the experts it reads and on its useful FLOPs.
+    # call's rows, so on its useful FLOPs; the items bound the experts tighter where a tile
+    # is taller than the rows (one token's top-8 in 16-row tiles: 8 items, 16 rows).
     m = x[1][0]
-    weights = type_bytes((w[0], (min(e, m), a, b)))
+    items = results[0][1][0] if results and results[0][1] else m
+    weights = type_bytes((w[0], (min(e, m, items), a, b)))
     rest = sum(map(type_bytes, ops)) - type_bytes(w)
+    out = sum(map(type_bytes, results))
     return KernelCost(name, hlo, "grouped_matmul", weights + rest + out, 2 * m * k * n,
                       scope=scope)
 

@@ -166,3 +166,38 @@ def test_an_int8_cache_step_reads_codes_and_scales_on_the_mosaic_kernel():
     assert all(c.kv_bytes == 1024 * 8 * (128 + 4) * 2 for c in attention), attention
     assert all(c.bytes < 2 * c.kv_bytes for c in attention), attention
     assert r.cache_bytes > 0 and r.alias_bytes >= r.cache_bytes, r
+
+
+def test_moe_weight_bytes_count_the_experts_a_step_reaches():
+    """A MoE decode step reads the experts its tokens are routed to: under uniform top-k
+    routing E (1 - (1 - k / E)^rows) of them (8 of OLMoE's 64 at batch 1, nearly all at 64)."""
+    c = dataclasses.replace(gpu_step.model_shapes()["olmoe-1b-7b"], num_layers=2)
+    params = gpu_step.abstract_params(c, "bf16")
+    assert gpu_step.expected_experts(c, 1) == pytest.approx(8.0)
+    assert gpu_step.expected_experts(c, 64) == pytest.approx(64 * (1 - (7 / 8) ** 64))
+    experts = 2 * 3 * 64 * 2048 * 1024 * 2  # [L, E, D, F] gate, up and [L, E, F, D] down
+    every = gpu_step.weight_bytes(params, c)
+    assert every - gpu_step.weight_bytes(params, c, 1) == experts * 56 // 64
+    assert every - gpu_step.weight_bytes(params, c, 64) == round(
+        experts * (7 / 8) ** 64)
+
+
+@pytest.mark.parametrize("kernels,name", [("mosaic", "grouped_matmul_mgpu_kernel"),
+                                          ("triton", "grouped_matmul")])
+def test_a_moe_step_runs_its_experts_on_the_grouped_matmul_kernel(kernels, name):
+    """OLMoE's shape (2 layers), bf16, batch-64 decode: each layer's three expert projections
+    are the grouped matmul of the step's Pallas backend (Mosaic GPU on an H200, Triton
+    below), costed by the performance model as a grouped matmul (the experts 512 rows can
+    reach, their FLOPs)."""
+    why = deviceless.unavailable_reason()
+    if why:
+        pytest.skip(why)
+    config = dataclasses.replace(gpu_step.model_shapes()["olmoe-1b-7b"], num_layers=2)
+    r, extra = gpu_step.step_report(gpu_step.StepSpec(config=config, tokens=64,
+                                                      gpu_kernels=kernels))
+    gmm = [c for c in extra["kernel_costs"] if c.kind == "grouped_matmul"]
+    assert len(gmm) == 6 and all(c.name.startswith(name) for c in gmm), gmm
+    expert = 64 * 2048 * 1024 * 2  # one projection's [E, D, F] bf16
+    assert all(expert < c.bytes < 1.2 * expert for c in gmm), gmm
+    assert all(c.flops >= 2 * 512 * 2048 * 1024 for c in gmm), gmm
+    assert r.weight_copies_per_layer == 0 and r.host_sync == 0, r

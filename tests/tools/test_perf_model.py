@@ -142,9 +142,10 @@ def test_hlo_operand_types_resolve_tuple_elements():
 # OLMoE-shaped projection: 64 experts, K = 2048, N = 1024): the Triton call (tile, group, valid
 # [I] s32, x padded to whole 16-row tiles, w [E, K, N] -> [I, tm, N] f32) at a decode batch of
 # 16 rows and at 128 rows, and the Mosaic GPU call on int8 codes (metadata [I, 32] s32, padded
-# x, codes [E, N, K], scales [E, N] -> [I, N, tm] f32), named by its body in its op_name.
+# x, codes [E, N, K], scales [E, N] -> [I, N, tm] f32), named by its body in its op_name; and
+# one token's top-8 in a 16-row tile: 8 items, which bound the experts tighter than the rows.
 GMM_HLO = """\
-ENTRY %main (tile: s32[16], group: s32[16], valid: s32[16], xp: bf16[16,2048], w: bf16[64,2048,1024], tile2: s32[71], xp2: bf16[128,2048], meta: s32[16,32], w8: s8[64,1024,2048], scales: f32[64,1024]) -> f32[16,1024,16] {
+ENTRY %main (tile: s32[16], group: s32[16], valid: s32[16], xp: bf16[16,2048], w: bf16[64,2048,1024], tile2: s32[71], xp2: bf16[128,2048], meta: s32[16,32], w8: s8[64,1024,2048], scales: f32[64,1024], tile3: s32[8]) -> f32[16,1024,16] {
   %tile = s32[16]{0} parameter(0)
   %group = s32[16]{0} parameter(1)
   %valid = s32[16]{0} parameter(2)
@@ -155,6 +156,8 @@ ENTRY %main (tile: s32[16], group: s32[16], valid: s32[16], xp: bf16[16,2048], w
   %meta = s32[16,32]{1,0} parameter(7)
   %w8 = s8[64,1024,2048]{2,1,0} parameter(8)
   %scales = f32[64,1024]{1,0} parameter(9)
+  %tile3 = s32[8]{0} parameter(10)
+  %gmm.4 = f32[8,16,1024]{2,1,0} custom-call(%tile3, %tile3, %tile3, %xp, %w), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(_step_impl)/step/OLMoE/layers_0/mlp/grouped_matmul/pallas_call"}
   %gmm.1 = f32[16,16,1024]{2,1,0} custom-call(%tile, %group, %valid, %xp, %w), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(_step_impl)/step/OLMoE/layers_0/mlp/grouped_matmul/pallas_call"}
   %gmm.2 = f32[71,16,1024]{2,1,0} custom-call(%tile2, %tile2, %tile2, %xp2, %w), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(_step_impl)/step/OLMoE/layers_0/mlp/grouped_matmul/pallas_call"}
   ROOT %gmm.3 = f32[16,1024,16]{2,1,0} custom-call(%meta, %xp, %w8, %scales), custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(_step_impl)/step/OLMoE/layers_0/mlp/grouped_matmul_mgpu_kernel/mpmd_map"}
@@ -167,13 +170,15 @@ def test_grouped_matmul_reads_the_weights_of_the_experts_its_rows_reach():
     generic rule's whole operands); 128 rows can reach all 64. FLOPs 2 * M * K * N."""
     tree = [thunks.Thunk("kCustomKernel", 1, "grouped_matmul grid: [16, 8, 1]", 0, hlo="gmm.1"),
             thunks.Thunk("kCustomKernel", 2, "grouped_matmul grid: [71, 8, 1]", 0, hlo="gmm.2"),
-            thunks.Thunk("kCustomCall", 3, "", 0, hlo="gmm.3")]
+            thunks.Thunk("kCustomCall", 3, "", 0, hlo="gmm.3"),
+            thunks.Thunk("kCustomKernel", 4, "grouped_matmul grid: [8, 8, 1]", 0, hlo="gmm.4")]
     costs = pm.costs_of(tree, HloModule.parse(GMM_HLO), context_len=1, rows=16)
     assert [(c.name, c.kind) for c in costs] == [
         ("grouped_matmul", "grouped_matmul"), ("grouped_matmul", "grouped_matmul"),
-        ("grouped_matmul_mgpu_kernel", "grouped_matmul")]
+        ("grouped_matmul_mgpu_kernel", "grouped_matmul"), ("grouped_matmul", "grouped_matmul")]
     expert = 2048 * 1024  # one expert's weight elements
-    decode, prefill, mosaic = costs
+    decode, prefill, mosaic, one_token = costs
+    assert one_token.bytes == (8 * expert * 2 + 3 * 8 * 4 + 16 * 2048 * 2 + 8 * 16 * 1024 * 4)
     assert decode.bytes == (16 * expert * 2 + 3 * 16 * 4 + 16 * 2048 * 2
                             + 16 * 16 * 1024 * 4)
     assert prefill.bytes == (64 * expert * 2 + 3 * 71 * 4 + 128 * 2048 * 2
