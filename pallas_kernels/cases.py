@@ -341,8 +341,72 @@ def check_sampling(interpret: bool, small: bool) -> dict:
             "tolerance": SAMPLING_LOGPROB_ATOL, "rows": rows}
 
 
+# ---- grouped matmul (the MoE experts) ------------------------------------------------------
+
+# OLMoE's gate/up projection (64 experts, D 2048 -> F 1024) at 16 tokens' top-8; small: 8
+# experts, 128 -> 128, 4 tokens' top-2 (gpu_check's dry run).
+GMM_CHECK_SHAPES = {False: (64, 2048, 1024, 16, 8), True: (8, 128, 128, 4, 2)}
+
+
+def gmm_error_bound(x, w_rows):
+    """Bound on |kernel - float64 reference| `[M, N]` of a grouped matmul with f32 results
+    from exact products (bf16 inputs, int8 codes): f32 sums of K terms in any order, 2 K 2^-24
+    times A, the output's magnitude without cancellation (|x| @ |w| with each row's group's
+    weights `w_rows` `[M, K, N]`), plus the scale's one f32 rounding (2^-24 A). A row given
+    another group's weights, or a dropped scale, is off by O(A)."""
+    k = x.shape[1]
+    return (2 * k + 1) * 2.0 ** -24 * np.einsum("mk,mkn->mn", np.abs(x), np.abs(w_rows))
+
+
+def check_grouped_matmul(interpret: bool, small: bool) -> dict:
+    """gpu_check's grouped matmul case (GPU_CHECK_CASES): the Triton and the Mosaic GPU kernel
+    (where it takes the shape) on rows routed to top-k experts, bf16 weights and int8 codes
+    with f32 scales, against a float64 per-group loop within `gmm_error_bound`."""
+    import jax
+    import jax.numpy as jnp
+    from pallas_kernels import grouped_matmul_mgpu as mgpu
+    from pallas_kernels.grouped_matmul import grouped_matmul
+    from pallas_kernels.mosaic_interpret import mosaic_interpret
+    e, k, n, tokens, top_k = GMM_CHECK_SHAPES[small]
+    rng = np.random.default_rng(11)
+    experts = np.argsort(rng.random((tokens, e)), axis=1)[:, :top_k].reshape(-1)  # [T * k]
+    sizes = np.bincount(experts, minlength=e)  # [E]
+    x = np.asarray(jnp.asarray(rng.standard_normal((tokens * top_k, k)), jnp.bfloat16)
+                   .astype(jnp.float32), np.float64)  # [M, K], rows sorted by group
+    group = np.repeat(np.arange(e), sizes)  # [M]
+    weights = {
+        "bf16": (np.asarray(jnp.asarray(rng.standard_normal((e, k, n)) / np.sqrt(k),
+                                        jnp.bfloat16).astype(jnp.float32), np.float64), None),
+        "int8": (rng.integers(-127, 128, (e, n, k)), rng.uniform(0.5, 1.5, (e, n)) / 127)}
+    rows, ok, worst = [], True, 0.0
+    xb = jnp.asarray(x, jnp.bfloat16)
+    gs = jnp.asarray(sizes, jnp.int32)
+    for kind, (w, scales) in weights.items():
+        if scales is None:
+            dense, args = w, (jnp.asarray(w, jnp.bfloat16), None)
+        else:
+            scales = np.asarray(scales, np.float32).astype(np.float64)
+            dense = np.swapaxes(w, 1, 2) * scales[:, None, :]  # [E, K, N]
+            args = (jnp.asarray(w, jnp.int8), jnp.asarray(scales, jnp.float32))
+        want = np.einsum("mk,mkn->mn", x, dense[group])  # [M, N] float64
+        bound = gmm_error_bound(x, dense[group])
+        got = {"triton": grouped_matmul(xb, args[0], gs, args[1], interpret=interpret)}
+        if mgpu.unsupported(k, n, xb.dtype, args[0].dtype) is None:
+            got["mosaic"] = mgpu.grouped_matmul_mgpu(xb, args[0], gs, args[1],
+                                                     interpret=mosaic_interpret(interpret))
+        for backend, y in got.items():
+            err = np.abs(np.asarray(jax.device_get(y), np.float64) - want)
+            within = bool(np.isfinite(err).all() and (err <= bound).all())
+            ok, worst = ok and within, max(worst, float(err.max()))
+            rows.append({"weights": kind, "kernel": backend, "within_tol": within,
+                         "max_abs_err": float(err.max()),
+                         "max_err_over_bound": float((err / bound).max())})
+    return {"within_tol": ok, "max_abs_err": worst, "shape": dict(
+        experts=e, K=k, N=n, tokens=tokens, top_k=top_k), "rows": rows}
+
+
 # gpu_check's kernel_correctness runs each (jaxserve/tools/gpu_check/kernel_correctness.py).
-GPU_CHECK_CASES = {"sampling": check_sampling}
+GPU_CHECK_CASES = {"sampling": check_sampling, "grouped_matmul": check_grouped_matmul}
 
 
 # ---- fused linear ------------------------------------------------------------------------------

@@ -136,3 +136,23 @@ def test_lowers_and_compiles_for_h200(m, int8):
     assert "grouped_matmul_mgpu_kernel" in text
     assert not re.search(r"\bdot\(", text)
     assert not re.search(r"\btranspose\(", text)
+
+
+def test_gpu_check_case_judges_both_kernels(monkeypatch):
+    """gpu_check's grouped matmul case (cases.GPU_CHECK_CASES) at its dry-run size: both
+    kernels, bf16 weights and int8 codes, within the f32-summation bound of a float64 loop;
+    and a Mosaic kernel that drops the int8 scales fails it."""
+    import pallas_kernels.grouped_matmul_mgpu as mgpu
+    from pallas_kernels.cases import GPU_CHECK_CASES
+    check = GPU_CHECK_CASES["grouped_matmul"]
+    r = check(interpret=True, small=True)
+    assert r["within_tol"], r
+    assert [(x["weights"], x["kernel"]) for x in r["rows"]] == [
+        ("bf16", "triton"), ("bf16", "mosaic"), ("int8", "triton"), ("int8", "mosaic")]
+    real = mgpu.grouped_matmul_mgpu
+    monkeypatch.setattr(mgpu, "grouped_matmul_mgpu",
+                        lambda x, w, gs, scales=None, **kw: real(
+                            x, w, gs, None if scales is None else scales * 0 + 1, **kw))
+    bad = check(interpret=True, small=True)
+    assert not bad["within_tol"]
+    assert [x["within_tol"] for x in bad["rows"]] == [True, True, True, False]
