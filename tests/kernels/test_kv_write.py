@@ -148,3 +148,83 @@ def test_compiles_for_sm90a(shape):
         pytest.skip(why_not)
     fn, args = flat_call(shape)
     assert "pallas_call" in compile_for_h200(fn, *args).as_text()
+
+
+def test_round_half_even_is_jnp_round():
+    """Triton lowers no round: the kernel's floor-based half-to-even equals jnp.round on every
+    quarter in [-128, 128] (the ties included) and on random values."""
+    from pallas_kernels.kv_write import round_half_even
+    y = np.concatenate([np.arange(-128, 128.25, 0.25),
+                        np.random.default_rng(0).uniform(-127.5, 127.5, 4096)]).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(round_half_even(jnp.asarray(y))),
+                                  np.asarray(jnp.round(jnp.asarray(y))))
+
+
+# (num_tokens, num_kv_heads, head_dim, float dtype, pad_tokens, packed)
+QUANTIZED = [(9, 2, 128, "f32", 0, False), (30, 3, 64, "bf16", 4, False),
+             (17, 8, 128, "bf16", 2, True), (1, 1, 64, "f32", 0, True)]
+
+
+@pytest.mark.parametrize("case", QUANTIZED, ids=lambda c: "-".join(map(str, c)))
+def test_quantized_write_equals_quantize_then_scatters(case, interpret):
+    """write_kv_cache_quantized from float K and V (or a packed [q | k | v] array) equals
+    kv_quant.quantize followed by XLA's scatters, codes and scales bit for bit; one vector is
+    all zeros (scale 0, codes 0)."""
+    from pallas_kernels.kv_write import write_kv_cache_quantized
+    num_tokens, kv_heads, head_dim, dtype, pad, packed = case
+    caches, slots, _ = make_case(4, num_tokens=num_tokens, num_kv_heads=kv_heads,
+                                 head_dim=head_dim, dtype=jnp.int8, pad_tokens=pad)
+    rng = np.random.default_rng(5)
+    k, v = (jnp.asarray(3 * rng.standard_normal((slots.shape[0], kv_heads, head_dim)),
+                        DTYPES[dtype]) for _ in range(2))  # [T, K, Dh]
+    if pad:  # the padding tokens write one slot: equal values, so their order cannot matter
+        k, v = (x.at[num_tokens:].set(x[-1]) for x in (k, v))
+    k = k.at[0, 0].set(0)
+    (kc, ks), (vc, vs) = kv_quant.quantize(k), kv_quant.quantize(v)
+    want = write_kv_cache_reference(caches, 1, slots, (kc, vc, ks, vs))
+    if packed:
+        q = jnp.full((k.shape[0], 2 * kv_heads, head_dim), jnp.nan, k.dtype)
+        qkv = jnp.concatenate([q, k, v], axis=1)  # [T, 4K, Dh]
+        got = write_kv_cache_quantized(caches, 1, slots, (qkv, qkv),
+                                       heads_at=(2 * kv_heads, 3 * kv_heads),
+                                       interpret=interpret)
+    else:
+        got = write_kv_cache_quantized(caches, 1, slots, (k, v), interpret=interpret)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    blk, off = int(slots[0]) // caches[0].shape[2], int(slots[0]) % caches[0].shape[2]
+    assert float(got[2][1, blk, off, 0]) == 0.0 and not np.asarray(got[0][1, blk, off, 0]).any()
+    assert (np.asarray(got[2][1, blk, off, 1:]) > 0).all()  # the others were quantized
+
+
+def test_quantized_write_compiles_for_h200():
+    """The 8B's step: 64 tokens of a packed bf16 [q | k | v] (32 + 2 x 8 heads of 128) into
+    an int8 cache, one Triton call with the four caches aliased."""
+    from pallas_kernels.kv_write import write_kv_cache_quantized
+    why = cuda_compiler_available()
+    if why:
+        pytest.skip(why)
+    s = jax.ShapeDtypeStruct
+    shape = (32, 1024, 16, 8, 128)
+    caches = (s(shape, jnp.int8),) * 2 + (s(shape[:-1], jnp.float32),) * 2
+    qkv = s((64, 48, 128), jnp.bfloat16)
+
+    def fn(kc, vc, ks, vs, layer, slots, packed):
+        return write_kv_cache_quantized((kc, vc, ks, vs), layer, slots, (packed, packed),
+                                        heads_at=(32, 40))
+    text = compile_for_h200(fn, *caches, s((), jnp.int32), s((64,), jnp.int32), qkv).as_text()
+    assert "kv_cache_write" in text and "scatter" not in text
+
+
+def test_quantized_write_rejects_what_it_cannot_write():
+    from pallas_kernels.kv_write import write_kv_cache_quantized
+    caches, slots, (kc, vc, ks, vs) = make_case(6, num_tokens=4, num_kv_heads=2, head_dim=64,
+                                                dtype=jnp.int8)
+    with pytest.raises(ValueError, match="a quantized write takes"):
+        write_kv_cache_quantized(caches[:2], 0, slots, (kc, vc), interpret=True)
+    with pytest.raises(ValueError, match="do not fit cache"):
+        write_kv_cache_quantized(caches, 0, slots, (kc, vc), interpret=True)  # int8 values
+    f = kc.astype(jnp.float32)
+    with pytest.raises(ValueError, match="from head 1 do not fit"):
+        write_kv_cache_quantized(caches, 0, slots, (f, f), heads_at=(1, 0), interpret=True)
