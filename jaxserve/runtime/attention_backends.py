@@ -19,11 +19,10 @@ import jax.numpy as jnp
 
 from jaxserve import native
 from jaxserve.native.attention import ragged_paged_attention_cpu
-from jaxserve.runtime import kv_quant
 from jaxserve.runtime.attention import ragged_attention_xla, write_kv
 from jaxserve.runtime.kv_cache import KVCache, PagedMeta
 from models.config import ModelConfig
-from pallas_kernels.kv_write import write_kv_cache
+from pallas_kernels.kv_write import write_kv_cache, write_kv_cache_quantized
 from pallas_kernels.mosaic_interpret import mosaic_interpret
 from pallas_kernels.ragged_paged_attention import (ragged_paged_attention,
                                                    ragged_paged_attention_write)
@@ -158,9 +157,10 @@ class PallasAttention(AttentionBackend):
     Pallas backend (EngineConfig.gpu_kernels, resolved): "triton"
     (pallas_kernels/ragged_paged_attention.py, the step's keys and values written by the
     kernel itself) or "mosaic" (pallas_kernels/ragged_paged_attention_mgpu.py, Hopper and
-    later; the keys and values written first into the donated cache: from q, k and v packed
-    (the fused q/k/v kernel's output) by the Triton KV-write kernel in one launch, else by
-    XLA's scatters).
+    later; the keys and values written first into the donated cache by the Triton KV-write
+    kernel in one launch, from q, k and v packed where the fused q/k/v kernel made them).
+    An int8 cache, on either backend: the KV-write kernel quantizes the step's keys and values
+    and writes codes and scales in one launch, then the kernel reads them.
     """
 
     interpret: bool = False  # the Pallas interpreter: the kernel on CPU, for tests
@@ -178,19 +178,14 @@ class PallasAttention(AttentionBackend):
         return "pallas-interpret" if self.interpret else "pallas"
 
     def attend(self, q, k, v, cache, layer, meta, *, window=None, softcap=None, scale=None):
+        if cache.quantized:
+            cache = self._write_quantized(cache, layer, meta, (k[0], v[0]), None)
+            return self._attend_int8(q[0], cache, layer, meta, window=window, softcap=softcap,
+                                     scale=scale, dtype=q.dtype)
         if self.kernels == "mosaic":
             return self._attend_mosaic(q, k, v, cache, layer, meta, window=window,
                                        softcap=softcap, scale=scale)
         kw = self._kernel_kw(window, softcap, scale)
-        if cache.quantized:  # the codes are written, q is read in its own dtype
-            (kc, ks), (vc, vs) = kv_quant.quantize(k[0]), kv_quant.quantize(v[0])
-            leaves = write_kv_cache((cache.k, cache.v, cache.k_scale, cache.v_scale), layer,
-                                    meta.slots[0], (kc, vc, ks, vs), interpret=self.interpret)
-            cache = KVCache(*leaves)
-            out = ragged_paged_attention(q[0], cache.k, cache.v, layer, meta.page_table,
-                                         meta.query_start, meta.context_lens,
-                                         k_scale=cache.k_scale, v_scale=cache.v_scale, **kw)
-            return out[None].astype(q.dtype), cache
         # One array [T, H + 2K, Dh] in the cache's dtype (kv_cache_dtype may differ from the
         # model's): XLA makes q, k and v (RoPE, casts) in one fusion, and one kernel reads
         # them by row, writes k and v into the cache and attends.
@@ -200,9 +195,13 @@ class PallasAttention(AttentionBackend):
 
     def attend_packed(self, qkv, cache, layer, meta, *, num_heads, window=None, softcap=None,
                       scale=None):
-        if cache.quantized:
-            return super().attend_packed(qkv, cache, layer, meta, num_heads=num_heads,
-                                         window=window, softcap=softcap, scale=scale)
+        if cache.quantized:  # keys and values quantized from the packed array, q read in place
+            kv_heads = (qkv.shape[2] - num_heads) // 2
+            cache = self._write_quantized(cache, layer, meta, (qkv[0], qkv[0]),
+                                          (num_heads, num_heads + kv_heads))
+            return self._attend_int8(qkv[0], cache, layer, meta, window=window,
+                                     softcap=softcap, scale=scale, dtype=qkv.dtype,
+                                     num_heads=num_heads)
         if self.kernels == "mosaic":
             # One kernel writes the keys and values from the packed array (kv_write.py) where
             # XLA's write_kv takes three (the k/v split, a scatter per cache); the Mosaic
@@ -242,14 +241,38 @@ class PallasAttention(AttentionBackend):
                                                        **kw)  # [T, H, Dh]
         return out, KVCache(k=kc, v=vc)
 
+    def _write_quantized(self, cache, layer, meta, new, heads_at) -> KVCache:
+        """The step's float keys and values (`[T, K, Dh]` each, or a packed array's heads at
+        heads_at) quantized into the int8 cache, codes and scales, by one kernel in place."""
+        leaves = write_kv_cache_quantized(
+            (cache.k, cache.v, cache.k_scale, cache.v_scale), layer, meta.slots[0], new,
+            heads_at=heads_at, interpret=self.interpret)
+        return KVCache(*leaves)
+
+    def _attend_int8(self, q, cache, layer, meta, *, window, softcap, scale, dtype,
+                     num_heads=None):
+        """Either kernel over an int8 cache holding the step's keys and values: q `[T, Hq, Dh]`
+        in the model's dtype (its first num_heads heads). Returns (`[1, T, H, Dh]`, cache)."""
+        if self.kernels == "mosaic":
+            return self._mosaic(q, cache, layer, meta, window=window, softcap=softcap,
+                                scale=scale, dtype=dtype, num_heads=num_heads)
+        out = ragged_paged_attention(q, cache.k, cache.v, layer, meta.page_table,
+                                     meta.query_start, meta.context_lens,
+                                     k_scale=cache.k_scale, v_scale=cache.v_scale,
+                                     num_heads=num_heads,
+                                     **self._kernel_kw(window, softcap, scale))
+        return out[None].astype(dtype), cache
+
     def _attend_mosaic(self, q, k, v, cache, layer, meta, *, window, softcap, scale):
-        # XLA scatters the step's keys and values (an int8 cache: quantized) into the donated
-        # cache, in place; the kernel then reads them with the rest of the context.
-        cache = write_kv(cache, layer, k, v, meta.slots)
-        # q in the cache's dtype, as the Triton path reads it (bf16: what the kernel takes).
-        dtype = q.dtype if cache.quantized else cache.k.dtype
-        return self._mosaic(q[0].astype(dtype), cache, layer, meta, window=window,
-                            softcap=softcap, scale=scale, dtype=q.dtype)
+        # The step's keys and values written into the donated float cache, in place, by one
+        # kernel (XLA's write_kv is a scatter per cache); the Mosaic kernel then reads them
+        # with the rest of the context, q in the cache's dtype as the Triton path reads it.
+        dtype = cache.k.dtype
+        kc, vc = write_kv_cache((cache.k, cache.v), layer, meta.slots[0],
+                                (k[0].astype(dtype), v[0].astype(dtype)),
+                                interpret=self.interpret)
+        return self._mosaic(q[0].astype(dtype), KVCache(k=kc, v=vc), layer, meta,
+                            window=window, softcap=softcap, scale=scale, dtype=q.dtype)
 
     def _mosaic(self, q, cache, layer, meta, *, window, softcap, scale, dtype,
                 num_heads=None):

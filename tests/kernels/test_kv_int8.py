@@ -377,6 +377,30 @@ def test_engine_int8_matches_dense_model_on_quantized_kv(tiny, prompts, backend)
         assert tokens == dense_greedy(tiny, prompt, 8)
 
 
+def test_gpu_program_int8_writes_from_the_packed_qkv_and_matches_dense_model(
+        tiny, prompts, monkeypatch):
+    """The GPU program (fused linears: q/k/v come packed from one kernel) over an int8 cache:
+    the KV-write kernel quantizes keys and values from the packed array (no split, no XLA
+    quantize or scatter) and the Triton attention reads q in place; tokens equal the dense
+    model reading the same quantized K/V."""
+    from jaxserve.runtime import attention_backends, backends
+    packed = []
+    write = attention_backends.write_kv_cache_quantized
+
+    def counted(caches, layer, slots, new, *, heads_at=None, **kw):
+        packed.append(heads_at)
+        return write(caches, layer, slots, new, heads_at=heads_at, **kw)
+    monkeypatch.setattr(backends, "gpu_step", lambda: True)
+    monkeypatch.setattr(attention_backends, "write_kv_cache_quantized", counted)
+    got = greedy(tiny, prompts[:3], attention_backend="pallas-interpret",
+                 linear_backend="pallas-interpret", kv_cache_dtype="int8")
+    # Every step here (<= 64 tokens) runs the fused linears: packed q/k/v, keys after the 6
+    # query heads, values after the 2 key heads.
+    assert packed and set(packed) == {(6, 8)}, packed
+    for prompt, tokens in zip(prompts, got):
+        assert tokens == dense_greedy(tiny, prompt, 8)
+
+
 LOGIT_SCALE = 5.0
 
 
