@@ -21,7 +21,7 @@ both into 128-byte-swizzled SMEM, and one wgmma into a `[64, tm]` f32 accumulato
 weights: the tile `[64 (K), 64 (N)]` of `w[g]` is wgmma's A operand transposed; the wgmma
 runs while the next step's copies land (the slot is released one step late). int8 codes: the
 tile `[64 (N), 64 (K)]` of `w[g]` lands as int8, is converted in registers to x's dtype
-(exact: |code| <= 127) into a bf16 SMEM tile, and the wgmma waits before that tile is
+(exact: |code| <= 127) into an SMEM tile of that dtype, and the wgmma waits before that tile is
 written again; the group's 64 scales come by one more TMA and multiply the accumulator's rows
 in f32, as the Triton kernel applies them. Padding items (past the schedule's valid ones)
 return at once; their output blocks are never read.
