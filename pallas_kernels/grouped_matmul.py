@@ -38,6 +38,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.gpu_tiling import next_pow2
+
 _MIN_DOT = 16            # Triton's dot wants every dimension >= 16
 _MAX_BLOCK_N = 128
 _MAX_BLOCK_K = 64
@@ -180,11 +182,18 @@ def _gmm_kernel(tile_ref, group_ref, valid_ref, x_ref, w_ref, *rest, tm, bk, num
         o_ref[...] = acc
 
 
-def pick_tm(m: int) -> int:
-    """Kernel tile rows: 16 (Triton's minimum) for decode-sized M, 64 for prefill-sized.
-    A guess from the tile arithmetic (fewer re-reads of each expert's weights in taller tiles,
-    less padding in shorter ones), not measured on a GPU."""
-    return _MIN_DOT if m <= _PREFILL_ROWS else 64
+def pick_tm(m: int, num_groups: int | None = None) -> int:
+    """Kernel tile rows, a power of 2 in [16 (Triton's minimum), 64]. With num_groups: the
+    mean rows of a group that has any (M over min(E, M)) rounded up, so that a typical group
+    fills one tile (each item writes tm output rows: 64 experts at a batch-64 top-8 decode,
+    8 rows each, take 16-row tiles, 4x fewer padded output bytes than 64); without (the LoRA
+    kernel's slots): 16 for decode-sized M, 64 for prefill-sized. From the tile arithmetic
+    (fewer re-reads of each group's weights in taller tiles, less padding in shorter ones),
+    not measured on a GPU."""
+    if num_groups is None:
+        return _MIN_DOT if m <= _PREFILL_ROWS else 64
+    m = max(m, 1)
+    return min(64, max(_MIN_DOT, next_pow2(-(-m // min(num_groups, m)))))
 
 
 @functools.partial(jax.jit, static_argnames=("tm", "block_n", "block_k", "num_warps",
@@ -193,8 +202,8 @@ def grouped_matmul(x, w, group_sizes, scales=None, *, tm=None, block_n=None, blo
                    num_warps=None, num_stages=None, interpret=False):
     """The Pallas kernel: x `[M, K]` (bf16/f32, rows sorted by group) @ w per group -> f32
     `[M, N]`. w `[E, K, N]` float (x's dtype), or int8 codes `[E, N, K]` with scales `[E, N]`.
-    tm: tile rows (power of 2 >= 16; None: `pick_tm`); block_n/block_k: None picks the largest
-    power of 2 dividing N (<= 128) / K (<= 64)."""
+    tm: tile rows (power of 2 >= 16; None: `pick_tm` for M and E); block_n/block_k: None
+    picks the largest power of 2 dividing N (<= 128) / K (<= 64)."""
     check_arguments(x, w, group_sizes, scales)
     int8 = scales is not None
     m, k = x.shape
@@ -202,7 +211,7 @@ def grouped_matmul(x, w, group_sizes, scales=None, *, tm=None, block_n=None, blo
     why = kernel_unsupported(k, n)
     if why:
         raise ValueError(f"grouped_matmul kernel: {why}")
-    tm = tm or pick_tm(m)
+    tm = tm or pick_tm(m, group_sizes.shape[0])
     bn = block_n or pow2_divisor(n, _MAX_BLOCK_N)
     bk = block_k or pow2_divisor(k, _MAX_BLOCK_K)
     for name, b, dim in (("tm", tm, None), ("block_n", bn, n), ("block_k", bk, k)):

@@ -12,7 +12,7 @@ import pytest
 
 from models.moe import sort_by_expert
 from pallas_kernels.grouped_matmul import (grouped_matmul, grouped_matmul_reference,
-                                           grouped_matmul_tiled, num_items, schedule)
+                                           grouped_matmul_tiled, num_items, pick_tm, schedule)
 from tests import cuda_lowering
 
 # f32: the same f32 products, summed in another order. bf16: bf16 inputs, exact products and
@@ -124,6 +124,16 @@ def test_schedule_covers_every_tile_group_pair_once(seed, tm):
                    for r in range(int(sizes.sum()))})
     assert got == want
     assert (tile < -(-m // tm)).all() and (group < e).all()
+
+
+def test_pick_tm_follows_the_mean_group():
+    """With E: the mean rows of a group that has any, as a power of 2 in [16, 64] (64 experts
+    at a batch-64 top-8 decode: 16, not 64); without (LoRA's slots): 16 up to 256 rows, 64
+    above."""
+    cases = {(1, 8): 16, (16, 8): 16, (128, 8): 16, (512, 8): 64, (512, 64): 16,
+             (300, 4): 64, (100, 1): 64, (40, 2): 32}
+    assert {c: pick_tm(*c) for c in cases} == cases
+    assert (pick_tm(100), pick_tm(256), pick_tm(257)) == (16, 16, 64)
 
 
 def test_kernel_refuses_shapes_triton_cannot_tile():

@@ -66,7 +66,7 @@ def gmm_inputs(ctx: Ctx, model: str, e: int, k: int, n: int, tokens: int, top_k:
             "desc": {"model": model, "E": e, "K": k, "N": n, "tokens": tokens, "top_k": top_k,
                      "M": m, "experts_reached": int((sizes > 0).sum()),
                      "max_group_rows": int(sizes.max()), "tm_mosaic": mgpu.pick_tm(m, e),
-                     "tm_triton": triton.pick_tm(m), "copies": copies}}
+                     "tm_triton": triton.pick_tm(m, e), "copies": copies}}
     ctx.cases[key] = case
     return case
 
