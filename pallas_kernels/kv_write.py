@@ -39,6 +39,17 @@ QMAX = 127.0  # jaxserve/runtime/kv_quant.py's (pallas_kernels does not import j
 _ROWS = 64  # (token, KV head) rows per program
 
 
+def _program_rows(layer_ref, slots_ref, block_t: int, kp: int, num_kv_heads: int,
+                  layer_rows: int):
+    """This program's (token, KV head) rows `[M]`: token, head, in range, and the cache row
+    each is written to (the layer's flat slot times K plus the head)."""
+    i = lax.broadcasted_iota(jnp.int32, (block_t * kp,), 0)
+    token, head = pl.program_id(0) * block_t + i // kp, i % kp  # [M]
+    ok = (token < slots_ref.shape[0]) & (head < num_kv_heads)
+    slot = plgpu.load(slots_ref.at[jnp.where(ok, token, 0)], mask=ok, other=0)  # [M]
+    return token, head, ok, (layer_ref[0] * layer_rows + slot) * num_kv_heads + head
+
+
 def _write_kernel(layer_ref, slots_ref, *refs, block_t: int, kp: int, num_kv_heads: int,
                   layer_rows: int, heads_at: tuple[tuple[int, int], ...]):
     # layer_ref [1], slots_ref [T]; then the new arrays (k, v: [T * Hn, Dh], the cache's K
@@ -47,12 +58,8 @@ def _write_kernel(layer_ref, slots_ref, *refs, block_t: int, kp: int, num_kv_hea
     # and, int8, [L * NB * BS * K]), whole arrays.
     num_new = len(heads_at)
     new, outs = refs[:num_new], refs[2 * num_new:]
-    num_tokens = slots_ref.shape[0]
-    i = lax.broadcasted_iota(jnp.int32, (block_t * kp,), 0)
-    token, head = pl.program_id(0) * block_t + i // kp, i % kp  # [M]
-    ok = (token < num_tokens) & (head < num_kv_heads)
-    slot = plgpu.load(slots_ref.at[jnp.where(ok, token, 0)], mask=ok, other=0)  # [M]
-    dst = (layer_ref[0] * layer_rows + slot) * num_kv_heads + head
+    token, head, ok, dst = _program_rows(layer_ref, slots_ref, block_t, kp, num_kv_heads,
+                                         layer_rows)
     for value_ref, cache_ref, (first, stride) in zip(new, outs, heads_at):
         src = token * stride + first + head
         if len(value_ref.shape) == 1:  # an int8 cache's scales
@@ -77,12 +84,8 @@ def _quantize_kernel(layer_ref, slots_ref, k_ref, v_ref, *refs, block_t: int, kp
     # cache's heads at heads_at), four aliased cache inputs (unread), then the outputs: codes
     # [L * NB * BS * K, Dh] int8 for K and V, then their scales [L * NB * BS * K] f32.
     outs = refs[4:]
-    num_tokens = slots_ref.shape[0]
-    i = lax.broadcasted_iota(jnp.int32, (block_t * kp,), 0)
-    token, head = pl.program_id(0) * block_t + i // kp, i % kp  # [M]
-    ok = (token < num_tokens) & (head < num_kv_heads)
-    slot = plgpu.load(slots_ref.at[jnp.where(ok, token, 0)], mask=ok, other=0)  # [M]
-    dst = (layer_ref[0] * layer_rows + slot) * num_kv_heads + head
+    token, head, ok, dst = _program_rows(layer_ref, slots_ref, block_t, kp, num_kv_heads,
+                                         layer_rows)
     for n, (value_ref, (first, stride)) in enumerate(zip((k_ref, v_ref), heads_at)):
         src = token * stride + first + head
         x = load_rows(value_ref, src, ok, value_ref.shape[1]).astype(jnp.float32)  # [M, Dh]

@@ -65,12 +65,33 @@ def test_gpu_program_greedy_matches_hf(reference, name, monkeypatch):
         assert got == reference[f"{name}/greedy/{i}"].tolist(), (name, i)
 
 
+def bf16_two_row_greedy(model, prompts, new, **kw):
+    """Greedy tokens of `prompts` (lists of ids), two rows at a time, from a bf16 GPU-program
+    engine with `kw`'s backends; and its runner. The cache holds both rows at max_model_len
+    and a spare block, not the CPU default of 1 GiB: the GPU interpreter copies the kernel's
+    cache operands into every warpgroup thread's buffers on each call, which with 1 GiB took
+    most of a test's minutes."""
+    from jaxserve import EngineConfig, LLMEngine, SamplingParams
+    kv_memory = (2 * 64 // 16 + 1) * 16 * model.config.kv_bytes_per_token(2)
+    engine = LLMEngine(EngineConfig(
+        model=model.source, dtype="bfloat16", warmup=False, block_size=16, max_num_seqs=2,
+        max_num_batched_tokens=16, max_model_len=64, kv_cache_memory=kv_memory, **kw),
+        model=model)
+    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"r{i}", ids, params)
+    got = {}
+    while engine.has_unfinished_requests():
+        got.update({o.request_id: list(o.outputs[0].token_ids) for o in engine.step()
+                    if o.finished})
+    return [got[f"r{i}"] for i in range(len(prompts))], engine.runner
+
+
 def test_gpu_program_on_mosaic_gpu_kernels_greedy_matches_hf(reference, monkeypatch):
     """The GPU program with the Mosaic GPU attention kernel (Hopper's, gpu_kernels="mosaic")
     in JAX's GPU interpret mode, bf16, against HF's float32 greedy tokens: prefill chunks of
     16 tokens over cached pages beside decodes, 2 queries per KV head. The engine's bf16 XLA
     path runs first, the control that bf16 alone flips nothing on this model."""
-    from jaxserve import EngineConfig, LLMEngine, SamplingParams
     from jaxserve.runtime import backends
     from models import load_model
     name = BF16_MODEL["name"]
@@ -82,29 +103,15 @@ def test_gpu_program_on_mosaic_gpu_kernels_greedy_matches_hf(reference, monkeypa
     # warpgroup of every program as a thread (minutes per prompt on 2 cores).
     prompts, new = (0, 3), 4
     want = [reference[f"{name}/greedy/{i}"].tolist()[:new] for i in prompts]
-    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
-    # A cache of both rows at max_model_len and a spare block, not the CPU default of 1 GiB:
-    # the interpreter copies the kernel's cache operands into every warpgroup thread's
-    # buffers on each call, which with 1 GiB took most of this test's minutes.
-    kv_memory = (2 * 64 // 16 + 1) * 16 * model.config.kv_bytes_per_token(2)
     for attention, kernels in (("xla", "auto"), ("pallas-interpret", "mosaic")):
-        engine = LLMEngine(EngineConfig(
-            model=model.source, dtype="bfloat16", warmup=False, block_size=16, max_num_seqs=2,
-            max_num_batched_tokens=16, max_model_len=64, attention_backend=attention,
-            linear_backend="xla", gpu_kernels=kernels, kv_cache_memory=kv_memory),
-            model=model)
-        runner = engine.runner
+        got, runner = bf16_two_row_greedy(model, [GREEDY_PROMPTS[i] for i in prompts], new,
+                                          attention_backend=attention, linear_backend="xla",
+                                          gpu_kernels=kernels)
         assert runner.unroll_layers and runner.branch_free_sampling
         assert runner.attention.name == attention
         if attention != "xla":
             assert runner.attention.kernels == "mosaic"
-        for i in prompts:
-            engine.add_request(f"r{i}", GREEDY_PROMPTS[i], params)
-        got = {}
-        while engine.has_unfinished_requests():
-            got.update({o.request_id: list(o.outputs[0].token_ids) for o in engine.step()
-                        if o.finished})
-        assert [got[f"r{i}"] for i in prompts] == want, attention
+        assert got == want, attention
 
 
 # A Qwen3-MoE-shaped bf16 model the Mosaic GPU kernels take whole: head_dim 64 with 2 queries
@@ -136,7 +143,6 @@ def test_gpu_program_moe_on_mosaic_gpu_kernels_greedy_matches_hf(moe_reference, 
     (gpu_kernels="mosaic", linear_backend="pallas-interpret") in JAX's GPU interpret mode,
     bf16, against HF's float32 greedy tokens; the Triton grouped matmul must not run. The
     engine's bf16 XLA path runs first, the control that bf16 alone flips nothing here."""
-    from jaxserve import EngineConfig, LLMEngine, SamplingParams
     from jaxserve.runtime import backends
     from jaxserve.runtime import grouped_matmul as gmm_backend
     from models import load_model
@@ -154,23 +160,12 @@ def test_gpu_program_moe_on_mosaic_gpu_kernels_greedy_matches_hf(moe_reference, 
     model = load_model(moe_reference["workdir"] / name, dtype="bfloat16")
     assert model.config.num_experts == 4
     want = [moe_reference[f"{name}/greedy/{i}"].tolist() for i in range(len(MOE_PROMPTS))]
-    params = SamplingParams(temperature=0.0, max_tokens=MOE_TOKENS, ignore_eos=True)
-    kv_memory = (2 * 64 // 16 + 1) * 16 * model.config.kv_bytes_per_token(2)
     for backend, kernels in (("xla", "auto"), ("pallas-interpret", "mosaic")):
-        engine = LLMEngine(EngineConfig(
-            model=model.source, dtype="bfloat16", warmup=False, block_size=16, max_num_seqs=2,
-            max_num_batched_tokens=16, max_model_len=64, attention_backend=backend,
-            linear_backend=backend, gpu_kernels=kernels, kv_cache_memory=kv_memory),
-            model=model)
-        runner = engine.runner
+        got, runner = bf16_two_row_greedy(model, MOE_PROMPTS, MOE_TOKENS,
+                                          attention_backend=backend, linear_backend=backend,
+                                          gpu_kernels=kernels)
         assert runner.unroll_layers and runner.attention.name == backend
-        for i, ids in enumerate(MOE_PROMPTS):
-            engine.add_request(f"r{i}", ids, params)
-        got = {}
-        while engine.has_unfinished_requests():
-            got.update({o.request_id: list(o.outputs[0].token_ids) for o in engine.step()
-                        if o.finished})
-        assert [got[f"r{i}"] for i in range(len(MOE_PROMPTS))] == want, backend
+        assert got == want, backend
     # Every layer's three projections (gate/up [E, 64, 128], down [E, 128, 64]) in each
     # traced step program.
     assert set(traced) == {(4, 64, 128), (4, 128, 64)} and len(traced) % 9 == 0, traced
