@@ -348,20 +348,29 @@ def check_sampling(interpret: bool, small: bool) -> dict:
 GMM_CHECK_SHAPES = {False: (64, 2048, 1024, 16, 8), True: (8, 128, 128, 4, 2)}
 
 
-def gmm_error_bound(x, w_rows):
-    """Bound on |kernel - float64 reference| `[M, N]` of a grouped matmul with f32 results
-    from exact products (bf16 inputs, int8 codes): f32 sums of K terms in any order, 2 K 2^-24
-    times A, the output's magnitude without cancellation (|x| @ |w| with each row's group's
-    weights `w_rows` `[M, K, N]`), plus the scale's one f32 rounding (2^-24 A). A row given
-    another group's weights, or a dropped scale, is off by O(A)."""
+def gmm_reference(x, w_dense, sizes):
+    """(float64 result, error bound) `[M, N]` of a grouped matmul with f32 results from exact
+    products (bf16 inputs, int8 codes), group by group (x `[M, K]` rows sorted by group,
+    w_dense `[E, K, N]` float64, sizes `[E]`). The bound: f32 sums of K terms in any order,
+    2 K 2^-24 times A, the output's magnitude without cancellation (|x| @ |w| of the row's
+    group), plus the scale's one f32 rounding (2^-24 A). A row given another group's weights,
+    or a dropped scale, is off by O(A)."""
     k = x.shape[1]
-    return (2 * k + 1) * 2.0 ** -24 * np.einsum("mk,mkn->mn", np.abs(x), np.abs(w_rows))
+    want = np.zeros((x.shape[0], w_dense.shape[2]))  # [M, N]
+    bound = np.zeros_like(want)
+    start = 0
+    for g, size in enumerate(sizes):
+        rows = slice(start, start + size)
+        want[rows] = x[rows] @ w_dense[g]
+        bound[rows] = (2 * k + 1) * 2.0 ** -24 * (np.abs(x[rows]) @ np.abs(w_dense[g]))
+        start += size
+    return want, bound
 
 
 def check_grouped_matmul(interpret: bool, small: bool) -> dict:
     """gpu_check's grouped matmul case (GPU_CHECK_CASES): the Triton and the Mosaic GPU kernel
     (where it takes the shape) on rows routed to top-k experts, bf16 weights and int8 codes
-    with f32 scales, against a float64 per-group loop within `gmm_error_bound`."""
+    with f32 scales, against a float64 per-group loop within `gmm_reference`'s bound."""
     import jax
     import jax.numpy as jnp
     from pallas_kernels import grouped_matmul_mgpu as mgpu
@@ -373,7 +382,6 @@ def check_grouped_matmul(interpret: bool, small: bool) -> dict:
     sizes = np.bincount(experts, minlength=e)  # [E]
     x = np.asarray(jnp.asarray(rng.standard_normal((tokens * top_k, k)), jnp.bfloat16)
                    .astype(jnp.float32), np.float64)  # [M, K], rows sorted by group
-    group = np.repeat(np.arange(e), sizes)  # [M]
     weights = {
         "bf16": (np.asarray(jnp.asarray(rng.standard_normal((e, k, n)) / np.sqrt(k),
                                         jnp.bfloat16).astype(jnp.float32), np.float64), None),
@@ -388,8 +396,7 @@ def check_grouped_matmul(interpret: bool, small: bool) -> dict:
             scales = np.asarray(scales, np.float32).astype(np.float64)
             dense = np.swapaxes(w, 1, 2) * scales[:, None, :]  # [E, K, N]
             args = (jnp.asarray(w, jnp.int8), jnp.asarray(scales, jnp.float32))
-        want = np.einsum("mk,mkn->mn", x, dense[group])  # [M, N] float64
-        bound = gmm_error_bound(x, dense[group])
+        want, bound = gmm_reference(x, dense, sizes)  # [M, N] float64 each
         got = {"triton": grouped_matmul(xb, args[0], gs, args[1], interpret=interpret)}
         if mgpu.unsupported(k, n, xb.dtype, args[0].dtype) is None:
             got["mosaic"] = mgpu.grouped_matmul_mgpu(xb, args[0], gs, args[1],

@@ -126,8 +126,8 @@ def expected_experts(config: ModelConfig, rows: int) -> float:
 def weight_bytes(params, config: ModelConfig, rows: int | None = None) -> int:
     """Bytes of the weights one decode step must read, as stored (int4 codes packed two to a
     byte): all of them, less an untied input embedding, of which a step gathers its rows; of
-    a MoE model's stacked experts (`[L, E, ...]` gate/up/down) the share of `rows` tokens'
-    `expected_experts` (None: all experts)."""
+    a MoE model's stacked experts (`params["layers"]`'s `[L, E, ...]` gate/up/down) the share
+    of `rows` tokens' `expected_experts` (None: all experts)."""
     def size(tree):
         return sum(type_bytes(array_type(x.dtype, x.shape)) for x in jax.tree.leaves(tree))
 
@@ -135,17 +135,9 @@ def weight_bytes(params, config: ModelConfig, rows: int | None = None) -> int:
     if not config.tie_word_embeddings:
         total -= size(params["embedding"])
     if config.num_experts and rows is not None:
-        experts = sum(size(layer["mlp"][n]) for layer in _layer_trees(params, config)
-                      for n in ("gate", "up", "down"))
+        experts = sum(size(params["layers"]["mlp"][n]) for n in ("gate", "up", "down"))
         total -= round(experts * (1 - expected_experts(config, rows) / config.num_experts))
     return total
-
-
-def _layer_trees(params, config: ModelConfig) -> list:
-    """The layers' param trees: one stacked `params["layers"]`, or per-layer `layers_i`."""
-    if "layers" in params:
-        return [params["layers"]]
-    return [params[f"layers_{i}"] for i in range(config.num_layers)]
 
 
 def step_report(spec: StepSpec) -> tuple[compiled_report.StepReport, dict]:
